@@ -1,0 +1,80 @@
+"""Typed configs, built once at the process edge and passed down.
+
+`ModelConfig` describes a Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral,
+SmolLM2); loaders fill it from GGUF metadata or a Hugging Face config.json.
+`EngineConfig` holds the engine's knobs. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling ("rope_type": "llama3"); linear is factor only."""
+
+    rope_type: str = "llama3"  # "llama3" | "linear"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0 -> hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads % num_kv_heads == 0"
+        assert self.head_dim % 2 == 0, "RoPE needs an even head_dim"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"  # "default" | GGUF path | HF folder | hub id
+    device: str = "cpu"
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    block_size: int = 16
+    kv_memory_bytes: int = 256 << 20  # KV pool budget; num_blocks derives from it
+    num_blocks: int = 0  # >0 overrides the memory budget
+    max_num_seqs: int = 64  # running sequences at once
+    max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
+    max_model_len: int = 0  # 0 -> model's max_position_embeddings
+    random_weights: bool = False
+    seed: int = 0
+    load_report_interval_s: float = 0.5
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
