@@ -133,7 +133,7 @@ class KvEvents(msgspec.Struct, tag="kv", array_like=True, omit_defaults=True):
     cleared: bool = False  # everything before this event is gone (replica restart)
 
 
-class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
+class Hello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
     replica_id: str
     model: str
     block_size: int
