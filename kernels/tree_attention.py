@@ -1,0 +1,35 @@
+"""Tree-verify attention for speculative decoding (EAGLE-style token trees).
+
+Sequence b has n_b draft tokens whose k/v sit in the pool right after its
+prefix_len_b cached tokens (draft j at position prefix_len_b + j). Each draft
+attends to the whole prefix and to the drafts its tree mask allows (its
+ancestors and itself), so a whole tree is verified in one target forward.
+
+tree_mask layout: bool (T, max_n), one row per packed query (the same rows as
+q), column j = draft j of that query's own sequence; True = may attend. Columns
+j >= n_b are ignored. The diagonal must be True (a draft sees itself). A chain
+of drafts is the lower-triangular mask.
+"""
+
+import torch
+
+from kernels._triton import tl, triton
+from kernels.paged import attend_ref, gather_kv
+
+
+def paged_tree_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale: float):
+    """q (T, H, D); block_tables (B, max_blocks) int32; cu_seqlens_q (B+1,) int32;
+    prefix_lens (B,) int32; tree_mask bool (T, max_n) -> (T, H, D) in q's dtype."""
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, prefix in enumerate(prefix_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        n = end - start
+        if n == 0:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], prefix + n)
+        allowed = torch.cat(
+            [torch.ones(n, prefix, dtype=torch.bool, device=q.device), tree_mask[start:end, :n].bool()], dim=1
+        )  # (n, prefix + n)
+        out[start:end] = attend_ref(q[start:end], k, v, allowed, scale)
+    return out
