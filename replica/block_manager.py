@@ -1,0 +1,142 @@
+"""Paged KV blocks with a prefix cache.
+
+One preallocated pool of `num_blocks` blocks of `block_size` token slots. Each
+sequence owns a block table (list of block ids). A *full* block is registered
+under its chained hash (replica.hashing), so a later request whose prefix hashes
+the same reuses it instead of recomputing it.
+
+Invariants:
+  * ref_count[b] = number of block tables holding b.
+  * A block with ref_count 0 is either in `_free` (holds nothing reusable) or in
+    `_evictable` (holds a registered hash, LRU order: oldest first).
+  * `_hash_to_block[h] == b` iff `_block_hash[b] == h` (one block per hash).
+Every hash registered or dropped is recorded for the KV event stream.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from replica.hashing import chain_hash, salt_seed
+from replica.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_count = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack, pops block 0 first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.stored: list[int] = []  # KV events since the last drain
+        self.removed: list[int] = []
+        self.prefix_hit_tokens = 0  # lifetime counter
+
+    # -- capacity ---------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    # -- allocation -------------------------------------------------------------
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._evictable.popitem(last=False)  # least recently used
+            h = self._block_hash[b]
+            self._block_hash[b] = None
+            del self._hash_to_block[h]
+            self.removed.append(h)
+        assert self.ref_count[b] == 0
+        self.ref_count[b] = 1
+        return b
+
+    def _ref(self, b: int) -> None:
+        if self.ref_count[b] == 0:
+            self._evictable.pop(b)
+        self.ref_count[b] += 1
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest cached prefix of a new sequence.
+
+        At least one token is always left to compute (its logits are needed), so
+        at most (len - 1) // block_size blocks are reused. Returns tokens reused.
+        """
+        assert not seq.block_table and seq.num_computed == 0
+        h = salt_seed(seq.cache_salt)
+        bs = self.block_size
+        for i in range((len(seq) - 1) // bs):
+            h = chain_hash(h, seq.token_ids[i * bs : (i + 1) * bs])
+            b = self._hash_to_block.get(h)
+            if b is None:
+                break
+            self._ref(b)
+            seq.block_table.append(b)
+            seq.block_hashes.append(h)
+        seq.num_computed = len(seq.block_table) * bs
+        self.prefix_hit_tokens += seq.num_computed
+        return seq.num_computed
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        return n_blocks <= self.num_free
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow seq's block table to hold num_computed + num_new_tokens tokens."""
+        n = self.blocks_needed(seq, num_new_tokens)
+        if n > self.num_free:
+            return False
+        for _ in range(n):
+            seq.block_table.append(self._take())
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks that became full with computed tokens under their hashes."""
+        bs = self.block_size
+        full = seq.num_computed // bs
+        h = seq.block_hashes[-1] if seq.block_hashes else salt_seed(seq.cache_salt)
+        for i in range(len(seq.block_hashes), full):
+            h = chain_hash(h, seq.token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+            b = seq.block_table[i]
+            if h not in self._hash_to_block and self._block_hash[b] is None:
+                self._hash_to_block[h] = b
+                self._block_hash[b] = h
+                self.stored.append(h)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references. Tail blocks go first in LRU order, so shared
+        prefixes (the most reusable part) are the last to be evicted."""
+        for b in reversed(seq.block_table):
+            self.ref_count[b] -= 1
+            assert self.ref_count[b] >= 0
+            if self.ref_count[b] == 0:
+                if self._block_hash[b] is None:
+                    self._free.append(b)
+                else:
+                    self._evictable[b] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        stored, removed = self.stored, self.removed
+        self.stored, self.removed = [], []
+        return stored, removed
+
+    def check_invariants(self) -> None:
+        """Test helper: the accounting above holds."""
+        assert len(self._free) + len(self._evictable) + sum(1 for r in self.ref_count if r > 0) == self.num_blocks
+        for b in self._evictable:
+            assert self.ref_count[b] == 0 and self._block_hash[b] is not None
+        for h, b in self._hash_to_block.items():
+            assert self._block_hash[b] == h

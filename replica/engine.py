@@ -1,0 +1,157 @@
+"""The engine: requests in, token ids out, one `step()` at a time.
+
+Single-threaded and synchronous; `replica.engine_process` drives it in a busy loop.
+It validates requests, schedules, runs the model, samples, checks stop
+conditions and frees finished or aborted requests' blocks immediately.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from replica import protocol as P
+from replica.block_manager import BlockManager
+from replica.config import EngineConfig, ModelConfig
+from replica.runner import DTYPES, Runner, build_model, kv_bytes_per_block
+from replica.scheduler import Scheduler
+from replica.sequence import Sequence
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, weights: dict | None = None, *, ops=None,
+                 model: torch.nn.Module | None = None):
+        """Build from a model config and Hugging Face-named weights (None: random init).
+
+        `model` replaces the Llama model with any object of the same interface
+        (bench/engine.py passes one whose forward costs nothing).
+        """
+        import kernels
+
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.ops = ops if ops is not None else kernels.ops(torch.device(cfg.device).type)
+        per_block = kv_bytes_per_block(model_cfg, cfg.block_size, DTYPES[cfg.dtype])
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // per_block)
+        self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings, num_blocks * cfg.block_size)
+        if model is None:
+            if weights is None:
+                from replica.loader import random_weights
+
+                weights = random_weights(model_cfg, seed=cfg.seed)
+            model = build_model(model_cfg, cfg, weights, self.ops, self.max_model_len)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = Runner(model_cfg, cfg, model, self.ops, num_blocks)
+        self.seqs: dict[str, Sequence] = {}
+        self.eos_ids = frozenset(model_cfg.eos_token_ids)
+        self._rng = random.Random(cfg.seed)
+        self.step_ms = 0.0  # exponential moving average
+        self.num_steps = 0
+        self.tokens_generated = 0
+
+    # -- requests ---------------------------------------------------------------------
+    def validate(self, req: P.Generate) -> tuple[str, str] | None:
+        """(error code, message naming the problem), or None when the request is valid."""
+        if req.id in self.seqs:
+            return P.BAD_REQUEST, f"request id {req.id!r} is already in flight"
+        if not req.prompt_ids:
+            return P.BAD_REQUEST, "prompt is empty"
+        n = len(req.prompt_ids) + len(req.resume_ids)
+        if n >= self.max_model_len:
+            return P.PROMPT_TOO_LONG, (f"prompt has {n} tokens but this replica's context is {self.max_model_len} "
+                                       "tokens, output included")
+        V = self.model_cfg.vocab_size
+        if any(not 0 <= t < V for t in req.prompt_ids) or any(not 0 <= t < V for t in req.resume_ids):
+            return P.BAD_REQUEST, f"token ids must be in [0, {V})"
+        if len(req.resume_ids) >= req.sampling.max_tokens:
+            return P.BAD_REQUEST, "resume_ids already reach max_tokens"
+        if req.priority not in (P.INTERACTIVE, P.BATCH):
+            return P.BAD_REQUEST, f"priority must be {P.INTERACTIVE} (interactive) or {P.BATCH} (batch)"
+        problem = req.sampling.validate(self.max_model_len)
+        return (P.BAD_REQUEST, problem) if problem else None
+
+    def add(self, req: P.Generate) -> P.Error | None:
+        """Queue a request, or return the Error that rejects it."""
+        problem = self.validate(req)
+        if problem is not None:
+            return P.Error(code=problem[0], message=problem[1], id=req.id)
+        sp = req.sampling
+        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(req.id, req.prompt_ids, sp, seed=seed, eos_ids=self.eos_ids, priority=req.priority,
+                       cache_salt=req.cache_salt, resume_ids=req.resume_ids)
+        self.seqs[req.id] = seq
+        self.scheduler.add(seq)
+        return None
+
+    def abort(self, req_id: str) -> P.Finished | None:
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        return self._finished(seq, P.FINISH_ABORT)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self, return_logits: bool = False):
+        """Run one batch; return Tokens / Finished messages for the API process
+        (and, for tests, {request id: fp32 logits of the sampled position})."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return ([], {}) if return_logits else []
+        t0 = time.perf_counter()
+        logits, rows = self.runner.forward_logits(batch)
+        sampled = [batch.seqs[i] for i in rows]
+        tokens = self.runner.sample(logits, sampled) if sampled else []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+        out: list = []
+        now = time.monotonic()
+        for seq, tok in zip(sampled, tokens):
+            seq.token_ids.append(tok)
+            if not seq.first_token_time:
+                seq.first_token_time = now
+            reason = seq.check_stop(tok, self.max_model_len)
+            if reason:
+                out.append(self._finish(seq, reason, [tok]))
+            else:
+                out.append(P.Tokens(id=seq.id, ids=[tok]))
+        for seq in batch.seqs:
+            if seq.id in self.seqs:
+                self.blocks.commit(seq)
+        self.tokens_generated += len(tokens)
+        self.num_steps += 1
+        dt = (time.perf_counter() - t0) * 1e3
+        self.step_ms = dt if self.num_steps == 1 else 0.9 * self.step_ms + 0.1 * dt
+        if return_logits:
+            return out, {seq.id: logits[i] for i, seq in enumerate(sampled)}
+        return out
+
+    def _finished(self, seq: Sequence, reason: str, last_ids: list[int] = ()) -> P.Finished:
+        ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
+        usage = P.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens,
+                        cached_tokens=max(0, seq.num_cached_prompt))
+        return P.Finished(id=seq.id, finish_reason=reason, usage=usage, ttft_ms=ttft, ids=list(last_ids))
+
+    def _finish(self, seq: Sequence, reason: str, last_ids: list[int]) -> P.Finished:
+        self.seqs.pop(seq.id)
+        self.blocks.commit(seq)
+        self.scheduler.remove(seq)
+        return self._finished(seq, reason, last_ids)
+
+    # -- reports ----------------------------------------------------------------------
+    def load(self) -> P.Load:
+        s = self.scheduler
+        return P.Load(running=len(s.running), waiting=s.num_waiting, free_blocks=self.blocks.num_free,
+                      total_blocks=self.blocks.num_blocks, step_ms=round(self.step_ms, 3),
+                      waiting_tokens=s.waiting_tokens())
+
+    def kv_events(self) -> P.KvEvents | None:
+        stored, removed = self.blocks.drain_events()
+        if not stored and not removed:
+            return None
+        return P.KvEvents(stored=stored, removed=removed)

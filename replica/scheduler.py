@@ -1,0 +1,142 @@
+"""Continuous batching under a per-step token budget.
+
+Each step:
+  1. running decodes first (one token each), so streams never stall behind a prompt;
+  2. running prefills continue in chunks with what is left of the budget;
+  3. waiting requests are admitted (priority class, then arrival), reusing cached
+     prefix blocks, their prompts chunked to fit the budget.
+When the pool runs dry the scheduler preempts by recompute: the running sequence
+of the lowest priority that arrived last gives back its blocks and goes back to
+the front of its waiting queue (its full blocks stay cached, so the recompute is
+mostly prefix hits).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from replica.block_manager import BlockManager
+from replica.sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    """One step's work: seqs[i] computes num_tokens[i] tokens. Decodes come first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: dict[int, deque[Sequence]] = {}  # priority class -> FIFO
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queues -----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.setdefault(seq.priority, deque()).append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def waiting_tokens(self) -> int:
+        return sum(s.num_uncomputed for q in self.waiting.values() for s in q)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def _waiting_in_order(self):
+        for prio in sorted(self.waiting):
+            q = self.waiting[prio]
+            while q:
+                yield q
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues and give back its blocks (finish or abort)."""
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == Status.WAITING:
+            self.waiting[seq.priority].remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+
+    # -- preemption ---------------------------------------------------------------
+    def _victim(self) -> Sequence:
+        return max(self.running, key=lambda s: (s.priority, s.arrival))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.setdefault(seq.priority, deque()).appendleft(seq)
+
+    # -- the step -------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}  # seq -> tokens this step, in order
+
+        # 1 + 2: running decodes, then running prefill chunks; each class by importance.
+        # Decodes always fit: budget >= max_num_seqs >= len(running).
+        for seq in sorted(self.running, key=lambda s: (not s.is_decode, s.priority, s.arrival)):
+            if seq.status != Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = 1 if seq.is_decode else min(seq.num_uncomputed, budget)
+            if n <= 0:
+                continue
+            while not self.blocks.allocate(seq, n):
+                victim = self._victim()
+                self._preempt(victim)
+                budget += scheduled.pop(victim, 0)
+                if victim is seq:
+                    break
+            if seq.status == Status.RUNNING:
+                scheduled[seq] = n
+                budget -= n
+
+        # 3: admit waiting sequences while budget, seats and blocks last.
+        for q in self._waiting_in_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            seq = q[0]
+            if seq.num_computed == 0 and not seq.block_table:
+                hit = self.blocks.match_prefix(seq)
+                if seq.num_cached_prompt < 0:
+                    seq.num_cached_prompt = min(hit, seq.num_prompt_tokens)
+            n = min(seq.num_uncomputed, budget)
+            while not self.blocks.allocate(seq, n):
+                # Interactive work may take blocks from running batch work, never the reverse.
+                victim = self._victim() if self.running else None
+                if victim is None or victim.priority <= seq.priority:
+                    break
+                self._preempt(victim)
+                budget += scheduled.pop(victim, 0)
+            if self.blocks.blocks_needed(seq, n):
+                self.blocks.free(seq)  # give back the prefix blocks until it fits
+                break
+            q.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled[seq] = n
+            budget -= n
+
+        # Decodes first: the runner sends them to the decode kernel, the rest to extend.
+        order = sorted(scheduled, key=lambda s: not (scheduled[s] == 1 and s.is_decode))
+        batch = Batch(seqs=order, num_tokens=[scheduled[s] for s in order])
+        batch.num_decodes = sum(1 for s in order if scheduled[s] == 1 and s.is_decode)
+        return batch

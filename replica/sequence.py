@@ -1,0 +1,75 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from replica.protocol import SamplingParams
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Sequence:
+    """Token ids (prompt, then generated) plus where they stand in the KV cache.
+
+    Invariant: the KV of token_ids[:num_computed] is in the blocks of block_table;
+    a step computes token_ids[num_computed : num_computed + n] and, when that
+    reaches the end of token_ids, samples the next token.
+    """
+
+    __slots__ = (
+        "id", "token_ids", "num_prompt_tokens", "sampling", "priority", "cache_salt",
+        "seed", "arrival", "deadline", "status", "block_table", "block_hashes",
+        "num_computed", "num_cached_prompt", "first_token_time", "finish_reason",
+        "eos_ids", "num_preemptions",
+    )
+
+    def __init__(self, id: str, prompt_ids: list[int], sampling: SamplingParams, *,
+                 seed: int, eos_ids: frozenset[int], priority: int = 0, cache_salt: str = "",
+                 resume_ids: list[int] = (), deadline: float = 0.0):
+        self.id = id
+        self.token_ids = list(prompt_ids) + list(resume_ids)
+        self.num_prompt_tokens = len(prompt_ids)  # resume ids count as completion tokens
+        self.sampling = sampling
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.seed = seed
+        self.arrival = time.monotonic()
+        self.deadline = deadline
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the full blocks registered so far
+        self.num_computed = 0
+        self.num_cached_prompt = -1  # prefix-cache hit tokens at first admission (-1: not yet)
+        self.first_token_time = 0.0
+        self.finish_reason = ""
+        self.eos_ids = eos_ids if not sampling.ignore_eos else frozenset()
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_computed == len(self.token_ids) - 1
+
+    def check_stop(self, token: int, max_model_len: int) -> str:
+        """Finish reason after appending `token`, or "" to keep going."""
+        if token in self.eos_ids or token in self.sampling.stop_token_ids:
+            return "stop"
+        if self.num_completion_tokens >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len:
+            return "length"
+        return ""

@@ -1,0 +1,189 @@
+"""The engine end to end on a tiny random Llama: logits against the plain
+reference forward, prefix reuse, preemption, abort, seeded sampling."""
+
+import random
+
+import pytest
+import torch
+
+from replica import protocol as P
+from replica.config import EngineConfig, RopeScaling
+from replica.engine import LLMEngine
+from tests.replica.reference import reference_logits
+from tests.replica.tiny import tiny_config, tiny_weights
+
+
+def make_engine(cfg=None, w=None, **kw):
+    cfg = cfg or tiny_config()
+    w = w if w is not None else tiny_weights(cfg)
+    ecfg = dict(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8)
+    ecfg.update(kw)
+    return LLMEngine(EngineConfig(**ecfg), cfg, w), cfg, w
+
+
+def greedy(max_tokens=8, **kw):
+    return P.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run(engine, check=None):
+    """Step until idle; returns {id: generated ids}, {id: Finished}."""
+    toks, fins = {}, {}
+    while engine.has_work():
+        out, logits = engine.step(return_logits=True)
+        if check:
+            check(logits, toks)
+        for m in out:
+            toks.setdefault(m.id, []).extend(m.ids)
+            if isinstance(m, P.Finished):
+                fins[m.id] = m
+    engine.blocks.check_invariants()
+    return toks, fins
+
+
+def prompts(n_list, seed=0, vocab=97):
+    rng = random.Random(seed)
+    return {f"s{i}": [rng.randrange(1, vocab) for _ in range(n)] for i, n in enumerate(n_list)}
+
+
+@pytest.mark.parametrize("model_kw", [
+    {},
+    {"attention_bias": True, "tie_word_embeddings": True},  # Qwen2-style
+    {"rope_scaling": RopeScaling(factor=8.0, original_max_position_embeddings=32)},  # Llama-3 scaling
+    {"num_kv_heads": 6},  # MHA
+])
+def test_logits_match_reference_through_chunked_prefill_and_decode(model_kw):
+    engine, cfg, w = make_engine(tiny_config(**model_kw))
+    ps = prompts([5, 40, 17, 33, 16])
+    for k, ids in ps.items():
+        assert engine.add(P.Generate(id=k, prompt_ids=ids, sampling=greedy())) is None
+    worst = [0.0]
+
+    def check(logits, toks):
+        for k, lg in logits.items():
+            ref = reference_logits(cfg, w, ps[k] + toks.get(k, []))[-1]
+            worst[0] = max(worst[0], (ref - lg).abs().max().item())
+            assert torch.equal(lg.argmax(), ref.argmax()) or (ref - lg).abs().max() < 1e-4
+
+    toks, fins = run(engine, check)
+    assert worst[0] < 1e-4
+    assert all(len(t) == 8 for t in toks.values()) and all(f.finish_reason == "length" for f in fins.values())
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_logits():
+    engine, cfg, w = make_engine()
+    system = prompts([48], seed=1)["s0"]
+    engine.add(P.Generate(id="a", prompt_ids=system + [5, 6, 7], sampling=greedy(4)))
+    _, fins = run(engine)
+    assert fins["a"].usage.cached_tokens == 0
+    stored, _ = engine.blocks.drain_events()
+    assert len(stored) >= 3  # three full prompt blocks published
+    b_ids = system + [9, 10]
+    engine.add(P.Generate(id="b", prompt_ids=b_ids, sampling=greedy(4)))
+
+    def check(logits, toks):
+        for k, lg in logits.items():
+            assert (reference_logits(cfg, w, b_ids + toks.get(k, []))[-1] - lg).abs().max() < 1e-4
+
+    _, fins = run(engine, check)
+    assert fins["b"].usage.cached_tokens == 48
+    # Another tenant's salt never hits those blocks.
+    engine.add(P.Generate(id="c", prompt_ids=b_ids, sampling=greedy(2), cache_salt="tenant-2"))
+    _, fins = run(engine)
+    assert fins["c"].usage.cached_tokens == 0
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    engine, cfg, w = make_engine()
+    ids = prompts([32], seed=2)["s0"]  # exactly two blocks
+    for rid in ("a", "b"):
+        engine.add(P.Generate(id=rid, prompt_ids=ids, sampling=greedy(3)))
+        toks, fins = run(engine)
+    assert fins["b"].usage.cached_tokens == 16  # the last block is recomputed for its logits
+    assert toks["b"] == [int(reference_logits(cfg, w, ids)[-1].argmax())] + toks["b"][1:]
+
+
+def test_preemption_by_recompute_gives_the_same_tokens():
+    ps = prompts([30, 30, 30, 30], seed=3)
+    alone = {}
+    for k, ids in ps.items():
+        engine, _, _ = make_engine()
+        engine.add(P.Generate(id=k, prompt_ids=ids, sampling=greedy(20)))
+        alone.update(run(engine)[0])
+    # 12 blocks cannot hold four 50-token sequences: the scheduler must preempt.
+    engine, _, _ = make_engine(num_blocks=12)
+    for k, ids in ps.items():
+        engine.add(P.Generate(id=k, prompt_ids=ids, sampling=greedy(20)))
+    toks, _ = run(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert toks == alone
+    assert engine.blocks.num_free == 12
+
+
+def test_interactive_requests_run_before_batch_ones():
+    engine, _, _ = make_engine(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        engine.add(P.Generate(id=f"batch{i}", prompt_ids=[1, 2, 3], sampling=greedy(4), priority=P.BATCH))
+    engine.add(P.Generate(id="inter", prompt_ids=[4, 5, 6], sampling=greedy(4), priority=P.INTERACTIVE))
+    first = {m.id for m in engine.step()}
+    assert "inter" in first and len(first) == 2
+
+
+def test_abort_frees_blocks_at_any_step():
+    engine, _, _ = make_engine()
+    engine.add(P.Generate(id="long", prompt_ids=prompts([60])["s0"], sampling=greedy(50)))
+    engine.add(P.Generate(id="other", prompt_ids=[1, 2, 3], sampling=greedy(3)))
+    engine.step()  # mid-prefill (chunk of 24)
+    fin = engine.abort("long")
+    assert fin.finish_reason == "abort"
+    assert engine.abort("long") is None
+    run(engine)
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.seqs
+
+
+def test_seeded_sampling_is_independent_of_batch_composition():
+    sp = dict(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
+    engine, _, _ = make_engine()
+    engine.add(P.Generate(id="x", prompt_ids=[3, 1, 4, 1, 5], sampling=P.SamplingParams(seed=7, **sp)))
+    alone = run(engine)[0]["x"]
+    engine, _, _ = make_engine()
+    for i in range(6):
+        engine.add(P.Generate(id=f"n{i}", prompt_ids=[9, i + 1, 2], sampling=P.SamplingParams(seed=i, **sp)))
+    engine.add(P.Generate(id="x", prompt_ids=[3, 1, 4, 1, 5], sampling=P.SamplingParams(seed=7, **sp)))
+    assert run(engine)[0]["x"] == alone
+    # Resume from the middle continues exactly.
+    engine, _, _ = make_engine()
+    engine.add(P.Generate(id="x", prompt_ids=[3, 1, 4, 1, 5], resume_ids=alone[:5],
+                          sampling=P.SamplingParams(seed=7, **sp)))
+    toks, fins = run(engine)
+    assert alone[:5] + toks["x"] == alone
+    assert fins["x"].usage.completion_tokens == 12
+
+
+def test_stop_token_ids_and_eos():
+    engine, cfg, w = make_engine()
+    ids = [5, 6, 7]
+    first = int(reference_logits(cfg, w, ids)[-1].argmax())
+    engine.add(P.Generate(id="a", prompt_ids=ids, sampling=greedy(10, stop_token_ids=[first])))
+    toks, fins = run(engine)
+    assert toks["a"] == [first] and fins["a"].finish_reason == "stop"
+    engine, _, _ = make_engine(tiny_config(eos_token_ids=(first,)))
+    engine.add(P.Generate(id="b", prompt_ids=ids, sampling=P.SamplingParams(max_tokens=10, temperature=0)))
+    assert run(engine)[1]["b"].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("req, problem", [
+    (P.Generate(id="a", prompt_ids=[]), "empty"),
+    (P.Generate(id="a", prompt_ids=[1] * 600), "context"),
+    (P.Generate(id="a", prompt_ids=[1000]), "token ids"),
+    (P.Generate(id="a", prompt_ids=[1], sampling=P.SamplingParams(max_tokens=-1)), "max_tokens"),
+    (P.Generate(id="a", prompt_ids=[1], sampling=P.SamplingParams(max_tokens=10**9)), "max_tokens"),
+    (P.Generate(id="a", prompt_ids=[1], sampling=P.SamplingParams(top_p=0)), "top_p"),
+    (P.Generate(id="a", prompt_ids=[1], sampling=P.SamplingParams(temperature=-1)), "temperature"),
+    (P.Generate(id="a", prompt_ids=[1], priority=7), "priority"),
+])
+def test_bad_requests_are_rejected_with_the_problem_named(req, problem):
+    engine, _, _ = make_engine()
+    err = engine.add(req)
+    assert isinstance(err, P.Error) and problem in err.message and err.id == "a"
+    assert not engine.has_work()
