@@ -1,0 +1,69 @@
+"""Block pool accounting, prefix matching, LRU eviction and KV events."""
+
+from replica.block_manager import BlockManager
+from replica.hashing import block_hashes
+from replica.protocol import SamplingParams
+from replica.sequence import Sequence
+
+
+def seq(ids, salt=""):
+    return Sequence("x", ids, SamplingParams(), seed=0, eos_ids=frozenset(), cache_salt=salt)
+
+
+def fill(bm, s):
+    """Allocate and 'compute' all of s's tokens, registering its full blocks."""
+    assert bm.allocate(s, s.num_uncomputed)
+    s.num_computed = len(s)
+    bm.commit(s)
+
+
+def test_full_blocks_are_published_with_the_shared_hash_function():
+    bm = BlockManager(8, 4)
+    s = seq(list(range(10)), salt="t")
+    fill(bm, s)
+    stored, removed = bm.drain_events()
+    assert stored == block_hashes(list(range(10)), 4, "t") and removed == []
+    assert bm.drain_events() == ([], [])
+    bm.check_invariants()
+
+
+def test_prefix_hits_share_blocks_and_leave_one_token_to_compute():
+    bm = BlockManager(8, 4)
+    a = seq(list(range(12)))
+    fill(bm, a)
+    b = seq(list(range(12)))
+    assert bm.match_prefix(b) == 8  # 2 of 3 full blocks: the last token must be computed
+    assert b.block_table == a.block_table[:2]
+    assert all(bm.ref_count[x] == 2 for x in b.block_table)
+    c = seq(list(range(4)) + [99] * 8)
+    assert bm.match_prefix(c) == 4
+    bm.check_invariants()
+
+
+def test_freed_cached_blocks_are_evicted_lru_and_reported():
+    bm = BlockManager(4, 4)
+    a, b = seq(list(range(8))), seq(list(range(100, 108)))
+    fill(bm, a)
+    fill(bm, b)
+    bm.free(a)
+    bm.free(b)
+    bm.drain_events()
+    assert bm.num_free == 4
+    # Reusing a's prefix refreshes it; new allocations then evict b's blocks first.
+    a2 = seq(list(range(8)) + [7])
+    assert bm.match_prefix(a2) == 8
+    bm.free(a2)
+    c = seq(list(range(200, 208)))
+    assert bm.allocate(c, 8)
+    _, removed = bm.drain_events()
+    assert set(removed) == set(block_hashes(list(range(100, 108)), 4))
+    d = seq(list(range(8)) + [1])
+    assert bm.match_prefix(d) == 8  # a's blocks survived
+    bm.check_invariants()
+
+
+def test_allocation_fails_cleanly_when_the_pool_is_dry():
+    bm = BlockManager(2, 4)
+    s = seq(list(range(12)))
+    assert not bm.allocate(s, 12)
+    assert s.block_table == [] and bm.num_free == 2
