@@ -11,7 +11,7 @@ together so each key is read from memory once.
 
 import torch
 
-from kernels._triton import tl, triton
+from kernels._triton import dot_dtype, dot_precision, tl, triton
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale: float):
@@ -33,3 +33,140 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     p = torch.softmax(s, dim=-1)
     o = torch.einsum("bkgl,blkd->bkgd", p, v)
     return o.reshape(b, h, d).to(q.dtype)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # (B, H, D) queries
+    k_cache_ptr,  # (num_blocks, PAGE, Hkv, D) key pool
+    v_cache_ptr,  # (num_blocks, PAGE, Hkv, D) value pool, same strides
+    block_tables_ptr,  # (B, max_blocks) int32 pool block of each page of each sequence
+    seq_lens_ptr,  # (B,) int32 number of keys per sequence
+    mid_o_ptr,  # (B, H, NUM_SPLITS, D) fp32 out: each split's normalized partial output
+    mid_lse_ptr,  # (B, H, NUM_SPLITS) fp32 out: each split's log2-sum-exp2 of scores
+    scale_log2e,  # softmax scale * log2(e): scores in the exp2 domain
+    stride_qb,
+    stride_qh,
+    stride_cb,  # cache stride between blocks
+    stride_cs,  # cache stride between slots of a block
+    stride_ch,  # cache stride between kv heads
+    stride_bt,
+    NUM_SPLITS,
+    G: tl.constexpr,  # query heads per kv head
+    D: tl.constexpr,
+    PAGE: tl.constexpr,  # block_size of the pool
+    BLOCK_G: tl.constexpr,  # G padded to a tl.dot-friendly power of two (>= 16)
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # keys per iteration
+    DOT_DTYPE: tl.constexpr,  # operand dtype of tl.dot
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # This split's key range: the sequence's tiles divided evenly among the splits.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    gd_mask = (g < G)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask, other=0.0)
+    q = q.to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < end
+        block = tl.load(bt_row + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
+        off = block * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch  # (BLOCK_N,)
+        kv_mask = p_mask[:, None] & (d < D)[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # (BLOCK_G, BLOCK_N)
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty split (short sequence) writes lse = -inf and zeros: weight 0 in the merge.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    row = (b * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # (BLOCK_G,) index into (B, H, S)
+    tl.store(mid_o_ptr + row[:, None] * D + d[None, :], acc / l_safe[:, None], mask=gd_mask)
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    tl.store(mid_lse_ptr + row, lse, mask=g < G)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr,  # (B, H, NUM_SPLITS, D) fp32 partial outputs
+    mid_lse_ptr,  # (B, H, NUM_SPLITS) fp32 partial log2-sum-exp2
+    out_ptr,  # (B, H, D) output, contiguous
+    NUM_SPLITS,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)  # flattened (b, h)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(mid_lse_ptr + bh * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
+    w = w / tl.sum(w, axis=0)
+    o_mask = (s < NUM_SPLITS)[:, None] & (d < D)[None, :]
+    o = tl.load(mid_o_ptr + (bh * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=o_mask, other=0.0)
+    out = tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _num_splits(q, n_kv_programs: int, max_tiles: int) -> int:
+    """Enough splits for ~2 waves of programs on the device, never more than the tiles
+    the block table can address. On CPU (interpreter) pretend 4 SMs."""
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    return max(1, min(triton.cdiv(2 * sms, n_kv_programs), max_tiles, 64))
+
+
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits):
+    b, h, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    g = h // hkv
+    assert h % hkv == 0 and q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    _decode_split_kernel[(b, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_splits, G=g, D=d, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+        BLOCK_N=64 if block_d <= 128 else 32, DOT_DTYPE=dot_dtype(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _decode_merge_kernel[(b * h,)](
+        mid_o, mid_lse, out, num_splits, D=d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: float):
+    """Same contract as paged_decode_attention_ref. Grid (B, Hkv, splits) then (B*H,).
+
+    The split count depends only on shapes and the device (never on seq_lens), so the
+    launch is CUDA-graph safe; each sequence divides its own keys among the splits.
+    """
+    page = k_cache.shape[1]
+    max_tiles = triton.cdiv(block_tables.shape[1] * page, 64)
+    splits = _num_splits(q, q.shape[0] * k_cache.shape[2], max_tiles)
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits)

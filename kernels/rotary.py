@@ -34,3 +34,68 @@ def apply_rotary_ref(q, k, positions, cos_sin_cache):
     _rotate_ref(q, cos, sin)
     _rotate_ref(k, cos, sin)
     return q, k
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # first element of this token's (n_heads, D) block
+    stride_h,
+    n_heads,
+    cos,  # (1, BLOCK_HALF) fp32
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < n_heads) & (i < HALF)
+    p1 = x_ptr + h * stride_h + i
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,  # (T, H, D) queries, rotated in place
+    k_ptr,  # (T, Hkv, D) keys, rotated in place
+    pos_ptr,  # (T,) int64 positions
+    cache_ptr,  # (max_pos, D) fp32 [cos | sin]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cache,
+    H,
+    HKV,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0)
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, H, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, HKV, cos, sin, HALF, BLOCK_HKV, BLOCK_HALF)
+
+
+def apply_rotary_triton(q, k, positions, cos_sin_cache):
+    """Same contract as apply_rotary_ref; one program per token rotates all its q and k heads."""
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin_cache.stride(1) == 1, "last dim must be contiguous"
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[1] == d
+    if t > 0:
+        half = d // 2
+        _rotary_kernel[(t,)](
+            q, k, positions, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), h, hkv,
+            HALF=half, BLOCK_H=triton.next_power_of_2(h), BLOCK_HKV=triton.next_power_of_2(hkv),
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        )  # fmt: skip
+    return q, k
