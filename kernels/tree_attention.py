@@ -9,11 +9,14 @@ tree_mask layout: bool (T, max_n), one row per packed query (the same rows as
 q), column j = draft j of that query's own sequence; True = may attend. Columns
 j >= n_b are ignored. The diagonal must be True (a draft sees itself). A chain
 of drafts is the lower-triangular mask.
+
+The Triton kernel is extend_attention's, with TREE=True: keys below prefix_len
+need no mask, keys among the drafts use the tree mask instead of causality.
 """
 
 import torch
 
-from kernels._triton import tl, triton
+from kernels.extend_attention import prefill_attention
 from kernels.paged import attend_ref, gather_kv
 
 
@@ -33,3 +36,8 @@ def paged_tree_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, pr
         )  # (n, prefix + n)
         out[start:end] = attend_ref(q[start:end], k, v, allowed, scale)
     return out
+
+
+def paged_tree_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale: float):
+    """Same contract as paged_tree_attention_ref; one launch for all sequences."""
+    return prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, tree_mask)
