@@ -98,3 +98,133 @@ def sample_ref(logits, temperature, top_k, top_p, seeds, positions):
     u = uniforms_ref(seeds, positions, logits.shape[1])
     score = torch.where(keep, logits.float() / t - torch.log(-torch.log(u)), float("-inf"))
     return torch.where(temperature > 0, score.argmax(-1), logits.argmax(-1))
+
+
+@triton.jit
+def _fmix32_tl(x):
+    """murmur3 finalizer on uint32 (wrapping multiplies)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _order_key_tl(x):
+    """fp32 -> int32 with the same order (flip the magnitude bits of negatives)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,  # (B, V) fp32 logits, row stride stride_row
+    temp_ptr,  # (B,) fp32 temperature; <= 0 means greedy
+    top_k_ptr,  # (B,) int32; 0 = off
+    top_p_ptr,  # (B,) fp32; >= 1 = off
+    seed_ptr,  # (B,) int64 per-request seed
+    pos_ptr,  # (B,) int64 position of the token being sampled
+    out_ptr,  # (B,) int64 sampled token ids
+    stride_row,
+    V,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    temp = tl.load(temp_ptr + row)
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    sampling = temp > 0
+    t = tl.where(sampling, temp, 1.0)
+
+    # Pass 1: max and first argmax of the logits (the greedy token).
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    for v0 in range(0, V, BLOCK):
+        offs = v0 + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf"))
+        m = tl.max(x, axis=0)
+        better = m > best  # strict: the first maximum wins, as torch.argmax
+        best_i = tl.where(better, v0 + tl.argmax(x, axis=0), best_i)
+        best = tl.where(better, m, best)
+    token = best_i.to(tl.int64)
+
+    thr = tl.full([], -(2**31), tl.int64)  # keep tokens with order key >= thr
+    if sampling & (top_k > 0) & (top_k < V):
+        # Top-k: the largest key t with count(key >= t) >= k is the k-th largest key.
+        lo = tl.full([], -(2**31), tl.int64)  # count(key >= lo) = V >= k
+        hi = tl.full([], 2**31, tl.int64)  # count = 0 < k
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            count = tl.zeros([], tl.int32)
+            for v0 in range(0, V, BLOCK):
+                offs = v0 + tl.arange(0, BLOCK)
+                x = tl.load(base + offs, mask=offs < V, other=0.0)
+                count += tl.sum(((offs < V) & (_order_key_tl(x) >= mid)).to(tl.int32), axis=0)
+            ok = count >= top_k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        thr = lo
+
+    if sampling & (top_p < 1):
+        # Top-p: the smallest key t with mass(kept, key > t) < top_p * total mass.
+        m_z = best / t
+        total = tl.zeros([], tl.float32)
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=offs < V, other=float("-inf"))
+            kept = (offs < V) & (_order_key_tl(x) >= thr)
+            total += tl.sum(tl.where(kept, tl.exp(x / t - m_z), 0.0), axis=0)
+        lo = thr - 1  # keeping everything would reach mass 1 > top_p: invalid
+        hi = _order_key_tl(best).to(tl.int64)  # keeping only the top token is always valid
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            mass = tl.zeros([], tl.float32)
+            for v0 in range(0, V, BLOCK):
+                offs = v0 + tl.arange(0, BLOCK)
+                x = tl.load(base + offs, mask=offs < V, other=float("-inf"))
+                key = _order_key_tl(x)
+                above = (offs < V) & (key >= thr) & (key > mid)
+                mass += tl.sum(tl.where(above, tl.exp(x / t - m_z), 0.0), axis=0)
+            ok = mass < top_p * total
+            hi = tl.where(ok, mid, hi)
+            lo = tl.where(ok, lo, mid)
+        thr = hi
+
+    if sampling:
+        # Gumbel-max over the kept tokens with hashed uniforms u(seed, position, i).
+        seed = tl.load(seed_ptr + row)
+        pos = tl.load(pos_ptr + row)
+        h1 = _fmix32_tl(seed.to(tl.uint32) ^ 0x9E3779B9)
+        h1 = _fmix32_tl(h1 ^ (seed >> 32).to(tl.uint32))
+        h1 = _fmix32_tl(h1 ^ pos.to(tl.uint32))
+        h1 = _fmix32_tl(h1 ^ (pos >> 32).to(tl.uint32))
+        h2 = _fmix32_tl(h1 ^ 0x85EBCA6B)
+        best_s = tl.full([], float("-inf"), tl.float32)
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=offs < V, other=float("-inf"))
+            r = _fmix32_tl(offs.to(tl.uint32) * 0x9E3779B9 + h1)
+            r = _fmix32_tl(r ^ h2)
+            u = ((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            s = tl.where((offs < V) & (_order_key_tl(x) >= thr), x / t - tl.log(-tl.log(u)), float("-inf"))
+            m = tl.max(s, axis=0)
+            better = m > best_s
+            token = tl.where(better, (v0 + tl.argmax(s, axis=0)).to(tl.int64), token)
+            best_s = tl.where(better, m, best_s)
+    tl.store(out_ptr + row, token)
+
+
+def sample_triton(logits, temperature, top_k, top_p, seeds, positions):
+    """Same contract as sample_ref; one program per row, no host synchronization."""
+    b, v = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b > 0:
+        block = min(4096, triton.next_power_of_2(v))
+        _sample_kernel[(b,)](
+            logits, temperature, top_k, top_p, seeds, positions, out, logits.stride(0), v,
+            BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        )  # fmt: skip
+    return out
