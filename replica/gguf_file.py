@@ -143,14 +143,15 @@ class GGUFFile:
         if arch != "llama":
             raise ValueError(f"{self.path}: GGUF architecture {arch!r} is not supported (only llama; "
                              "for Qwen2 or others pass a Hugging Face folder)")
-        if "rope_freqs.weight" in self.tensors or self.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
+        scaling_type = self.get(f"{arch}.rope.scaling.type", "none")
+        if "rope_freqs.weight" in self.tensors or scaling_type not in ("none", "linear"):
             raise ValueError(f"{self.path}: GGUF rope scaling other than linear is not supported; "
                              "pass the Hugging Face folder instead")
         heads = int(self.require(f"{arch}.attention.head_count"))
         hidden = int(self.require(f"{arch}.embedding_length"))
         factor = self.get(f"{arch}.rope.scaling.factor")
         scaling = None
-        if self.get(f"{arch}.rope.scaling.type") == "linear" and factor and factor != 1.0:
+        if scaling_type == "linear" and factor and factor != 1.0:
             scaling = RopeScaling(rope_type="linear", factor=float(factor))
         bos = self.get("tokenizer.ggml.bos_token_id")
         return ModelConfig(

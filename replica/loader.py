@@ -215,7 +215,8 @@ def _load_safetensors(folder: Path, config: ModelConfig, dtype: torch.dtype) -> 
                 if name not in expected:
                     raise CheckpointError(f"unexpected tensor {name} in {file}")
                 if where and where.get(name) != file:
-                    raise CheckpointError(f"tensor {name} is in {file} but the shard index puts it in {where.get(name)}")
+                    raise CheckpointError(f"tensor {name} is in {file} but the shard index puts it in "
+                                          f"{where.get(name)}")
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected[name]:
                     raise CheckpointError(f"tensor {name} in {file} has shape {shape}, expected {expected[name]}")

@@ -101,8 +101,8 @@ def test_encode_chat(tok):
 
 
 def test_template_errors_are_chat_template_errors(tok):
-    raising = Tokenizer(tok.backend, eos_token_ids=(2,),
-                        chat_template="{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok")
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"
+    raising = Tokenizer(tok.backend, eos_token_ids=(2,), chat_template=template)
     assert raising.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
     with pytest.raises(ChatTemplateError, match="user first"):
         raising.apply_chat_template([{"role": "assistant", "content": "x"}])
