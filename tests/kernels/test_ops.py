@@ -1,0 +1,29 @@
+"""kernels.ops: the start-up choice between Triton and the references."""
+
+import dataclasses
+
+import pytest
+
+import kernels
+
+
+def test_default_choice():
+    assert kernels.ops("cpu").impl == "ref"
+    assert kernels.ops("cpu").rms_norm is kernels.rmsnorm.rms_norm_ref
+    assert kernels.ops("cpu", impl="triton").sample is kernels.sampling.sample_triton  # interpreter (conftest)
+
+
+def test_every_kernel_has_both_versions():
+    for impl in ("ref", "triton"):
+        table = kernels.ops("cpu", impl=impl)
+        for field in dataclasses.fields(table):
+            if field.name != "impl":
+                assert getattr(table, field.name).__name__.endswith("_" + impl)
+
+
+def test_frozen_and_validated():
+    table = kernels.ops("cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        table.sample = None
+    with pytest.raises(ValueError, match="impl"):
+        kernels.ops("cpu", impl="cuda")
