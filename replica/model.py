@@ -147,13 +147,18 @@ class LlamaModel(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), rope_inv_freq(cfg))
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
-    def forward(self, input_ids, positions, ctx: Context, kv_cache: torch.Tensor) -> torch.Tensor:
-        """kv_cache: (num_layers, 2, num_blocks, block_size, Hkv, D). Returns hidden (T, hidden)."""
+    def forward(self, input_ids, positions, ctx: Context, kv_cache: torch.Tensor, aux_layers: tuple[int, ...] = ()):
+        """kv_cache: (num_layers, 2, num_blocks, block_size, Hkv, D). Returns the final
+        hidden states (T, hidden); with aux_layers, also the residual stream after each
+        of those layers (what an EAGLE-3 head reads), as a list of (T, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
+        aux = []
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, ctx, kv_cache[i, 0], kv_cache[i, 1], self.cos_sin)
+            if i in aux_layers:
+                aux.append(x + residual)
         x, _ = self.norm(x, residual)
-        return x
+        return (x, aux) if aux_layers else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

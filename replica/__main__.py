@@ -1,0 +1,76 @@
+"""`python -m replica`: serve one model replica (API process + engine process).
+
+    python -m replica --model default --port 8000
+    curl localhost:8000/v1/chat/completions -d '{"messages":[{"role":"user","content":"Hi"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from replica.config import EngineConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m replica", description="Serve one edgechat model replica.")
+    ap.add_argument("--model", default="default",
+                    help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file, a Hugging Face folder or hub id")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--replica-id", default=None, help="name reported to routers (default: host:port)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
+                                                  "bfloat16 on CUDA)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV pool budget")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=0)
+    ap.add_argument("--random-weights", action="store_true", help="random weights of the model's shape (timing)")
+    ap.add_argument("--secret-env", default="EDGECHAT_REPLICA_SECRET",
+                    help="env var holding the shared secret proxies must present (unset: no auth)")
+    return ap.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    device = args.device
+    if device is None:
+        import torch  # only to probe the device; the API process otherwise stays torch-free
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    return EngineConfig(model=args.model, device=device, dtype=dtype, block_size=args.block_size,
+                        kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        random_weights=args.random_weights)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from replica.api import create_app
+    from replica.tokenizer import Tokenizer
+
+    args = parse_args(argv)
+    cfg = engine_config(args)
+    tokenizer = Tokenizer.from_spec(args.model)
+    replica_id = args.replica_id or f"{args.host}:{args.port}"
+    name = "SmolLM2-135M-Instruct" if args.model == "default" else os.path.basename(args.model.rstrip("/"))
+    app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id,
+                     secret=os.environ.get(args.secret_env) or None)
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}, "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, loop=loop, ws="websockets-sansio", log_level="warning",
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The engine process: a busy loop while there is work, blocking when idle.
+
+Started by the API process (`python -m replica.engine_process --socket PATH
+--config JSON`); connects back over a Unix socket and speaks length-prefixed
+msgspec frames (replica.protocol.FrameCodec). No asyncio: one thread that
+  1. takes every message already received (blocking only when idle),
+  2. runs one engine step,
+  3. sends the step's tokens, finishes, KV events and (periodically) load.
+An Abort is therefore applied before the next step: a cancelled request stops
+within one step and its blocks are freed. The process exits when the API
+process closes the socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import socket
+import sys
+import time
+
+import msgspec
+
+from replica import protocol as P
+from replica.config import EngineConfig
+
+
+def build_engine(cfg: EngineConfig):
+    import torch
+
+    from replica.engine import LLMEngine
+    from replica.loader import load_checkpoint, load_config
+
+    torch.manual_seed(cfg.seed)
+    if cfg.random_weights:
+        return LLMEngine(cfg, load_config(cfg.model))
+    from replica.runner import DTYPES
+
+    ckpt = load_checkpoint(cfg.model, dtype=DTYPES[cfg.dtype])
+    return LLMEngine(cfg, ckpt.config, ckpt.weights)
+
+
+def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:
+    codec = P.FrameCodec()
+    sock.sendall(codec.pack([P.Hello(replica_id=replica_id, model=model_name, block_size=engine.cfg.block_size,
+                                     max_model_len=engine.max_model_len)]))
+    next_report = 0.0
+    while True:
+        busy = engine.has_work()
+        timeout = 0.0 if busy else max(0.0, next_report - time.monotonic())
+        out: list = []
+        readable, _, _ = select.select([sock], [], [], timeout)
+        while readable:
+            data = sock.recv(1 << 20)
+            if not data:
+                return  # the API process is gone
+            for msg in codec.feed(data):
+                if isinstance(msg, P.Generate):
+                    err = engine.add(msg)
+                    if err is not None:
+                        out.append(err)
+                elif isinstance(msg, P.Abort):
+                    fin = engine.abort(msg.id)
+                    if fin is not None:
+                        out.append(fin)
+            readable, _, _ = select.select([sock], [], [], 0)
+        if engine.has_work():
+            out.extend(engine.step())
+        kv = engine.kv_events()
+        if kv is not None:
+            out.append(kv)
+        now = time.monotonic()
+        if now >= next_report:
+            out.append(engine.load())
+            next_report = now + report_interval
+        if out:
+            sock.sendall(codec.pack(out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--socket", required=True, help="Unix socket of the API process")
+    ap.add_argument("--config", required=True, help="EngineConfig as JSON")
+    ap.add_argument("--replica-id", default="replica")
+    args = ap.parse_args(argv)
+    cfg = msgspec.json.decode(args.config, type=EngineConfig)
+    engine = build_engine(cfg)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.socket)
+    try:
+        serve(engine, sock, args.replica_id, os.path.basename(cfg.model), cfg.load_report_interval_s)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # API process went away
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

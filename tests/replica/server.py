@@ -1,0 +1,52 @@
+"""Start a real replica (`python -m replica`) on a free port for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    """Poll /healthz until the engine reports ready (model load takes seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+@contextlib.contextmanager
+def replica_server(*args: str, cmd: list[str] | None = None, env: dict | None = None):
+    """Yield the base URL of a running replica; stop its whole process group after."""
+    port = free_port()
+    cmd = cmd or [sys.executable, "-m", "replica", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {}), "PORT": str(port)}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
