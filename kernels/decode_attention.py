@@ -129,10 +129,10 @@ def _decode_merge_kernel(
 
 
 def _num_splits(q, n_kv_programs: int, max_tiles: int) -> int:
-    """Enough splits for ~2 waves of programs on the device, never more than the tiles
+    """Enough splits for ~4 programs per SM on the device, never more than the tiles
     the block table can address. On CPU (interpreter) pretend 4 SMs."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    return max(1, min(triton.cdiv(2 * sms, n_kv_programs), max_tiles, 64))
+    return max(1, min(triton.cdiv(4 * sms, n_kv_programs), max_tiles, 64))
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits):
