@@ -1,0 +1,75 @@
+"""python -m edge_proxy --replica ws://127.0.0.1:9001/v1/replica --replica ws://... --port 8000
+
+Secrets come from the environment, never the command line:
+  EDGECHAT_API_KEYS       key=tenant[:tier[:rate_per_s[:burst]]],...   (or --api-keys FILE)
+  EDGECHAT_REPLICA_SECRET shared secret for the replicas' /v1/replica endpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from edge_proxy.admission import AdmissionConfig
+from edge_proxy.config import ProxyConfig
+from edge_proxy.pool import PoolConfig
+from edge_proxy.routing import RouterConfig
+from edge_proxy.server import serve_workers
+
+SECRET_ENV = "EDGECHAT_REPLICA_SECRET"
+
+
+def parse_args(argv: list[str] | None = None) -> ProxyConfig:
+    p = argparse.ArgumentParser(prog="python -m edge_proxy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="replica WebSocket URL (repeat for each replica)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--region", default="local")
+    p.add_argument("--tokenizer", default="default", help='tokenizer spec ("default": the default model; '
+                                                          '"bytes": the stub\'s byte tokenizer)')
+    p.add_argument("--api-keys", default="", metavar="FILE", help="JSON list of {key, tenant, tier, rate_per_s, burst}")
+    p.add_argument("--allow-anonymous", action="store_true", help="accept requests without an API key (development)")
+    p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                   help='browser Origin allowed on the WebSocket (repeat; "*" for any)')
+    p.add_argument("--max-frame-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-prompt-tokens", type=int, default=0)
+    p.add_argument("--failover-attempts", type=int, default=3)
+    p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S")
+    p.add_argument("--stall-timeout", type=float, default=2.0, metavar="S",
+                   help="lose a replica after this long without any frame")
+    p.add_argument("--ping-interval", type=float, default=1.0, metavar="S")
+    p.add_argument("--healthz-interval", type=float, default=2.0, metavar="S", help="0 disables /healthz polling")
+    p.add_argument("--max-inflight", type=int, default=10_000)
+    p.add_argument("--otel-console", action="store_true", help="print finished spans to stdout")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    return ProxyConfig(
+        replicas=a.replica, host=a.host, port=a.port, workers=a.workers, region=a.region, tokenizer=a.tokenizer,
+        api_keys_file=a.api_keys, allow_anonymous=a.allow_anonymous, allowed_origins=tuple(a.allowed_origin),
+        max_frame_bytes=a.max_frame_bytes, max_prompt_tokens=a.max_prompt_tokens,
+        failover_attempts=a.failover_attempts, drain_timeout_s=a.drain_timeout, otel_console=a.otel_console,
+        log_level=a.log_level,
+        pool=PoolConfig(secret=os.environ.get(SECRET_ENV, ""), stall_timeout_s=a.stall_timeout,
+                        ping_interval_s=a.ping_interval, healthz_interval_s=a.healthz_interval),
+        router=RouterConfig(), admission=AdmissionConfig(max_inflight=a.max_inflight))
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:
+        print(f"edge_proxy: {e}", file=sys.stderr)
+        return 2
+    try:
+        return serve_workers(cfg)
+    except ValueError as e:  # bad key file, no keys, bad replica URL
+        print(f"edge_proxy: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The ASGI app: routes only. Starlette moves bytes; `core.Proxy` decides.
+
+    WS   /v1/stream              public protocol (edge_proxy.protocol)
+    POST /v1/chat/completions    OpenAI-compatible, SSE with "stream": true
+    POST /v1/completions
+    GET  /v1/models
+    GET  /healthz                200 while serving; 503 when draining or no replica is ready
+    GET  /metrics                Prometheus text
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route, WebSocketRoute
+
+from edge_proxy.auth import ENV_VAR, KeyStore, load_entries
+from edge_proxy.config import ProxyConfig
+from edge_proxy.core import Proxy
+from edge_proxy.openai_api import OpenAIRoutes
+from edge_proxy.prompt import load_tokenizer
+from edge_proxy.ws import websocket_endpoint
+
+
+def build_proxy(cfg: ProxyConfig, tokenizer=None, keys: KeyStore | None = None, tracer=None) -> Proxy:
+    if keys is None:
+        entries = load_entries(cfg.api_keys_file or None, cfg.api_keys_env or os.environ.get(ENV_VAR))
+        keys = KeyStore(entries, salt_secret=cfg.pool.secret, anonymous=cfg.allow_anonymous)
+    return Proxy(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer), keys, tracer=tracer)
+
+
+def create_app(proxy: Proxy) -> Starlette:
+    oa = OpenAIRoutes(proxy)
+
+    async def healthz(request: Request):
+        ready = len(proxy.pool.ready())
+        ok = ready > 0 and not proxy.draining
+        return JSONResponse({"status": "ok" if ok else ("draining" if proxy.draining else "no_replica"),
+                             "replicas_ready": ready, "inflight": len(proxy.streams), "pid": os.getpid()},
+                            status_code=200 if ok else 503)
+
+    async def metrics(request: Request):
+        return PlainTextResponse(proxy.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = Starlette(routes=[
+        WebSocketRoute("/v1/stream", websocket_endpoint),
+        Route("/v1/chat/completions", oa.chat, methods=["POST"]),
+        Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/v1/models", oa.models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.proxy = proxy
+    return app

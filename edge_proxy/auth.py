@@ -1,0 +1,135 @@
+"""API keys, per-key token buckets and per-tenant cache salts.
+
+Keys come from the environment variable `EDGECHAT_API_KEYS`
+(`key=tenant[:tier[:rate_per_s[:burst]]]`, comma-separated) or a JSON file (a list
+of `{"key", "tenant", "tier", "rate_per_s", "burst"}` objects). The proxy keeps only
+SHA-256 digests: a presented key is hashed, looked up by digest, and the digests
+are compared with `hmac.compare_digest`, so neither the lookup nor the comparison
+depends on how many leading characters of a guess are right.
+
+Each tenant's cache salt is a keyed BLAKE2b of its name (key: the replica secret),
+the same on every proxy of a region, so prefixes are shared within a tenant and
+never across tenants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import dataclass, field
+
+from replica import protocol as rp
+
+ENV_VAR = "EDGECHAT_API_KEYS"
+TIERS = {"interactive": rp.INTERACTIVE, "batch": rp.BATCH}
+
+
+class TokenBucket:
+    """`rate` tokens per second, at most `burst` banked; starts full."""
+
+    __slots__ = ("rate", "burst", "tokens", "t_last")
+
+    def __init__(self, rate: float, burst: float, now: float | None = None):
+        assert rate > 0 and burst >= 1, "a bucket needs rate > 0 and burst >= 1"
+        self.rate, self.burst = rate, burst
+        self.tokens = burst
+        self.t_last = time.monotonic() if now is None else now
+
+    def take(self, now: float | None = None, n: float = 1.0) -> float:
+        """Take `n` tokens; return 0.0 on success, else the seconds until they would be there."""
+        now = time.monotonic() if now is None else now
+        self.tokens = min(self.burst, self.tokens + (now - self.t_last) * self.rate)
+        self.t_last = now
+        if self.tokens >= n:
+            self.tokens -= n
+            return 0.0
+        return (n - self.tokens) / self.rate
+
+
+@dataclass
+class ApiKey:
+    key_id: str  # short digest prefix: safe for logs, sessions and metrics
+    tenant: str
+    priority: int = rp.INTERACTIVE  # best priority this key may ask for
+    cache_salt: str = ""
+    bucket: TokenBucket | None = field(default=None, repr=False)
+
+
+def cache_salt(tenant: str, secret: str) -> str:
+    return hashlib.blake2b(tenant.encode(), key=secret.encode()[:64], digest_size=12).hexdigest()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyStore:
+    """Known API keys. `anonymous=True` admits requests without a key (development only)."""
+
+    def __init__(self, entries: list[dict], salt_secret: str = "", anonymous: bool = False,
+                 default_rate: float = 50.0, default_burst: float = 100.0):
+        self._by_digest: dict[bytes, tuple[bytes, ApiKey]] = {}
+        for e in entries:
+            key, tenant = e.get("key"), e.get("tenant")
+            if not key or not tenant:
+                raise ValueError(f"API key entry needs 'key' and 'tenant': {sorted(e)}")
+            tier = e.get("tier", "interactive")
+            if tier not in TIERS:
+                raise ValueError(f"API key tier must be one of {sorted(TIERS)}, got {tier!r}")
+            d = _digest(key)
+            rate, burst = float(e.get("rate_per_s", default_rate)), float(e.get("burst", default_burst))
+            self._by_digest[d] = (d, ApiKey(d.hex()[:12], tenant, TIERS[tier], cache_salt(tenant, salt_secret),
+                                            TokenBucket(rate, burst)))
+        self.anonymous = (ApiKey("anonymous", "anonymous", rp.INTERACTIVE, cache_salt("anonymous", salt_secret),
+                                 TokenBucket(default_rate, default_burst)) if anonymous else None)
+        if not self._by_digest and not anonymous:
+            raise ValueError(f"no API keys configured: set {ENV_VAR}, pass --api-keys FILE, or --allow-anonymous")
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def check(self, presented: str | None) -> ApiKey | None:
+        """The key's entry, the anonymous principal when allowed and no key was given, else None."""
+        if not presented:
+            return self.anonymous
+        d = _digest(presented)
+        hit = self._by_digest.get(d)
+        if hit is None or not hmac.compare_digest(hit[0], d):
+            return None
+        return hit[1]
+
+
+def parse_env(value: str) -> list[dict]:
+    """`key=tenant[:tier[:rate_per_s[:burst]]]`, comma-separated."""
+    out = []
+    for item in filter(None, (s.strip() for s in value.split(","))):
+        key, sep, rest = item.partition("=")
+        if not sep or not key or not rest:
+            raise ValueError(f"{ENV_VAR} entries look like key=tenant[:tier[:rate[:burst]]], got {item[:4]}...")
+        parts = rest.split(":")
+        e: dict = {"key": key, "tenant": parts[0]}
+        for name, val in zip(("tier", "rate_per_s", "burst"), parts[1:]):
+            e[name] = val
+        out.append(e)
+    return out
+
+
+def load_entries(path: str | None, env_value: str | None) -> list[dict]:
+    entries = parse_env(env_value) if env_value else []
+    if path:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of key objects")
+        entries += data
+    return entries
+
+
+def bearer(header: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None

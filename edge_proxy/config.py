@@ -1,0 +1,49 @@
+"""The proxy's one config, built once at the process edge (CLI or tests) and passed down.
+
+Policy knobs live in the small configs of the pure modules (`RouterConfig`,
+`AdmissionConfig`, `PoolConfig`); this holds them plus the serving limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edge_proxy.admission import AdmissionConfig
+from edge_proxy.pool import PoolConfig
+from edge_proxy.routing import RouterConfig
+
+
+@dataclass
+class ProxyConfig:
+    replicas: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1  # >1: that many processes share the port (SO_REUSEPORT)
+    region: str = "local"
+    tokenizer: str = "default"  # prompt.load_tokenizer spec; "bytes" for the stub
+    api_keys_file: str = ""
+    api_keys_env: str = ""  # value of EDGECHAT_API_KEYS
+    allow_anonymous: bool = False
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed on the WebSocket; "*" for any
+    max_frame_bytes: int = 1 << 20  # client WebSocket message / HTTP body
+    max_prompt_tokens: int = 0  # 0 -> the replicas' max_model_len
+    max_tokens_limit: int = 8192
+    max_pending_bytes: int = 4 << 20  # undelivered text per client connection before it is cut off
+    failover_attempts: int = 3
+    failover_wait_s: float = 5.0  # how long a stream waits for any replica to come back
+    drain_timeout_s: float = 60.0
+    otel_console: bool = False
+    log_level: str = "info"
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self):
+        if not self.replicas:
+            raise ValueError("at least one --replica ws://host:port/v1/replica is needed")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("several workers need a fixed --port to share")
+        if self.max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")

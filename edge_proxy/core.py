@@ -1,0 +1,346 @@
+"""The proxy core: admit a request, route it, follow it to the end, fail it over.
+
+Everything socket-facing (the ASGI endpoints, the replica pool) calls in here;
+the decisions themselves are the pure functions of `routing` and `admission`.
+
+    submit: draining? -> in-flight cap -> rate limit -> sampling (seed assigned) ->
+            session ownership -> tokenize -> length limits -> block hashes ->
+            route (sticky | prefix | load) -> admission (deadline) -> Generate
+    replica lost / dropped / overloaded: resume on another replica with the tokens
+            so far (`failover`), or park the stream until one is ready again
+    finish / fail / end: answer the sink (not on disconnect), release the replica
+            slot (Abort unless the replica finished it), close the span
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from time import perf_counter
+
+from edge_proxy import protocol as pp
+from edge_proxy.admission import admit, predict_ttft_ms
+from edge_proxy.metrics import ProxyMetrics
+from edge_proxy.pool import ReplicaPool
+from edge_proxy.prompt import encode_prompt
+from edge_proxy.routing import LOAD, Candidate, Decision, Router
+from edge_proxy.sessions import SessionTable, placement_key
+from edge_proxy.stream import Stream
+from edge_proxy.tracing import console_processor, make_tracer, start_request_span, traceparent_of
+from replica import protocol as rp
+from replica.hashing import block_hashes
+
+log = logging.getLogger("edge_proxy")
+
+MAX_SESSION_CHARS = 256
+_REPLICA_CODES = {rp.BAD_REQUEST, rp.PROMPT_TOO_LONG, rp.OVERLOADED, rp.INTERNAL, rp.NOT_FOUND}
+
+
+@dataclass(slots=True)
+class SubmitRequest:
+    """A generate request from either front end, before tokenization."""
+
+    cid: str
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    session: str | None = None
+    sampling: pp.Sampling | None = None
+    priority: str | None = None
+    deadline_ms: float = 0.0
+    traceparent: str | None = None
+
+
+class Proxy:
+    def __init__(self, cfg, tokenizer, keys, metrics: ProxyMetrics | None = None, tracer=None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.keys = keys
+        self.metrics = metrics or ProxyMetrics()
+        self.tracer = tracer or make_tracer(cfg.region, [console_processor()] if cfg.otel_console else [])
+        self.router = Router(cfg.router)
+        self.sessions = SessionTable()
+        self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost)
+        self.pool.state_listeners.append(self._on_pool_change)
+        self.streams: set[Stream] = set()
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._parked: dict[Stream, tuple[str, asyncio.TimerHandle]] = {}
+        self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        for s in list(self.streams):
+            self.fail(s, pp.SHUTTING_DOWN, "the proxy is shutting down")
+        await self.pool.stop()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait for open streams to finish; False on timeout."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # -- admission -------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise pp.ProtocolError(pp.SHUTTING_DOWN, "the proxy is draining; retry on another proxy", 1.0)
+        if len(self.streams) >= self.cfg.admission.max_inflight:
+            raise pp.ProtocolError(pp.OVERLOADED, f"proxy at its limit of {self.cfg.admission.max_inflight} "
+                                                  "requests in flight", 1.0)
+
+    def _sampling(self, s: pp.Sampling) -> rp.SamplingParams:
+        sp = rp.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                               seed=s.seed, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids))
+        err = sp.validate(self.cfg.max_tokens_limit)
+        if err is not None:
+            raise pp.ProtocolError(pp.BAD_REQUEST, err)
+        if sp.seed is None:  # fixed at arrival, so a resumed stream samples exactly as the first attempt would
+            sp.seed = secrets.randbits(63)
+        return sp
+
+    @staticmethod
+    def _priority(key, requested: str | None) -> int:
+        if requested is None:
+            return key.priority
+        p = pp.PRIORITIES.get(requested)
+        if p is None:
+            raise pp.ProtocolError(pp.BAD_REQUEST, f"priority must be one of {sorted(pp.PRIORITIES)}, got {requested!r}")
+        return max(p, key.priority)  # a key never gets above its tier
+
+    async def submit(self, key, req: SubmitRequest, sink) -> Stream:
+        """Admit, route and start a request; raises `ProtocolError` when refused."""
+        t0 = perf_counter()
+        try:
+            self._check_open()
+            wait = key.bucket.take() if key.bucket is not None else 0.0
+            if wait > 0:
+                raise pp.ProtocolError(pp.RATE_LIMITED, f"rate limit of API key {key.key_id} exceeded",
+                                       round(max(wait, 0.001), 3))
+            sampling = self._sampling(req.sampling or pp.Sampling())
+            priority = self._priority(key, req.priority)
+            session = None
+            if req.session is not None:
+                if not req.session or len(req.session) > MAX_SESSION_CHARS:
+                    raise pp.ProtocolError(pp.BAD_REQUEST, f"session ids are 1..{MAX_SESSION_CHARS} characters")
+                session = self.sessions.get(req.session, key.key_id, time.monotonic())
+                if session is None:
+                    raise pp.ProtocolError(pp.FORBIDDEN, "this session belongs to another API key")
+            if (req.messages is None) == (req.prompt is None):
+                raise pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages and prompt")
+            ids = await encode_prompt(self.tokenizer, req.messages, req.prompt)
+            self._check_lengths(len(ids), sampling.max_tokens)
+            self._check_open()  # draining may have begun while tokenizing
+            bs = self.pool.block_size
+            if not bs:
+                raise pp.ProtocolError(pp.UNAVAILABLE, "no replica has connected yet", 1.0)
+        except pp.ProtocolError as e:
+            self.metrics.rejected.inc(e.code)
+            raise
+        hashes = block_hashes(ids, bs, key.cache_salt)
+        span = start_request_span(self.tracer, req.traceparent, {
+            "edgechat.tenant": key.tenant, "edgechat.prompt_tokens": len(ids), "edgechat.priority": priority})
+        gen = rp.Generate("", ids, sampling, key.cache_salt, priority, 0.0, [], traceparent_of(span))
+        s = Stream(self, req.cid, key, sink, gen, hashes, session, t0, span)
+        if session is not None:
+            s.placement = placement_key(key.key_id, req.session)
+        try:
+            self._place_new(s, req.deadline_ms)
+        except pp.ProtocolError as e:
+            self.metrics.rejected.inc(e.code)
+            span.set_attribute("edgechat.rejected", e.code)
+            span.end()
+            raise
+        self.streams.add(s)
+        self._idle.clear()
+        return s
+
+    def _check_lengths(self, n: int, max_tokens: int) -> None:
+        if n == 0:
+            raise pp.ProtocolError(pp.BAD_REQUEST, "the prompt is empty")
+        if self.cfg.max_prompt_tokens and n > self.cfg.max_prompt_tokens:
+            raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"prompt has {n} tokens; this proxy accepts at most "
+                                                       f"{self.cfg.max_prompt_tokens}")
+        L = self.pool.max_model_len
+        if L and n + max_tokens > L:
+            raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                                                       f"the model's context of {L} tokens")
+
+    # -- routing ---------------------------------------------------------------
+
+    def _candidates(self, s: Stream, conns) -> list[Candidate]:
+        now = perf_counter()
+        return [Candidate(c.id, c.effective_load(), c.index.match(s.hashes, now)) for c in conns]
+
+    def _place_new(self, s: Stream, deadline_ms: float) -> None:
+        conns = self.pool.ready()
+        if not conns:
+            raise pp.ProtocolError(pp.UNAVAILABLE, "no replica is ready", 1.0)
+        cands = self._candidates(s, conns)
+        by_id = {c.id: c for c in conns}
+        d = self.router.route(cands, len(s.gen.prompt_ids), self.pool.block_size, session_key=s.placement,
+                              session_current=s.session.replica if s.session is not None else None)
+        conn = by_id[d.replica]
+        if deadline_ms > 0 or s.gen.priority >= rp.BATCH:
+            conn, d = self._admit(s, cands, by_id, d, deadline_ms)
+        remaining = max(deadline_ms - (perf_counter() - s.t0) * 1e3, 1.0) if deadline_ms > 0 else 0.0
+        self._attach(s, conn, d, remaining)
+
+    def _admit(self, s: Stream, cands, by_id, d: Decision, deadline_ms: float):
+        cfg, bs, n = self.cfg.admission, self.pool.block_size, len(s.gen.prompt_ids)
+
+        def predict(c: Candidate) -> float:
+            return predict_ttft_ms(by_id[c.id].load_view(), n - c.cached_blocks * bs, cfg)
+
+        chosen = next(c for c in cands if c.id == d.replica)
+        v = admit(predict(chosen), deadline_ms, s.gen.priority, cfg)
+        if v.ok:
+            return by_id[d.replica], d
+        best = min(cands, key=predict)
+        v2 = admit(predict(best), deadline_ms, s.gen.priority, cfg)
+        if not v2.ok:
+            raise pp.ProtocolError(pp.OVERLOADED, v.reason, v2.retry_after_s)
+        return by_id[best.id], Decision(best.id, LOAD, best.cached_blocks)
+
+    def _attach(self, s: Stream, conn, d: Decision, deadline_ms: float) -> None:
+        s.conn = conn
+        s.tried.add(conn.id)
+        s.rid = conn.start(s, s.next_generate(deadline_ms))
+        conn.index.routed(s.hashes, perf_counter())
+        if s.session is not None:
+            s.session.replica = conn.id
+        m = self.metrics
+        m.routing.inc(d.reason)
+        m.prefix_blocks.inc(by=len(s.hashes))
+        m.prefix_blocks_hit.inc(by=d.cached_blocks)
+        s.span.add_event("route", {"replica": conn.id, "reason": d.reason, "cached_blocks": d.cached_blocks,
+                                   "resume_tokens": len(s.ids)})
+
+    # -- failover --------------------------------------------------------------
+
+    def _on_lost(self, conn, streams: list[Stream], cause: str) -> None:
+        for s in streams:
+            s.conn = None
+            self._resume(s, cause)
+
+    def replica_dropped(self, s: Stream, cause: str) -> None:
+        """The replica ended a stream we did not end (unsolicited abort): move it."""
+        if s.conn is not None:
+            s.conn.release(s.rid, abort=False)
+            s.conn = None
+        self._resume(s, cause)
+
+    def replica_error(self, s: Stream, err: rp.Error) -> None:
+        retry = (err.code in (rp.OVERLOADED, rp.INTERNAL) and s.failovers < self.cfg.failover_attempts
+                 and any(c.id not in s.tried for c in self.pool.ready()))
+        if retry:
+            s.conn.release(s.rid, abort=False)
+            s.conn = None
+            self._resume(s, f"replica_{err.code}")
+            return
+        self.fail(s, err.code if err.code in _REPLICA_CODES else pp.INTERNAL, f"replica: {err.message}")
+
+    def _resume(self, s: Stream, cause: str) -> None:
+        if s.done:
+            return
+        sp = s.gen.sampling
+        if len(s.ids) >= sp.max_tokens:  # everything was delivered but the Finished
+            self.finish(s, rp.FINISH_LENGTH, rp.Usage())
+            return
+        if s.ids and s.ids[-1] in self._eos and not sp.ignore_eos:
+            self.finish(s, rp.FINISH_STOP, rp.Usage())
+            return
+        if s.failovers >= self.cfg.failover_attempts:
+            self.fail(s, pp.UNAVAILABLE, f"stream lost its replica {s.failovers + 1} times; giving up")
+            return
+        conns = self.pool.ready(exclude=s.tried) or self.pool.ready()
+        if not conns:
+            self._park(s, cause)
+            return
+        d = self.router.route(self._candidates(s, conns), len(s.gen.prompt_ids), self.pool.block_size,
+                              failover=True)
+        s.failovers += 1
+        self.metrics.failovers.inc(cause)
+        s.span.add_event("failover", {"cause": cause, "resume_tokens": len(s.ids)})
+        self._attach(s, next(c for c in conns if c.id == d.replica), d, 0.0)
+
+    def _park(self, s: Stream, cause: str) -> None:
+        h = asyncio.get_running_loop().call_later(self.cfg.failover_wait_s, self._park_expired, s)
+        self._parked[s] = (cause, h)
+
+    def _park_expired(self, s: Stream) -> None:
+        if self._parked.pop(s, None) is not None:
+            self.fail(s, pp.UNAVAILABLE, f"no replica came back within {self.cfg.failover_wait_s:g} s")
+
+    def _on_pool_change(self) -> None:
+        if self._parked and self.pool.ready():
+            parked, self._parked = self._parked, {}
+            for s, (cause, h) in parked.items():
+                h.cancel()
+                self._resume(s, cause)
+
+    # -- endings ---------------------------------------------------------------
+
+    def _release(self, s: Stream, abort: bool) -> None:
+        s.done = True
+        if s.conn is not None:
+            s.conn.release(s.rid, abort)
+        parked = self._parked.pop(s, None)
+        if parked is not None:
+            parked[1].cancel()
+        self.streams.discard(s)
+        if not self.streams:
+            self._idle.set()
+
+    def finish(self, s: Stream, finish_reason: str, usage: rp.Usage) -> None:
+        if s.done:
+            return
+        now = perf_counter()
+        self._release(s, abort=finish_reason == rp.FINISH_ABORT)
+        msg = s.done_message(finish_reason, usage, now)
+        self.metrics.requests.inc(finish_reason)
+        self.metrics.cached_tokens.inc(by=usage.cached_tokens)
+        span = s.span
+        span.set_attribute("edgechat.finish_reason", finish_reason)
+        span.set_attribute("edgechat.completion_tokens", len(s.ids))
+        span.set_attribute("edgechat.cached_tokens", usage.cached_tokens)
+        span.set_attribute("edgechat.replica", msg.replica)
+        span.set_attribute("edgechat.ttft_ms", msg.timing.ttft_ms)
+        span.end()
+        s.sink.finish(s, msg)
+
+    def fail(self, s: Stream, code: str, message: str) -> None:
+        if s.done:
+            return
+        self._release(s, abort=True)
+        self.metrics.requests.inc("error")
+        s.span.set_attribute("edgechat.error", code)
+        s.span.end()
+        s.sink.finish(s, pp.Error(code, message, s.cid))
+
+    def end(self, s: Stream, outcome: str) -> None:
+        """The client went away: stop the replica's work, answer nothing."""
+        if s.done:
+            return
+        self._release(s, abort=True)
+        self.metrics.requests.inc(outcome)
+        s.span.set_attribute("edgechat.finish_reason", outcome)
+        s.span.end()
+
+    # -- observability ---------------------------------------------------------
+
+    def render_metrics(self) -> str:
+        m = self.metrics
+        m.inflight.set(len(self.streams))
+        m.replicas_ready.set(len(self.pool.ready()))
+        for c in self.pool.conns:
+            m.replica_load.set(c.effective_load(), c.id)
+        return m.render()

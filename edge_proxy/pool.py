@@ -1,0 +1,382 @@
+"""Replica pool: one persistent, multiplexed WebSocket per replica, with health.
+
+Each `ReplicaConn` keeps its socket up (reconnecting with capped backoff),
+carries every request routed there (internal ids, one msgpack frame per flush of
+queued messages), and knows the replica's last `Load`, its cached blocks
+(`BlockIndex`) and this proxy's outstanding requests on it.
+
+A replica is *ready* when its socket is open, it said `Hello` with the pool's block
+size, and its `/healthz` passes. It is *lost* (its streams handed to
+`on_lost(conn, streams, cause)` for failover) when:
+
+- the socket closes or errors (`disconnect`), including keepalive pings going
+  unanswered for `ping_interval_s + ping_timeout_s`;
+- nothing at all arrived for `stall_timeout_s` while requests were in flight
+  (`stall`: replicas report `Load` every ~0.5 s, so silence means a stuck engine);
+- `/healthz` failed `healthz_failures` times in a row (`healthz`).
+
+The reader is the per-token hot path: decode a frame, look each message's id up
+in one dict, hand it to its stream. Nothing on it awaits a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass
+from time import perf_counter
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import msgspec
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from edge_proxy.admission import LoadView
+from edge_proxy.prefix_index import BlockIndex
+from edge_proxy.routing import effective_load
+from replica.protocol import Abort, Codec, Error, Finished, Hello, KvEvents, Load, Tokens
+
+log = logging.getLogger("edge_proxy.pool")
+
+AUTH_CLOSE_CODE = 4401
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    secret: str = ""  # shared secret sent as `Authorization: Bearer`
+    ping_interval_s: float = 1.0
+    ping_timeout_s: float = 2.0
+    stall_timeout_s: float = 2.0
+    healthz_interval_s: float = 2.0
+    healthz_failures: int = 2
+    hello_timeout_s: float = 5.0
+    backoff_min_s: float = 0.05
+    backoff_max_s: float = 2.0
+    max_frame_bytes: int = 64 << 20  # replica -> proxy frames (a step's tokens, KV events)
+
+
+def healthz_url(ws_url: str) -> str:
+    u = urlsplit(ws_url)
+    scheme = {"ws": "http", "wss": "https"}.get(u.scheme)
+    if scheme is None or not u.netloc:
+        raise ValueError(f"replica URL must look like ws://host:port/v1/replica, got {ws_url!r}")
+    return urlunsplit((scheme, u.netloc, "/healthz", "", ""))
+
+
+class ReplicaConn:
+    def __init__(self, url: str, pool: ReplicaPool):
+        self.url = url
+        self.http_url = healthz_url(url)
+        self.pool = pool
+        self.cfg = pool.cfg
+        self.id = url  # replaced by Hello.replica_id
+        self.hello: Hello | None = None
+        self.ws = None
+        self.connected = False
+        self.healthy = True  # /healthz verdict
+        self.refused = False  # the replica refused our secret (4401)
+        self.streams: dict[str, object] = {}  # internal id -> Stream
+        self.index = BlockIndex()
+        self.load: Load | None = None
+        self.load_event = asyncio.Event()  # set on every Load report (watchers clear it)
+        self.own_inflight = 0  # this proxy's requests on it
+        self.own_at_report = 0
+        self.pending_tokens = 0  # prompt tokens sent since the last Load
+        self.last_rx = 0.0
+        self._codec = Codec()
+        self._out: list = []
+        self._wake = asyncio.Event()
+        self._seq = 0
+        self._prefix = secrets.token_hex(4) + "-"
+        self._healthz_fail = 0
+
+    def __repr__(self):
+        return f"ReplicaConn({self.id!r}, ready={self.ready})"
+
+    @property
+    def ready(self) -> bool:
+        return self.connected and self.healthy
+
+    # -- routing inputs --------------------------------------------------------
+
+    def effective_load(self) -> float:
+        reported = self.load.running + self.load.waiting if self.load is not None else 0
+        return effective_load(reported, self.own_inflight, self.own_at_report)
+
+    def load_view(self) -> LoadView:
+        ld = self.load
+        if ld is None:
+            return LoadView(pending_tokens=self.pending_tokens)
+        return LoadView(ld.step_ms, ld.tokens_per_s, ld.waiting_tokens, self.pending_tokens)
+
+    # -- outgoing --------------------------------------------------------------
+
+    def start(self, stream, gen) -> str:
+        """Register `stream` under a fresh internal id and queue its Generate."""
+        self._seq += 1
+        rid = gen.id = f"{self._prefix}{self._seq}"
+        self.streams[rid] = stream
+        self.own_inflight += 1
+        self.pending_tokens += len(gen.prompt_ids)
+        self._send(gen)
+        return rid
+
+    def release(self, rid: str, abort: bool) -> None:
+        """Forget a request (finished, cancelled or moved); tell the replica to stop when `abort`."""
+        if self.streams.pop(rid, None) is not None:
+            self.own_inflight -= 1
+            if abort and self.connected:
+                self._send(Abort(rid))
+
+    def _send(self, msg) -> None:
+        self._out.append(msg)
+        self._wake.set()
+
+    async def _write_loop(self, ws) -> None:
+        enc = self._codec.encode
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            out, self._out = self._out, []
+            if out:
+                await ws.send(enc(out))
+
+    # -- incoming --------------------------------------------------------------
+
+    async def _read_loop(self, ws) -> None:
+        decode = self._codec.decode
+        streams = self.streams  # cleared in place on loss, never replaced
+        while True:
+            data = await ws.recv()
+            now = perf_counter()
+            self.last_rx = now
+            try:
+                msgs = decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.error("replica %s sent an undecodable frame (%s); dropping the connection", self.id, e)
+                raise ConnectionError("bad frame from replica") from None
+            for m in msgs:
+                t = type(m)
+                if t is Tokens:
+                    s = streams.get(m.id)
+                    if s is not None:
+                        s.on_tokens(m.ids, m.text, now)
+                elif t is Finished:
+                    s = streams.get(m.id)
+                    if s is not None:
+                        s.on_finished(m, now)
+                elif t is Load:
+                    self.load = m
+                    self.own_at_report = self.own_inflight
+                    self.pending_tokens = 0
+                    self.load_event.set()
+                elif t is KvEvents:
+                    self.index.apply(m)
+                elif t is Error:
+                    s = streams.get(m.id) if m.id is not None else None
+                    if s is not None:
+                        s.on_replica_error(m)
+                    else:
+                        log.warning("replica %s: %s: %s", self.id, m.code, m.message)
+                else:
+                    log.warning("replica %s sent unexpected %s", self.id, t.__name__)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def lose(self, cause: str) -> None:
+        """Take every stream off this replica and hand them to failover; not ready until reconnected."""
+        was_ready = self.ready
+        self.connected = False
+        lost = list(self.streams.values())
+        self.streams.clear()
+        self.own_inflight = 0
+        self.pending_tokens = 0
+        self._out.clear()
+        if was_ready:
+            self.pool.on_state_change()
+        if lost:
+            log.warning("replica %s lost (%s) with %d streams in flight", self.id, cause, len(lost))
+        self.pool.on_lost(self, lost, cause)
+        ws = self.ws
+        if ws is not None:
+            ws.transport.abort()  # no closing handshake with a peer we no longer trust
+
+    async def run(self) -> None:
+        backoff = self.cfg.backoff_min_s
+        headers = {"Authorization": f"Bearer {self.cfg.secret}"} if self.cfg.secret else None
+        while True:
+            try:
+                ws = await connect(self.url, additional_headers=headers, compression=None, proxy=None,
+                                   open_timeout=self.cfg.hello_timeout_s, ping_interval=self.cfg.ping_interval_s,
+                                   ping_timeout=self.cfg.ping_timeout_s, close_timeout=1.0,
+                                   max_size=self.cfg.max_frame_bytes, max_queue=None)
+            except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
+                log.debug("replica %s: connect failed: %s", self.url, e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.cfg.backoff_max_s)
+                continue
+            cause = "disconnect"
+            writer = None
+            try:
+                hello = await self._handshake(ws)
+                if hello is not None:
+                    backoff = self.cfg.backoff_min_s
+                    self.ws, self.hello, self.id = ws, hello, hello.replica_id
+                    self.index.reset()
+                    self.load = None
+                    self.own_at_report = 0
+                    self.last_rx = perf_counter()
+                    self.connected = True
+                    self.refused = False
+                    writer = asyncio.create_task(self._write_loop(ws))
+                    log.info("replica %s ready at %s (model %s)", self.id, self.url, hello.model)
+                    self.pool.on_state_change()
+                    await self._read_loop(ws)
+            except ConnectionClosed as e:
+                if e.rcvd is not None and e.rcvd.code == AUTH_CLOSE_CODE:
+                    cause = "refused"
+            except (OSError, ConnectionError, TimeoutError) as e:
+                log.debug("replica %s: %s", self.id, e)
+            finally:
+                if writer is not None:
+                    writer.cancel()
+                if self.ws is ws:
+                    self.ws = None
+                if self.connected:
+                    self.lose(cause)
+                ws.transport.abort()
+            if cause == "refused":
+                if not self.refused:
+                    log.error("replica %s refused the proxy's secret (close 4401); check EDGECHAT_REPLICA_SECRET",
+                              self.url)
+                self.refused = True
+                backoff = self.cfg.backoff_max_s
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.backoff_max_s)
+
+    async def _handshake(self, ws) -> Hello | None:
+        try:
+            data = await asyncio.wait_for(ws.recv(), self.cfg.hello_timeout_s)
+        except ConnectionClosed as e:
+            if e.rcvd is not None and e.rcvd.code == AUTH_CLOSE_CODE:
+                raise
+            return None
+        msgs = self._codec.decode(data)
+        if not msgs or type(msgs[0]) is not Hello:
+            log.error("replica %s did not start with Hello", self.url)
+            return None
+        hello = msgs[0]
+        if not self.pool.accept_hello(self, hello):
+            return None
+        return hello
+
+    async def healthz(self, client: httpx.AsyncClient) -> None:
+        try:
+            r = await client.get(self.http_url)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            self._healthz_fail = 0
+            if not self.healthy:
+                self.healthy = True
+                self.pool.on_state_change()
+            return
+        self._healthz_fail += 1
+        if self._healthz_fail >= self.cfg.healthz_failures and self.healthy:
+            self.healthy = False
+            log.warning("replica %s failing /healthz", self.id)
+            if self.connected:
+                self.lose("healthz")
+            else:
+                self.pool.on_state_change()
+
+
+class ReplicaPool:
+    def __init__(self, urls: list[str], cfg: PoolConfig, on_lost):
+        if not urls:
+            raise ValueError("at least one replica URL is needed (--replica ws://host:port/v1/replica)")
+        self.cfg = cfg
+        self.on_lost = on_lost  # (conn, streams, cause) -> None
+        self.conns = [ReplicaConn(u, self) for u in urls]
+        self.block_size = 0
+        self.max_model_len = 0
+        self._changed = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+        self._http: httpx.AsyncClient | None = None
+        self.state_listeners: list = []
+
+    def ready(self, exclude: frozenset | set = frozenset()) -> list[ReplicaConn]:
+        return [c for c in self.conns if c.ready and c.id not in exclude]
+
+    def models(self) -> list[str]:
+        return sorted({c.hello.model for c in self.conns if c.hello is not None})
+
+    def accept_hello(self, conn: ReplicaConn, hello: Hello) -> bool:
+        if any(c is not conn and c.connected and c.id == hello.replica_id for c in self.conns):
+            log.error("replica at %s claims id %r, already used by another connected replica", conn.url,
+                      hello.replica_id)
+            return False
+        if self.block_size and hello.block_size != self.block_size:
+            log.error("replica %s has block size %d, the pool uses %d: not routing to it", hello.replica_id,
+                      hello.block_size, self.block_size)
+            return False
+        self.block_size = hello.block_size
+        self.max_model_len = (min(self.max_model_len, hello.max_model_len) if self.max_model_len
+                              else hello.max_model_len)
+        return True
+
+    def on_state_change(self) -> None:
+        for fn in self.state_listeners:
+            fn()
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_ready(self, n: int = 1, timeout: float | None = None) -> bool:
+        """Wait until at least `n` replicas are ready; False on timeout."""
+        async def wait():
+            async with self._changed:
+                await self._changed.wait_for(lambda: len(self.ready()) >= n)
+
+        try:
+            await asyncio.wait_for(wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def start(self) -> None:
+        self._http = httpx.AsyncClient(trust_env=False, timeout=max(self.cfg.healthz_interval_s, 0.5))
+        self._tasks = [asyncio.create_task(c.run()) for c in self.conns]
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+        if self.cfg.healthz_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._healthz_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for c in self.conns:
+            if c.ws is not None:
+                c.ws.transport.abort()
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def _watchdog(self) -> None:
+        period = min(0.1, self.cfg.stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = perf_counter()
+            for c in self.conns:
+                if c.connected and now - c.last_rx > self.cfg.stall_timeout_s:
+                    c.lose("stall")
+
+    async def _healthz_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(c.healthz(self._http) for c in self.conns))
+            await asyncio.sleep(self.cfg.healthz_interval_s)

@@ -1,0 +1,100 @@
+"""One request's life at the proxy: relay, bookkeeping, and exact resume.
+
+A `Stream` is registered on one replica connection at a time. It keeps every
+token id received so far (`ids`): on failover the next replica gets the same
+prompt ids, sampling and seed plus `resume_ids = ids`, and continues at the
+absolute position `len(ids)`, so seeded and greedy streams continue exactly, and
+the client, which has seen exactly the text of `ids`, sees neither a gap nor a
+repeat. Tokens that the lost replica may have produced but never delivered are
+simply produced again.
+
+Sinks (the client side) are duck-typed: `delta(stream, text, ntokens)` on the hot
+path and `finish(stream, msg)` with a public `Done` or `Error` once.
+"""
+
+from __future__ import annotations
+
+from replica import protocol as rp
+from edge_proxy import protocol as pp
+
+
+class Stream:
+    __slots__ = ("proxy", "cid", "key", "sink", "gen", "hashes", "session", "t0", "t_first", "t_last", "ids",
+                 "conn", "rid", "tried", "failovers", "done", "span", "replica_ttft_ms", "placement")
+
+    def __init__(self, proxy, cid: str, key, sink, gen: rp.Generate, hashes: list[int], session, t0: float, span):
+        self.proxy = proxy
+        self.cid = cid  # client's id (public protocol) or the HTTP response id
+        self.key = key  # ApiKey
+        self.sink = sink
+        self.gen = gen  # template for every attempt: prompt ids, sampling (with seed), salt, priority
+        self.hashes = hashes  # chained block hashes of the prompt
+        self.session = session  # sessions.Session or None
+        self.placement: str | None = None  # rendezvous key of the session
+        self.t0 = t0
+        self.t_first = 0.0
+        self.t_last = 0.0
+        self.ids: list[int] = []
+        self.conn = None  # ReplicaConn while registered
+        self.rid = ""  # internal id on that connection
+        self.tried: set[str] = set()
+        self.failovers = 0
+        self.done = False
+        self.span = span
+        self.replica_ttft_ms = 0.0
+
+    # -- from the replica (hot path) -------------------------------------------
+
+    def on_tokens(self, ids: list[int], text: str, now: float) -> None:
+        self.ids += ids
+        m = self.proxy.metrics
+        if self.t_last:
+            m.itl.observe(now - self.t_last)
+        else:
+            self.t_first = now
+            m.ttft.observe(now - self.t0)
+        self.t_last = now
+        m.tokens.inc(by=len(ids))
+        self.sink.delta(self, text, len(ids))
+
+    def on_finished(self, msg: rp.Finished, now: float) -> None:
+        if msg.ids or msg.text:
+            self.on_tokens(msg.ids, msg.text, now)
+        if msg.finish_reason == rp.FINISH_ABORT:
+            # We did not ask for it (we forget a stream before aborting it): the replica
+            # dropped the request, e.g. while shutting down. Resume it elsewhere.
+            self.proxy.replica_dropped(self, "abort")
+            return
+        self.replica_ttft_ms = msg.ttft_ms
+        self.proxy.finish(self, msg.finish_reason, msg.usage)
+
+    def on_replica_error(self, err: rp.Error) -> None:
+        self.proxy.replica_error(self, err)
+
+    # -- from the client -------------------------------------------------------
+
+    def cancel(self, notify: bool) -> None:
+        """Client cancel (`notify`: answer with done/abort) or disconnect (nothing to answer)."""
+        if self.done:
+            return
+        if notify:
+            self.proxy.finish(self, rp.FINISH_ABORT, rp.Usage())
+        else:
+            self.proxy.end(self, "disconnect")
+
+    # -- attempts --------------------------------------------------------------
+
+    def next_generate(self, deadline_ms: float) -> rp.Generate:
+        """The Generate for the next attempt (the connection fills in the id)."""
+        g = self.gen
+        return rp.Generate("", g.prompt_ids, g.sampling, g.cache_salt, g.priority, deadline_ms,
+                           list(self.ids), g.traceparent)
+
+    def done_message(self, finish_reason: str, usage: rp.Usage, now: float) -> pp.Done:
+        return pp.Done(
+            id=self.cid, finish_reason=finish_reason,
+            usage=pp.Usage(len(self.gen.prompt_ids), len(self.ids), usage.cached_tokens, usage.accepted_draft_tokens),
+            timing=pp.Timing(round((self.t_first - self.t0) * 1e3, 3) if self.t_first else 0.0,
+                             round((now - self.t0) * 1e3, 3), round(self.replica_ttft_ms, 3)),
+            region=self.proxy.cfg.region, replica=self.conn.id if self.conn is not None else "",
+            failovers=self.failovers)

@@ -1,0 +1,352 @@
+"""A replica stub speaking the real internal protocol over a real WebSocket.
+
+For tests and `bench/proxy.py`: deterministic streams, no model. It serves
+`ws://host:port/v1/replica` (Hello, Load, KvEvents, Tokens, Finished, Error) and
+`GET /healthz`, checks the shared secret like a replica (close 4401), and can be
+told to crash, lag or refuse.
+
+Streams: token `p` of a request is a pure function of (prompt ids, seed, p),
+drawn from the printable bytes of " abcdefghijklmnopqrstuvwxyz" (so with the
+proxy's `ByteTokenizer` the text is the token's character). Greedy requests
+(temperature 0) ignore the seed. A resumed request must carry exactly the
+tokens the stub would have produced (else `Error(bad_request)`: a proxy bug) and
+continues at position `len(resume_ids)`. One engine tick every `step_s` emits
+one token for every running request, all tokens for one connection in one frame.
+With `jitter`, each request starts at a random phase within its step, as streams
+of independent users would.
+
+Prefix cache: per (salt-chained) block hash, LRU over `total_blocks`; each new
+request reports `cached_tokens` for its leading cached blocks and broadcasts the
+newly stored/evicted hashes as KvEvents to every connection.
+
+`stamp=True` (bench): each token's text is the stub's send time,
+`time.perf_counter_ns()` (CLOCK_MONOTONIC, comparable across processes) + ";".
+
+    python -m edge_proxy.stub --port 9001 --id stub-a [--step-ms 50 --stamp --jitter]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import hmac
+import random
+import sys
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import xxhash
+from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed
+
+from replica import protocol as rp
+from replica.hashing import block_hashes
+
+ALPHABET = b" abcdefghijklmnopqrstuvwxyz"
+
+
+def token_at(prompt_key: int, seed: int, pos: int) -> int:
+    return ALPHABET[xxhash.xxh3_64_intdigest(pos.to_bytes(8, "little"), seed=(prompt_key ^ seed) & (2**64 - 1))
+                    % len(ALPHABET)]
+
+
+def prompt_key(prompt_ids: list[int]) -> int:
+    return xxhash.xxh3_64_intdigest(array("I", prompt_ids).tobytes())
+
+
+def expected_tokens(prompt_ids: list[int], sampling: rp.SamplingParams, n: int, start: int = 0) -> list[int]:
+    """What the stub generates for this prompt: positions start..n-1."""
+    k, seed = prompt_key(prompt_ids), _seed(sampling)
+    return [token_at(k, seed, p) for p in range(start, n)]
+
+
+def _seed(sp: rp.SamplingParams) -> int:
+    return 0 if sp.temperature == 0 or sp.seed is None else sp.seed
+
+
+@dataclass
+class StubConfig:
+    replica_id: str = "stub-0"
+    model: str = "stub"
+    secret: str = ""
+    block_size: int = 16
+    max_model_len: int = 4096
+    total_blocks: int = 4096
+    step_s: float = 0.01
+    load_interval_s: float = 0.05
+    stamp: bool = False
+    jitter: bool = False
+    load_override: dict = field(default_factory=dict)  # Load fields to report instead of the real ones
+
+
+class _Req:
+    __slots__ = ("conn", "gen", "key", "seed", "pos", "due", "cached", "t_arrival", "ttft_ms")
+
+    def __init__(self, conn, gen: rp.Generate, due: float, cached: int):
+        self.conn, self.gen, self.due, self.cached = conn, gen, due, cached
+        self.key, self.seed = prompt_key(gen.prompt_ids), _seed(gen.sampling)
+        self.pos = len(gen.resume_ids)
+        self.t_arrival = time.perf_counter()
+        self.ttft_ms = 0.0
+
+
+class _Conn:
+    def __init__(self, ws):
+        self.ws = ws
+        self.reqs: dict[str, _Req] = {}
+        self.out: list = []
+
+
+class StubReplica:
+    def __init__(self, cfg: StubConfig | None = None, **kw):
+        self.cfg = cfg or StubConfig(**kw)
+        self.port = 0
+        self.lag = False  # stop sending anything (pings are still answered)
+        self.refuse = False  # close every new connection with 4401
+        self.healthy = True  # /healthz 200 or 503
+        self.generates: list[rp.Generate] = []
+        self.aborts: list[tuple[str, float]] = []
+        self.tokens_sent = 0
+        self.conns: set[_Conn] = set()
+        self._codec = rp.Codec()
+        self._cache: OrderedDict[int, None] = OrderedDict()
+        self._heap: list = []  # (due, seq, _Req)
+        self._seq = 0
+        self._server = None
+        self._tasks: list[asyncio.Task] = []
+        self._dirty: set[_Conn] = set()  # connections with queued messages
+        self._waiter: asyncio.Future | None = None
+        self.abort_event = asyncio.Event()  # set on the first Abort received
+        self.connected_event = asyncio.Event()  # set once a peer is connected
+        self.token_event = asyncio.Event()  # set once a token was produced
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/replica"
+
+    # -- server ------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> StubReplica:
+        self._server = await serve(self._handler, host, port, process_request=self._http, compression=None,
+                                   ping_interval=None, max_size=64 << 20, max_queue=None)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._tasks = [asyncio.create_task(self._engine()), asyncio.create_task(self._reporter())]
+        return self
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+            for c in list(self.conns):
+                c.ws.transport.abort()
+            await self._server.wait_closed()
+
+    async def crash(self) -> None:
+        """Die like a killed process: connections reset, port closed, state gone."""
+        for c in list(self.conns):
+            c.ws.transport.abort()
+        self.conns.clear()
+        self._heap.clear()
+        await self.stop()
+
+    def _http(self, connection, request):
+        if request.path == "/healthz":
+            return connection.respond(200 if self.healthy else 503, "ok\n" if self.healthy else "sick\n")
+        if request.path != "/v1/replica":
+            return connection.respond(404, "not found\n")
+        return None
+
+    def _authorized(self, ws) -> bool:
+        if self.refuse:
+            return False
+        if not self.cfg.secret:
+            return True
+        got = (ws.request.headers.get("Authorization") or "").encode()
+        return hmac.compare_digest(got, f"Bearer {self.cfg.secret}".encode())
+
+    async def _handler(self, ws) -> None:
+        if not self._authorized(ws):
+            await ws.close(4401, "unauthorized")
+            return
+        c = _Conn(ws)
+        cfg = self.cfg
+        await ws.send(self._codec.encode([rp.Hello(cfg.replica_id, cfg.model, cfg.block_size, cfg.max_model_len)]))
+        self.conns.add(c)
+        self.connected_event.set()
+        try:
+            async for data in ws:
+                for m in self._codec.decode(data):
+                    if type(m) is rp.Generate:
+                        self._admit(c, m)
+                    elif type(m) is rp.Abort:
+                        if c.reqs.pop(m.id, None) is not None:
+                            self.aborts.append((m.id, time.perf_counter()))
+                            self.abort_event.set()
+        except ConnectionClosed:
+            pass
+        finally:
+            self.conns.discard(c)
+            c.reqs.clear()
+
+    # -- engine ----------------------------------------------------------------
+
+    def _queue(self, c: _Conn, msg) -> None:
+        c.out.append(msg)
+        self._dirty.add(c)
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _admit(self, c: _Conn, g: rp.Generate) -> None:
+        self.generates.append(g)
+        sp = g.sampling
+        if g.resume_ids and g.resume_ids != expected_tokens(g.prompt_ids, sp, len(g.resume_ids)):
+            self._queue(c, rp.Error(rp.BAD_REQUEST, "resume_ids differ from this request's stream", g.id))
+            return
+        if len(g.prompt_ids) + sp.max_tokens > self.cfg.max_model_len:
+            self._queue(c, rp.Error(rp.PROMPT_TOO_LONG, "prompt + max_tokens over max_model_len", g.id))
+            return
+        cached = self._cache_prompt(g)
+        due = time.perf_counter() + (random.random() * self.cfg.step_s if self.cfg.jitter else 0.0)
+        r = _Req(c, g, due, cached)
+        c.reqs[g.id] = r
+        self._seq += 1
+        heapq.heappush(self._heap, (r.due, self._seq, r))
+        self._wake()
+
+    def _cache_prompt(self, g: rp.Generate) -> int:
+        hashes = block_hashes(g.prompt_ids, self.cfg.block_size, g.cache_salt)
+        cache, cached, stored, removed = self._cache, 0, [], []
+        for i, h in enumerate(hashes):
+            if h in cache:
+                cache.move_to_end(h)
+                if cached == i:
+                    cached += 1
+            else:
+                cache[h] = None
+                stored.append(h)
+        while len(cache) > self.cfg.total_blocks:
+            removed.append(cache.popitem(last=False)[0])
+        if stored or removed:
+            ev = rp.KvEvents(stored, removed)
+            for c in self.conns:
+                self._queue(c, ev)
+        return cached * self.cfg.block_size
+
+    async def _sleep(self, delay: float | None) -> None:
+        """Until `delay` passes or `_wake` is called."""
+        loop = asyncio.get_running_loop()
+        self._waiter = w = loop.create_future()
+        h = loop.call_later(delay, self._wake) if delay is not None else None
+        try:
+            await w
+        finally:
+            self._waiter = None
+            if h is not None:
+                h.cancel()
+
+    async def _engine(self) -> None:
+        heap, step = self._heap, self.cfg.step_s
+        while True:
+            now = time.perf_counter()
+            while heap and heap[0][0] <= now:
+                _, _, r = heapq.heappop(heap)
+                if r.conn.reqs.get(r.gen.id) is not r:
+                    continue  # aborted or connection gone
+                self._emit(r, now)
+                if r.conn.reqs.get(r.gen.id) is r:
+                    r.due = max(r.due + step, now)  # an overloaded host falls behind instead of bursting
+                    self._seq += 1
+                    heapq.heappush(heap, (r.due, self._seq, r))
+            if self._dirty and not self.lag:
+                await self._flush()
+                continue
+            await self._sleep(max(heap[0][0] - time.perf_counter(), 0.0) if heap else None)
+
+    def _emit(self, r: _Req, now: float) -> None:
+        g = r.gen
+        tok = token_at(r.key, r.seed, r.pos)
+        r.pos += 1
+        self.tokens_sent += 1
+        self.token_event.set()
+        if not r.ttft_ms:
+            r.ttft_ms = (now - r.t_arrival) * 1e3
+        c = r.conn
+        c.out.append(rp.Tokens(g.id, [tok], "" if self.cfg.stamp else chr(tok)))  # stamped in _flush
+        self._dirty.add(c)
+        if r.pos >= g.sampling.max_tokens:
+            c.out.append(rp.Finished(g.id, rp.FINISH_LENGTH, rp.Usage(len(g.prompt_ids), r.pos, r.cached), r.ttft_ms))
+            del c.reqs[g.id]
+
+    async def _flush(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for c in dirty:
+            out, c.out = c.out, []
+            if not out or c not in self.conns:
+                continue
+            if self.cfg.stamp:
+                stamp = f"{time.perf_counter_ns()};"
+                for m in out:
+                    if type(m) is rp.Tokens:
+                        m.text = stamp
+            try:
+                await c.ws.send(self._codec.encode(out))
+            except ConnectionClosed:
+                pass
+
+    async def _reporter(self) -> None:
+        cfg = self.cfg
+        while True:
+            await asyncio.sleep(cfg.load_interval_s)
+            if self.lag:
+                continue
+            running = sum(len(c.reqs) for c in self.conns)
+            fields = dict(running=running, waiting=0, free_blocks=cfg.total_blocks - len(self._cache),
+                          total_blocks=cfg.total_blocks, step_ms=cfg.step_s * 1e3,
+                          tokens_per_s=running / cfg.step_s)
+            fields.update(cfg.load_override)
+            load = rp.Load(**fields)
+            for c in self.conns:
+                self._queue(c, load)
+
+
+async def _main(a) -> None:
+    stub = StubReplica(StubConfig(replica_id=a.id, secret=a.secret, step_s=a.step_ms / 1e3, stamp=a.stamp,
+                                  jitter=a.jitter, load_interval_s=0.5, block_size=a.block_size))
+    await stub.start(a.host, a.port)
+    print(f"READY {stub.port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await stub.stop()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m edge_proxy.stub")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--id", default="stub-0")
+    p.add_argument("--secret", default="")
+    p.add_argument("--step-ms", type=float, default=50.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--stamp", action="store_true")
+    p.add_argument("--jitter", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.run(_main(a))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The public WebSocket endpoint: one `ClientConnection` per client socket.
+
+Reading: each `generate` starts a task (tokenizing may take a thread), each
+`cancel` aborts at once. Writing: the replica reader never awaits a client.
+It appends to this connection's outbox (one entry per stream, merging text and
+token counts) and wakes the writer task, which sends one frame per entry. While
+a send is blocked on a slow client (the transport's 64 KiB high-water mark),
+new tokens merge into the waiting entries, so a slow client gets fewer, larger
+frames and the memory it can pin is bounded by `max_pending_bytes` of undelivered
+text, past which the connection is closed with `too_slow` (1008).
+
+Handshake checks, in order: Origin allowlist (403), API key from
+`Authorization: Bearer` or the subprotocol `bearer.<key>` (401), draining (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.responses import JSONResponse
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from edge_proxy import protocol as pp
+from edge_proxy.auth import bearer
+from edge_proxy.core import SubmitRequest
+
+log = logging.getLogger("edge_proxy.ws")
+
+SUBPROTOCOL = "edgechat.v1"
+KEY_SUBPROTOCOL_PREFIX = "bearer."
+
+
+def origin_allowed(origin: str | None, allowed: tuple[str, ...]) -> bool:
+    """Non-browser clients send no Origin; browsers must be on the allowlist."""
+    return origin is None or "*" in allowed or origin in allowed
+
+
+def _deny(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"type": "error", "code": code, "message": message}, status_code=status)
+
+
+async def websocket_endpoint(ws: WebSocket) -> None:
+    proxy = ws.app.state.proxy
+    cfg = proxy.cfg
+    if not origin_allowed(ws.headers.get("origin"), cfg.allowed_origins):
+        await ws.send_denial_response(_deny(403, pp.FORBIDDEN, "origin not allowed"))
+        return
+    offered = [p.strip() for h in ws.headers.getlist("sec-websocket-protocol") for p in h.split(",")]
+    token = bearer(ws.headers.get("authorization"))
+    if token is None:
+        token = next((p[len(KEY_SUBPROTOCOL_PREFIX):] for p in offered if p.startswith(KEY_SUBPROTOCOL_PREFIX)), None)
+    key = proxy.keys.check(token)
+    if key is None:
+        await ws.send_denial_response(_deny(401, pp.UNAUTHORIZED, "missing or unknown API key"))
+        return
+    if proxy.draining:
+        await ws.send_denial_response(_deny(503, pp.SHUTTING_DOWN, "the proxy is draining"))
+        return
+    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+    await ClientConnection(ws, proxy, key).run()
+
+
+class ClientConnection:
+    """Sink for the streams of one client socket, and its reader."""
+
+    def __init__(self, ws: WebSocket, proxy, key):
+        self.ws = ws
+        self.proxy = proxy
+        self.key = key
+        self.codec = pp.ClientCodec()
+        self.active: dict[str, object] = {}  # client id -> Stream, or None while being admitted
+        self._pending: dict = {}  # Stream (or None for connection errors) -> [text, tokens, merged, final]
+        self._pending_bytes = 0
+        self._conn_errors: list[pp.Error] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- sink (called by streams, hot path) --------------------------------------
+
+    def delta(self, s, text: str, ntok: int) -> None:
+        if self._closing:
+            return
+        e = self._pending.get(s)
+        if e is None:
+            self._pending[s] = [text, ntok, 1, None]
+        else:
+            e[0] += text
+            e[1] += ntok
+            e[2] += 1
+        self._pending_bytes += len(text)
+        if self._pending_bytes > self.proxy.cfg.max_pending_bytes:
+            self._too_slow()
+        self._wake.set()
+
+    def finish(self, s, msg) -> None:
+        if self.active.get(s.cid) is s:
+            del self.active[s.cid]
+        e = self._pending.get(s)
+        if e is None:
+            self._pending[s] = ["", 0, 0, msg]
+        else:
+            e[3] = msg
+        self._wake.set()
+
+    def _error(self, cid: str | None, e: pp.ProtocolError) -> None:
+        self._conn_errors.append(pp.Error(e.code, e.message, cid, e.retry_after_s))
+        self._wake.set()
+
+    # -- writer ----------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        send, enc = self.ws.send_text, self.codec.encode
+        coalesced = self.proxy.metrics.coalesced
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._conn_errors:
+                errs, self._conn_errors = self._conn_errors, []
+                for err in errs:
+                    await send(enc(err).decode())
+            batch, self._pending = self._pending, {}
+            self._pending_bytes = 0
+            for s, (text, ntok, merged, final) in batch.items():
+                if merged:
+                    await send(enc(pp.Delta(s.cid, text, ntok)).decode())
+                    if merged > 1:
+                        coalesced.inc()
+                if final is not None:
+                    await send(enc(final).decode())
+
+    def _too_slow(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        log.warning("closing a client %d KiB behind", self._pending_bytes >> 10)
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._cancel_all()
+        t = asyncio.get_running_loop().create_task(self.ws.close(1008, pp.TOO_SLOW))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # -- reader ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._write_loop())
+        max_bytes = self.proxy.cfg.max_frame_bytes
+        try:
+            while True:
+                msg = await self.ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                data = msg.get("text")
+                if data is None:
+                    data = msg.get("bytes") or b""
+                if len(data) > max_bytes:  # uvicorn already enforces ws_max_size; this guards bytes vs chars
+                    self._error(None, pp.ProtocolError(pp.TOO_LARGE, f"frame over {max_bytes} bytes"))
+                    continue
+                try:
+                    m = self.codec.decode(data)
+                except pp.ProtocolError as e:
+                    self._error(None, e)
+                    continue
+                if type(m) is pp.Cancel:
+                    self._cancel(m.id)
+                else:
+                    self._generate(m)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            self._closing = True
+            self._cancel_all()
+            writer.cancel()
+            for t in list(self._tasks):
+                t.cancel()
+
+    def _generate(self, m: pp.Generate) -> None:
+        if m.id in self.active:
+            self._error(m.id, pp.ProtocolError(pp.BAD_REQUEST, f"request id {m.id!r} is already in flight"))
+            return
+        self.active[m.id] = None
+        messages = [{"role": x.role, "content": x.content} for x in m.messages] if m.messages is not None else None
+        req = SubmitRequest(m.id, messages, m.prompt, m.session, m.sampling, m.priority, m.deadline_ms,
+                            m.traceparent)
+        t = asyncio.get_running_loop().create_task(self._start(req))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _start(self, req: SubmitRequest) -> None:
+        try:
+            s = await self.proxy.submit(self.key, req, self)
+        except pp.ProtocolError as e:
+            if self.active.get(req.cid, 0) is None:
+                del self.active[req.cid]
+            self._error(req.cid, e)
+            return
+        if req.cid not in self.active or self._closing:  # cancelled or disconnected while admitting
+            s.cancel(notify=False)
+        elif not s.done:
+            self.active[req.cid] = s
+
+    def _cancel(self, cid: str) -> None:
+        if cid not in self.active:
+            self._error(cid, pp.ProtocolError(pp.NOT_FOUND, f"no request {cid!r} in flight"))
+            return
+        s = self.active.pop(cid)
+        if s is None:  # still being admitted: `_start` cancels it; answer now
+            self._pending[("cancelled", cid)] = ["", 0, 0, pp.Done(cid, "abort", pp.Usage(), pp.Timing(),
+                                                                   self.proxy.cfg.region, "")]
+            self._wake.set()
+            return
+        s.cancel(notify=True)
+
+    def _cancel_all(self) -> None:
+        active, self.active = self.active, {}
+        for s in active.values():
+            if s is not None:
+                s.cancel(notify=False)

@@ -1,0 +1,127 @@
+"""Failover with exact resume: the client sees one uninterrupted stream."""
+
+import asyncio
+
+import pytest
+
+from edge_proxy import protocol as pp
+from edge_proxy.client import EdgeClient, EdgeError
+
+from conftest import proxy_for, stubs
+
+pytestmark = pytest.mark.anyio
+HI = [{"role": "user", "content": "tell me a story"}]
+
+
+async def reference(p, **kw) -> str:
+    async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+        text, done = await c.complete(messages=HI, **kw)
+        assert done.failovers == 0
+        return text
+
+
+def serving(reps, n_before: dict):
+    """The stub that received the request just sent."""
+    return next(r for r in reps if len(r.generates) > n_before.get(r.cfg.replica_id, 0))
+
+
+async def crash_after(reps, c, k: int, **kw):
+    """Start a request, crash its replica once `k` tokens were received, return (text, done, victim)."""
+    before = {r.cfg.replica_id: len(r.generates) for r in reps}
+    req = await c.generate(messages=HI, **kw)
+    got = 0
+    victim = None
+    async for delta in req:
+        got += len(delta)
+        if victim is None and got >= k:
+            victim = serving(reps, before)
+            await victim.crash()
+    return req.text, req.done, victim
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=1234)],
+                         ids=["greedy", "seeded"])
+async def test_crash_mid_stream_resumes_exactly(sampling):
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        want = await reference(p, max_tokens=40, **sampling)
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            text, done, victim = await crash_after(reps, c, 10, max_tokens=40, **sampling)
+        assert text == want
+        assert done.failovers == 1 and done.replica != victim.cfg.replica_id
+        assert done.usage.completion_tokens == 40 and done.finish_reason == "length"
+        survivor = next(r for r in reps if r is not victim)
+        resumed = survivor.generates[-1]
+        assert 10 <= len(resumed.resume_ids) < 40 and resumed.sampling.seed == victim.generates[-1].sampling.seed
+        assert p.proxy.metrics.failovers.get("disconnect") == 1
+        assert p.proxy.metrics.routing.get("failover") == 1
+
+
+async def test_unseeded_sampling_resumes_exactly():
+    # The proxy fixes a seed at arrival; the resumed replica continues that seed's stream
+    # (the stub checks resume_ids against it and errors on any mismatch).
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            text, done, victim = await crash_after(reps, c, 5, max_tokens=30, temperature=1.0)
+        assert done.failovers == 1 and len(text) == 30
+
+
+async def test_stalled_replica_is_abandoned():
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        want = await reference(p, max_tokens=30, temperature=0)
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            before = {r.cfg.replica_id: len(r.generates) for r in reps}
+            req = await c.generate(messages=HI, max_tokens=30, temperature=0)
+            got = 0
+            async for delta in req:
+                got += len(delta)
+                if got == 5:
+                    serving(reps, before).lag = True  # stuck engine: socket up, nothing sent
+            assert req.text == want and req.done.failovers == 1
+        assert p.proxy.metrics.failovers.get("stall") == 1
+
+
+async def test_healthz_failure_moves_streams_and_stops_routing():
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            before = {r.cfg.replica_id: len(r.generates) for r in reps}
+            req = await c.generate(messages=HI, max_tokens=60, temperature=0)
+            async for _ in req:
+                sick = serving(reps, before)
+                sick.healthy = False
+                break
+            text, done = await req.result()
+            assert done.failovers == 1 and done.replica != sick.cfg.replica_id and len(text) == 60
+            for i in range(4):
+                _, d = await c.complete(prompt=f"p{i}", max_tokens=2)
+                assert d.replica != sick.cfg.replica_id
+        assert p.proxy.metrics.failovers.get("healthz") == 1
+
+
+async def test_no_replica_left_is_an_error_after_the_wait():
+    async with stubs("a") as reps, proxy_for(reps, failover_wait_s=0.3) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            req = await c.generate(messages=HI, max_tokens=100)
+            with pytest.raises(EdgeError) as e:
+                async for _ in req:
+                    if reps[0].conns:
+                        await reps[0].crash()
+            assert e.value.code == pp.UNAVAILABLE
+        assert not p.proxy.streams
+
+
+async def test_a_stream_waits_for_its_replica_to_come_back():
+    async with stubs("a") as reps, proxy_for(reps, failover_wait_s=10) as p:
+        stub = reps[0]
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            want, _ = await c.complete(messages=HI, max_tokens=20, temperature=0)
+            req = await c.generate(messages=HI, max_tokens=20, temperature=0)
+            restarted = None
+            async for _ in req:
+                if restarted is None:
+                    port = stub.port
+                    await stub.crash()
+                    restarted = await type(stub)(stub.cfg).start(port=port)
+            try:
+                assert req.text == want and req.done.failovers == 1
+            finally:
+                await restarted.stop()

@@ -1,0 +1,149 @@
+"""Routing, admission and observability through the real proxy and stubs."""
+
+import asyncio
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from edge_proxy import protocol as pp
+from edge_proxy.client import EdgeClient, EdgeError
+from edge_proxy.routing import rendezvous_order
+from edge_proxy.sessions import placement_key
+from edge_proxy.tracing import make_tracer
+from replica import protocol as rp
+
+from conftest import proxy_for, stubs, until_load
+
+pytestmark = pytest.mark.anyio
+SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 8}
+
+
+def turn(n: int) -> list[dict]:
+    msgs = [SYSTEM]
+    for i in range(n):
+        msgs += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+    return msgs + [{"role": "user", "content": f"question {n}"}]
+
+
+async def test_session_turns_stick_to_one_replica():
+    async with stubs("a", "b", "c") as reps, proxy_for(reps) as p:
+        key_id = p.proxy.keys.check("sk-alice").key_id
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            for sess in ("s1", "s2", "s3", "s4"):
+                served = set()
+                for n in range(3):
+                    _, d = await c.complete(messages=turn(n), session=sess, max_tokens=2)
+                    served.add(d.replica)
+                    if n:
+                        assert d.usage.cached_tokens > 0
+                assert served == {rendezvous_order(placement_key(key_id, sess), ["a", "b", "c"])[0]}
+        assert p.proxy.metrics.routing.get("sticky") == 12
+
+
+async def test_session_id_from_http_header_and_query():
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        async with httpx.AsyncClient(trust_env=False, headers={"Authorization": "Bearer sk-alice"}) as h:
+            body = {"messages": turn(0), "max_tokens": 2}
+            r1 = await h.post(p.http + "/v1/chat/completions", json=body, headers={"X-Session-ID": "h1"})
+            r2 = await h.post(p.http + "/v1/chat/completions?session_id=h1", json={**body, "messages": turn(1)})
+        assert r1.json()["edgechat"]["replica"] == r2.json()["edgechat"]["replica"]
+        assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert p.proxy.metrics.routing.get("sticky") == 2
+
+
+async def test_prefix_routing_follows_kv_events():
+    async with stubs("a", "b", "c") as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            _, first = await c.complete(messages=turn(2), max_tokens=2)
+            # The holder's KV events rode in the frame of its first token: the index is precise now.
+            assert p.conn(first.replica).index.precise
+            for n in (3, 4):  # later turns of the same conversation, no session id
+                _, d = await c.complete(messages=turn(n), max_tokens=2)
+                assert d.replica == first.replica and d.usage.cached_tokens > 0
+        m = p.proxy.metrics
+        assert m.routing.get("prefix") == 2 and m.prefix_blocks_hit.get() > 0
+
+
+async def test_imbalanced_replicas_route_by_load():
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        reps[0].cfg.load_override = {"running": 200}
+        await until_load(p.conn("a"), lambda ld: ld.running == 200)
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            for i in range(4):
+                _, d = await c.complete(messages=turn(0), max_tokens=1)
+                assert d.replica == "b"
+
+
+async def test_deadline_admission_rejects_at_once():
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        for r in reps:  # both replicas report a long prefill queue: ~2 s of work
+            r.cfg.load_override = {"waiting": 40, "waiting_tokens": 20_000, "tokens_per_s": 10_000.0}
+        for c in p.proxy.pool.conns:
+            await until_load(c, lambda ld: ld.waiting == 40)
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            with pytest.raises(EdgeError) as e:
+                await c.complete(prompt="quick", max_tokens=2, deadline_ms=300)
+            assert e.value.code == pp.OVERLOADED and e.value.retry_after_s >= 1
+            _, d = await c.complete(prompt="quick", max_tokens=2, deadline_ms=5000)  # this one fits
+            assert d.finish_reason == "length"
+        async with httpx.AsyncClient(trust_env=False, headers={"Authorization": "Bearer sk-alice"}) as h:
+            r = await h.post(p.http + "/v1/completions", json={"prompt": "q", "max_tokens": 2},
+                             headers={"X-Deadline-Ms": "100"})
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == pp.OVERLOADED
+        assert p.proxy.metrics.rejected.get(pp.OVERLOADED) == 2
+        # The admitted request carried its remaining deadline to the replica.
+        (admitted,) = [g for r in reps for g in r.generates if g.deadline_ms > 0]
+        assert 4000 < admitted.deadline_ms <= 5000
+
+
+async def test_admission_picks_a_replica_that_can_make_it():
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        reps[0].cfg.load_override = {"waiting_tokens": 50_000, "tokens_per_s": 10_000.0}
+        await until_load(p.conn("a"), lambda ld: ld.waiting_tokens == 50_000)
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            for _ in range(3):
+                _, d = await c.complete(prompt="hurry", max_tokens=1, deadline_ms=500)
+                assert d.replica == "b"
+
+
+async def test_batch_tier_is_shed_first():
+    async with stubs("a") as reps, proxy_for(reps) as p:
+        reps[0].cfg.load_override = {"waiting_tokens": 80_000, "tokens_per_s": 10_000.0}  # ~8 s queue
+        await until_load(p.conn("a"), lambda ld: ld.waiting_tokens == 80_000)
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-batch") as c:
+            with pytest.raises(EdgeError) as e:
+                await c.complete(prompt="bulk", max_tokens=1)
+            assert e.value.code == pp.OVERLOADED
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            await c.complete(prompt="chat", max_tokens=1)
+
+
+async def test_metrics_and_spans():
+    exporter = InMemorySpanExporter()
+    tracer = make_tracer("local", [SimpleSpanProcessor(exporter)])
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    async with stubs("a", "b") as reps, proxy_for(reps, tracer=tracer) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            await c.complete(messages=turn(0), max_tokens=5, traceparent=parent, session="m")
+            await c.complete(messages=turn(1), max_tokens=5, session="m")
+        async with httpx.AsyncClient(trust_env=False) as h:
+            text = (await h.get(p.http + "/metrics")).text
+    assert 'edgechat_proxy_routing_decisions_total{reason="sticky"} 2' in text
+    assert 'edgechat_proxy_ttft_seconds_count 2' in text
+    assert 'edgechat_proxy_itl_seconds_count 8' in text
+    assert 'edgechat_proxy_requests_total{outcome="length"} 2' in text
+    assert 'edgechat_proxy_replicas_ready 2' in text
+    assert "edgechat_proxy_prefix_blocks_hit_total" in text and "edgechat_proxy_cached_tokens_total" in text
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 2
+    s = spans[0]
+    assert f"{s.context.trace_id:032x}" == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert s.parent.span_id == 0x00F067AA0BA902B7
+    assert s.attributes["edgechat.completion_tokens"] == 5 and s.attributes["edgechat.replica"] in ("a", "b")
+    assert [e.name for e in s.events] == ["route"] and s.events[0].attributes["reason"] == "sticky"
+    # The replica got the proxy span's context, so its spans nest under the proxy's.
+    g = next(g for r in reps for g in r.generates if g.traceparent.startswith("00-4bf92f35"))
+    assert g.traceparent.split("-")[2] == f"{s.context.span_id:016x}"

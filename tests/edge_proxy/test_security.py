@@ -1,0 +1,125 @@
+"""API keys, origins, sessions bound to keys, tenant cache salts, rate limits, size limits,
+and the proxy<->replica shared secret."""
+
+import json
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from edge_proxy import protocol as pp
+from edge_proxy.client import EdgeClient, EdgeError
+from edge_proxy.pool import PoolConfig
+from replica import protocol as rp
+
+from conftest import FAST_POOL, proxy_for, stubs
+
+pytestmark = pytest.mark.anyio
+HI = [{"role": "user", "content": "a fairly long shared system prompt, long enough for several blocks " * 2}]
+
+
+async def test_websocket_needs_a_known_key():
+    async with stubs("a") as reps, proxy_for(reps) as p:
+        for headers in (None, {"Authorization": "Bearer sk-mallory"}, {"Authorization": "Basic sk-alice"}):
+            with pytest.raises(InvalidStatus) as e:
+                await connect(p.ws_url, additional_headers=headers, proxy=None)
+            assert e.value.response.status_code == 401
+            assert json.loads(e.value.response.body)["code"] == pp.UNAUTHORIZED
+        # Browsers cannot set headers: the key may ride in a subprotocol.
+        async with connect(p.ws_url, subprotocols=["edgechat.v1", "bearer.sk-alice"], proxy=None) as ws:
+            assert ws.subprotocol == "edgechat.v1"
+        async with httpx.AsyncClient(trust_env=False) as h:
+            r = await h.post(p.http + "/v1/chat/completions", json={"messages": HI})
+            assert r.status_code == 401 and r.json()["error"]["code"] == pp.UNAUTHORIZED
+            r = await h.get(p.http + "/v1/models", headers={"Authorization": "Bearer nope"})
+            assert r.status_code == 401
+
+
+async def test_origin_allowlist():
+    async with stubs("a") as reps, proxy_for(reps, allowed_origins=("https://chat.example",)) as p:
+        auth = {"Authorization": "Bearer sk-alice"}
+        with pytest.raises(InvalidStatus) as e:
+            await connect(p.ws_url, additional_headers=auth, origin="https://evil.example", proxy=None)
+        assert e.value.response.status_code == 403
+        async with connect(p.ws_url, additional_headers=auth, origin="https://chat.example", proxy=None):
+            pass
+        async with connect(p.ws_url, additional_headers=auth, proxy=None):  # no Origin: not a browser
+            pass
+
+
+async def test_session_bound_to_its_key():
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as alice, \
+                await EdgeClient.connect(p.ws_url, api_key="sk-bob") as bob:
+            await alice.complete(messages=HI, session="s1", max_tokens=2)
+            with pytest.raises(EdgeError) as e:
+                await bob.complete(messages=HI, session="s1", max_tokens=2)
+            assert e.value.code == pp.FORBIDDEN
+            await alice.complete(messages=HI, session="s1", max_tokens=2)
+        async with httpx.AsyncClient(trust_env=False, headers={"Authorization": "Bearer sk-bob"}) as h:
+            r = await h.post(p.http + "/v1/chat/completions", json={"messages": HI, "max_tokens": 2},
+                             headers={"X-Session-ID": "s1"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == pp.FORBIDDEN
+
+
+async def test_prefixes_never_shared_across_tenants():
+    async with stubs("a") as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as alice, \
+                await EdgeClient.connect(p.ws_url, api_key="sk-bob") as bob:
+            _, d1 = await alice.complete(messages=HI, max_tokens=2)
+            _, d2 = await bob.complete(messages=HI, max_tokens=2)
+            _, d3 = await alice.complete(messages=HI, max_tokens=2)
+        assert d1.usage.cached_tokens == 0 and d2.usage.cached_tokens == 0 and d3.usage.cached_tokens > 0
+        salts = [g.cache_salt for g in reps[0].generates]
+        assert salts[0] == salts[2] != salts[1] and all(salts)
+
+
+async def test_replicas_refuse_a_wrong_secret():
+    async with stubs("a") as reps, proxy_for(reps, wait_ready=0, pool=PoolConfig(secret="wrong", backoff_max_s=0.1,
+                                                                                  healthz_interval_s=0)) as p:
+        conn = p.proxy.pool.conns[0]
+        assert not await p.proxy.pool.wait_ready(1, timeout=0.5)
+        assert conn.refused and not reps[0].conns
+    async with stubs("a") as reps:
+        reps[0].refuse = True
+        async with proxy_for(reps, wait_ready=0) as p:
+            assert not await p.proxy.pool.wait_ready(1, timeout=0.5)
+            reps[0].refuse = False
+            assert await p.proxy.pool.wait_ready(1, timeout=5)
+
+
+async def test_per_key_rate_limit():
+    async with stubs("a") as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-slow") as c:
+            await c.complete(prompt="x", max_tokens=1)
+            await c.complete(prompt="x", max_tokens=1)
+            with pytest.raises(EdgeError) as e:
+                await c.complete(prompt="x", max_tokens=1)
+            assert e.value.code == pp.RATE_LIMITED and 0 < e.value.retry_after_s <= 1.0
+        async with httpx.AsyncClient(trust_env=False, headers={"Authorization": "Bearer sk-slow"}) as h:
+            r = await h.post(p.http + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert p.proxy.metrics.rejected.get(pp.RATE_LIMITED) == 2
+
+
+async def test_size_limits():
+    async with stubs("a") as reps, proxy_for(reps, max_frame_bytes=4096) as p:
+        async with connect(p.ws_url, additional_headers={"Authorization": "Bearer sk-alice"}, proxy=None) as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "x", "prompt": "y" * 8000}))
+            with pytest.raises(ConnectionClosed) as e:
+                await ws.recv()
+            assert e.value.rcvd.code == 1009  # message too big
+        async with httpx.AsyncClient(trust_env=False, headers={"Authorization": "Bearer sk-alice"}) as h:
+            r = await h.post(p.http + "/v1/completions", json={"prompt": "y" * 8000})
+            assert r.status_code == 413 and r.json()["error"]["code"] == pp.TOO_LARGE
+
+
+async def test_priority_tier_comes_from_the_key():
+    async with stubs("a") as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-batch") as c:
+            await c.complete(prompt="x", max_tokens=1, priority="interactive")  # cannot climb above its tier
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            await c.complete(prompt="x", max_tokens=1)
+            await c.complete(prompt="x", max_tokens=1, priority="batch")
+        assert [g.priority for g in reps[0].generates] == [rp.BATCH, rp.INTERACTIVE, rp.BATCH]

@@ -1,0 +1,81 @@
+"""A client that reads slowly gets tokens merged into fewer frames, never an unbounded queue."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from edge_proxy import protocol as pp
+from edge_proxy.metrics import ProxyMetrics
+from edge_proxy.ws import ClientConnection
+
+pytestmark = pytest.mark.anyio
+
+
+class BlockingSocket:
+    """Accepts one frame, then blocks every send until `release()` (a full TCP buffer)."""
+
+    def __init__(self):
+        self.frames: list[dict] = []
+        self.gate = asyncio.Event()
+        self.closed_with = None
+
+    async def send_text(self, text):
+        self.frames.append(json.loads(text))
+        if len(self.frames) >= 1:
+            await self.gate.wait()
+
+    async def close(self, code, reason=""):
+        self.closed_with = (code, reason)
+
+
+class FakeStream:
+    def __init__(self, cid):
+        self.cid = cid
+        self.cancelled = False
+
+    def cancel(self, notify):
+        self.cancelled = True
+
+
+def conn(ws, max_pending=1 << 20):
+    proxy = SimpleNamespace(cfg=SimpleNamespace(max_pending_bytes=max_pending, region="t"), metrics=ProxyMetrics())
+    return ClientConnection(ws, proxy, key=None)
+
+
+async def test_tokens_merge_while_the_client_is_behind():
+    ws = BlockingSocket()
+    c = conn(ws)
+    writer = asyncio.create_task(c._write_loop())
+    a, b = FakeStream("a"), FakeStream("b")
+    c.delta(a, "x", 1)
+    await asyncio.sleep(0)  # the writer sends "x" and blocks
+    for i in range(100):
+        c.delta(a, str(i % 10), 1)
+        c.delta(b, "y", 1)
+    c.finish(a, pp.Done("a", "length", pp.Usage(), pp.Timing(), "t", "r"))
+    ws.gate.set()
+    while len(ws.frames) < 4:
+        await asyncio.sleep(0)
+    writer.cancel()
+    assert [f["type"] for f in ws.frames] == ["delta", "delta", "done", "delta"]
+    assert ws.frames[1] == {"type": "delta", "id": "a", "text": "0123456789" * 10, "tokens": 100}
+    assert ws.frames[3] == {"type": "delta", "id": "b", "text": "y" * 100, "tokens": 100}
+    assert c.proxy.metrics.coalesced.get() == 2
+
+
+async def test_a_client_too_far_behind_is_cut_off():
+    ws = BlockingSocket()
+    c = conn(ws, max_pending=1000)
+    writer = asyncio.create_task(c._write_loop())
+    s = FakeStream("a")
+    c.active["a"] = s
+    c.delta(s, "x", 1)
+    await asyncio.sleep(0)
+    for _ in range(200):
+        c.delta(s, "0123456789", 1)
+    await asyncio.sleep(0)
+    assert s.cancelled and ws.closed_with == (1008, pp.TOO_SLOW)
+    assert c._pending_bytes == 0 and not c._pending
+    writer.cancel()
