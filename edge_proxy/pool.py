@@ -11,8 +11,11 @@ size, and its `/healthz` passes. It is *lost* (its streams handed to
 
 - the socket closes or errors (`disconnect`), including keepalive pings going
   unanswered for `ping_interval_s + ping_timeout_s`;
-- nothing at all arrived for `stall_timeout_s` while requests were in flight
-  (`stall`: replicas report `Load` every ~0.5 s, so silence means a stuck engine);
+- requests are in flight and nothing at all arrived for `stall_timeout_s` (or
+  `stall_steps` of the replica's reported step time, if longer) after tokens had
+  been flowing, or for `start_timeout_s` while none has started (a cold engine's
+  first step can take seconds on a CPU) (`stall`: replicas report `Load` every
+  ~0.5 s and between steps, so silence means a stuck engine);
 - `/healthz` failed `healthz_failures` times in a row (`healthz`).
 
 The reader is the per-token hot path: decode a frame, look each message's id up
@@ -31,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import msgspec
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from edge_proxy.admission import LoadView
 from edge_proxy.prefix_index import BlockIndex
@@ -49,6 +52,8 @@ class PoolConfig:
     ping_interval_s: float = 1.0
     ping_timeout_s: float = 2.0
     stall_timeout_s: float = 2.0
+    stall_steps: float = 4.0  # a slow engine (long steps on CPU) gets this many step times of silence
+    start_timeout_s: float = 30.0  # silence allowed before the first token of a busy period
     healthz_interval_s: float = 2.0
     healthz_failures: int = 2
     hello_timeout_s: float = 5.0
@@ -85,12 +90,15 @@ class ReplicaConn:
         self.own_at_report = 0
         self.pending_tokens = 0  # prompt tokens sent since the last Load
         self.last_rx = 0.0
+        self.busy_since = 0.0  # when the first of the current streams was sent
+        self.last_tokens_rx = 0.0
         self._codec = Codec()
         self._out: list = []
         self._wake = asyncio.Event()
         self._seq = 0
         self._prefix = secrets.token_hex(4) + "-"
         self._healthz_fail = 0
+        self._after_hello: list = []
 
     def __repr__(self):
         return f"ReplicaConn({self.id!r}, ready={self.ready})"
@@ -105,6 +113,17 @@ class ReplicaConn:
         reported = self.load.running + self.load.waiting if self.load is not None else 0
         return effective_load(reported, self.own_inflight, self.own_at_report)
 
+    def stalled(self, now: float) -> bool:
+        """In-flight work and silence past the stall limit."""
+        if not (self.connected and self.streams):
+            return False
+        if self.last_tokens_rx < self.busy_since:  # nothing produced yet: maybe a cold first step
+            return now - max(self.last_rx, self.busy_since) > self.cfg.start_timeout_s
+        limit = self.cfg.stall_timeout_s
+        if self.load is not None:
+            limit = max(limit, self.cfg.stall_steps * self.load.step_ms / 1e3)
+        return now - self.last_rx > limit
+
     def load_view(self) -> LoadView:
         ld = self.load
         if ld is None:
@@ -117,6 +136,8 @@ class ReplicaConn:
         """Register `stream` under a fresh internal id and queue its Generate."""
         self._seq += 1
         rid = gen.id = f"{self._prefix}{self._seq}"
+        if not self.streams:
+            self.busy_since = perf_counter()
         self.streams[rid] = stream
         self.own_inflight += 1
         self.pending_tokens += len(gen.prompt_ids)
@@ -146,8 +167,7 @@ class ReplicaConn:
     # -- incoming --------------------------------------------------------------
 
     async def _read_loop(self, ws) -> None:
-        decode = self._codec.decode
-        streams = self.streams  # cleared in place on loss, never replaced
+        decode, dispatch = self._codec.decode, self._dispatch
         while True:
             data = await ws.recv()
             now = perf_counter()
@@ -157,31 +177,36 @@ class ReplicaConn:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.error("replica %s sent an undecodable frame (%s); dropping the connection", self.id, e)
                 raise ConnectionError("bad frame from replica") from None
-            for m in msgs:
-                t = type(m)
-                if t is Tokens:
-                    s = streams.get(m.id)
-                    if s is not None:
-                        s.on_tokens(m.ids, m.text, now)
-                elif t is Finished:
-                    s = streams.get(m.id)
-                    if s is not None:
-                        s.on_finished(m, now)
-                elif t is Load:
-                    self.load = m
-                    self.own_at_report = self.own_inflight
-                    self.pending_tokens = 0
-                    self.load_event.set()
-                elif t is KvEvents:
-                    self.index.apply(m)
-                elif t is Error:
-                    s = streams.get(m.id) if m.id is not None else None
-                    if s is not None:
-                        s.on_replica_error(m)
-                    else:
-                        log.warning("replica %s: %s: %s", self.id, m.code, m.message)
+            dispatch(msgs, now)
+
+    def _dispatch(self, msgs: list, now: float) -> None:
+        streams = self.streams
+        for m in msgs:
+            t = type(m)
+            if t is Tokens:
+                self.last_tokens_rx = now
+                s = streams.get(m.id)
+                if s is not None:
+                    s.on_tokens(m.ids, m.text, now)
+            elif t is Finished:
+                s = streams.get(m.id)
+                if s is not None:
+                    s.on_finished(m, now)
+            elif t is Load:
+                self.load = m
+                self.own_at_report = self.own_inflight
+                self.pending_tokens = 0
+                self.load_event.set()
+            elif t is KvEvents:
+                self.index.apply(m)
+            elif t is Error:
+                s = streams.get(m.id) if m.id is not None else None
+                if s is not None:
+                    s.on_replica_error(m)
                 else:
-                    log.warning("replica %s sent unexpected %s", self.id, t.__name__)
+                    log.warning("replica %s: %s: %s", self.id, m.code, m.message)
+            else:
+                log.warning("replica %s sent unexpected %s", self.id, t.__name__)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -212,6 +237,15 @@ class ReplicaConn:
                                    open_timeout=self.cfg.hello_timeout_s, ping_interval=self.cfg.ping_interval_s,
                                    ping_timeout=self.cfg.ping_timeout_s, close_timeout=1.0,
                                    max_size=self.cfg.max_frame_bytes, max_queue=None)
+            except InvalidStatus as e:  # refused before the upgrade (HTTP 401/403) or not a replica
+                if e.response.status_code in (401, 403):
+                    self._refused()
+                    backoff = self.cfg.backoff_max_s
+                else:
+                    log.warning("replica %s: connect answered HTTP %d", self.url, e.response.status_code)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.cfg.backoff_max_s)
+                continue
             except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
                 log.debug("replica %s: connect failed: %s", self.url, e)
                 await asyncio.sleep(backoff)
@@ -231,6 +265,8 @@ class ReplicaConn:
                     self.connected = True
                     self.refused = False
                     writer = asyncio.create_task(self._write_loop(ws))
+                    rest, self._after_hello = self._after_hello, []
+                    self._dispatch(rest, self.last_rx)
                     log.info("replica %s ready at %s (model %s)", self.id, self.url, hello.model)
                     self.pool.on_state_change()
                     await self._read_loop(ws)
@@ -248,13 +284,15 @@ class ReplicaConn:
                     self.lose(cause)
                 ws.transport.abort()
             if cause == "refused":
-                if not self.refused:
-                    log.error("replica %s refused the proxy's secret (close 4401); check EDGECHAT_REPLICA_SECRET",
-                              self.url)
-                self.refused = True
+                self._refused()
                 backoff = self.cfg.backoff_max_s
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.backoff_max_s)
+
+    def _refused(self) -> None:
+        if not self.refused:
+            log.error("replica %s refused the proxy's secret; check EDGECHAT_REPLICA_SECRET", self.url)
+        self.refused = True
 
     async def _handshake(self, ws) -> Hello | None:
         try:
@@ -270,6 +308,7 @@ class ReplicaConn:
         hello = msgs[0]
         if not self.pool.accept_hello(self, hello):
             return None
+        self._after_hello = msgs[1:]  # the replica may send its KV state and Load in the same frame
         return hello
 
     async def healthz(self, client: httpx.AsyncClient) -> None:
@@ -373,7 +412,7 @@ class ReplicaPool:
             await asyncio.sleep(period)
             now = perf_counter()
             for c in self.conns:
-                if c.connected and now - c.last_rx > self.cfg.stall_timeout_s:
+                if c.stalled(now):
                     c.lose("stall")
 
     async def _healthz_loop(self) -> None:

@@ -101,6 +101,7 @@ class DrainingServer(uvicorn.Server):
 def serve(cfg: ProxyConfig, sock: socket.socket | None = None) -> None:
     """Run one worker in this process until drained."""
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /healthz poll otherwise
     proxy = build_proxy(cfg)
     server = DrainingServer(uvicorn_config(create_app(proxy), cfg), proxy)
     if sock is None:

@@ -105,7 +105,8 @@ class StubReplica:
         self.cfg = cfg or StubConfig(**kw)
         self.port = 0
         self.lag = False  # stop sending anything (pings are still answered)
-        self.refuse = False  # close every new connection with 4401
+        self.refuse = False  # refuse every new connection as if its secret were wrong
+        self.refuse_http = False  # refuse before the upgrade (HTTP 403, as Starlette does) instead of close 4401
         self.healthy = True  # /healthz 200 or 503
         self.generates: list[rp.Generate] = []
         self.aborts: list[tuple[str, float]] = []
@@ -159,23 +160,27 @@ class StubReplica:
             return connection.respond(200 if self.healthy else 503, "ok\n" if self.healthy else "sick\n")
         if request.path != "/v1/replica":
             return connection.respond(404, "not found\n")
+        if self.refuse_http and not self._authorized(request.headers):
+            return connection.respond(403, "unauthorized\n")
         return None
 
-    def _authorized(self, ws) -> bool:
+    def _authorized(self, headers) -> bool:
         if self.refuse:
             return False
         if not self.cfg.secret:
             return True
-        got = (ws.request.headers.get("Authorization") or "").encode()
+        got = (headers.get("Authorization") or "").encode()
         return hmac.compare_digest(got, f"Bearer {self.cfg.secret}".encode())
 
     async def _handler(self, ws) -> None:
-        if not self._authorized(ws):
+        if not self._authorized(ws.request.headers):
             await ws.close(4401, "unauthorized")
             return
         c = _Conn(ws)
         cfg = self.cfg
-        await ws.send(self._codec.encode([rp.Hello(cfg.replica_id, cfg.model, cfg.block_size, cfg.max_model_len)]))
+        # Like the replica: Hello, then the whole cache state, in the first frame.
+        await ws.send(self._codec.encode([rp.Hello(cfg.replica_id, cfg.model, cfg.block_size, cfg.max_model_len),
+                                          rp.KvEvents(stored=list(self._cache), cleared=True)]))
         self.conns.add(c)
         self.connected_event.set()
         try:

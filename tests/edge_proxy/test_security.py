@@ -79,14 +79,18 @@ async def test_replicas_refuse_a_wrong_secret():
     async with stubs("a") as reps, proxy_for(reps, wait_ready=0, pool=PoolConfig(secret="wrong", backoff_max_s=0.1,
                                                                                   healthz_interval_s=0)) as p:
         conn = p.proxy.pool.conns[0]
-        assert not await p.proxy.pool.wait_ready(1, timeout=0.5)
+        assert not await p.proxy.pool.wait_ready(1, timeout=0.3)
         assert conn.refused and not reps[0].conns
-    async with stubs("a") as reps:
-        reps[0].refuse = True
-        async with proxy_for(reps, wait_ready=0) as p:
-            assert not await p.proxy.pool.wait_ready(1, timeout=0.5)
-            reps[0].refuse = False
-            assert await p.proxy.pool.wait_ready(1, timeout=5)
+    for before_upgrade in (False, True):  # close 4401 after the upgrade, or HTTP 403 before it
+        async with stubs("a") as reps:
+            reps[0].refuse = True
+            reps[0].refuse_http = before_upgrade
+            async with proxy_for(reps, wait_ready=0) as p:
+                assert not await p.proxy.pool.wait_ready(1, timeout=0.3)
+                assert p.proxy.pool.conns[0].refused
+                reps[0].refuse = False
+                assert await p.proxy.pool.wait_ready(1, timeout=5)
+                assert not p.proxy.pool.conns[0].refused
 
 
 async def test_per_key_rate_limit():
