@@ -33,6 +33,9 @@ def build_engine(cfg: EngineConfig):
     from replica.loader import load_checkpoint, load_config
 
     torch.manual_seed(cfg.seed)
+    if cfg.device == "cpu":
+        # A pool spinning on every core starves the API process: leave it one.
+        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     if cfg.random_weights:
         return LLMEngine(cfg, load_config(cfg.model))
     from replica.runner import DTYPES

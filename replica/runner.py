@@ -77,16 +77,27 @@ class Runner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs) -> list[int]:
-        """Sample one token per row; randomness depends on (seed, position) only."""
-        sp = [s.sampling for s in seqs]
-        tokens = self.ops.sample(
-            logits,
-            self._tensor([p.temperature for p in sp], torch.float32),
-            self._tensor([p.top_k for p in sp], torch.int32),
-            self._tensor([p.top_p for p in sp], torch.float32),
-            self._tensor([s.seed for s in seqs], torch.int64),
-            self._tensor([len(s) for s in seqs], torch.int64),  # position of the token being sampled
-        )
+        """Sample one token per row; randomness depends on (seed, position) only.
+
+        Greedy rows take a plain argmax; only rows that sample pay for filtering
+        and hashed noise (which rows is known on the host: no device sync)."""
+        hot = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
+        tokens = logits.argmax(-1)
+        if hot:
+            sp = [seqs[i].sampling for i in hot]
+            rows = logits if len(hot) == len(seqs) else logits[self._tensor(hot, torch.int64)]
+            sampled = self.ops.sample(
+                rows,
+                self._tensor([p.temperature for p in sp], torch.float32),
+                self._tensor([p.top_k for p in sp], torch.int32),
+                self._tensor([p.top_p for p in sp], torch.float32),
+                self._tensor([seqs[i].seed for i in hot], torch.int64),
+                self._tensor([len(seqs[i]) for i in hot], torch.int64),  # position of the sampled token
+            )
+            if len(hot) == len(seqs):
+                tokens = sampled
+            else:
+                tokens[self._tensor(hot, torch.int64)] = sampled
         return tokens.tolist()  # the one host sync per step: tokens go to the API process
 
 

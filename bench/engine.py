@@ -1,0 +1,112 @@
+"""Engine benchmark: host overhead per decode step, and the default model's speed.
+
+    .venv/bin/python bench/engine.py            # both tables
+    .venv/bin/python bench/engine.py --host     # host overhead only (seconds)
+
+Table 1 runs the real scheduler, block manager, runner metadata and sampler with
+a model whose forward costs nothing (zero hidden states, zero logits over the
+real vocabulary), so the time per step is the engine's own host work.
+Table 2 runs the default model (SmolLM2-135M-Instruct) on this machine's device:
+decode ms per step and tokens/s at batch 1 and 16 after the prompts are prefilled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from replica import protocol as P  # noqa: E402
+from replica.config import EngineConfig  # noqa: E402
+from replica.engine import LLMEngine  # noqa: E402
+from replica.loader import PRESETS, load_checkpoint  # noqa: E402
+
+
+class ZeroCostModel(torch.nn.Module):
+    """Same interface as LlamaModel; forward and logits are views of preallocated
+    zeros, so a step's time is the engine's own work plus the sampler."""
+
+    def __init__(self, hidden: int, vocab: int, max_tokens: int = 4096):
+        super().__init__()
+        self.hidden_buf = torch.zeros(max_tokens, hidden)
+        self.logits_buf = torch.zeros(256, vocab)
+
+    def forward(self, input_ids, positions, ctx, kv_cache, aux_layers=()):
+        return self.hidden_buf[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden):
+        return self.logits_buf[: hidden.shape[0]]
+
+
+def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int, temperature: float) -> list[float]:
+    """Prefill `batch` requests, then time `steps` decode steps (seconds each)."""
+    sp = P.SamplingParams(max_tokens=steps + 4, temperature=temperature, top_p=0.9 if temperature else 1.0,
+                          ignore_eos=True, seed=1)
+    for i in range(batch):
+        ids = [(7 * i + j) % 1000 + 10 for j in range(prompt_len)]
+        assert engine.add(P.Generate(id=f"b{batch}-{i}", prompt_ids=ids, sampling=sp)) is None
+    while any(s.num_computed < len(s) - 1 for s in engine.seqs.values()):
+        engine.step()  # prefill
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for rid in list(engine.seqs):
+        engine.abort(rid)
+    return times
+
+
+def host_overhead(device: str) -> None:
+    cfg = PRESETS["smollm2-135m"]
+    model = ZeroCostModel(cfg.hidden_size, cfg.vocab_size)
+    print(f"\n## Engine host time per decode step (zero-cost model, vocab {cfg.vocab_size}, {device})\n")
+    print("| batch | greedy ms/step | sampled (T=0.8, top-p 0.9) ms/step |")
+    print("|---:|---:|---:|")
+    for batch in (1, 8, 64):
+        row = []
+        for temp in (0.0, 0.8):
+            ecfg = EngineConfig(device=device, num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=4096)
+            engine = LLMEngine(ecfg, cfg, model=model)
+            t = decode_steps(engine, batch, prompt_len=100, steps=200, temperature=temp)
+            row.append(statistics.median(t) * 1e3)
+        print(f"| {batch} | {row[0]:.3f} | {row[1]:.3f} |")
+
+
+def model_speed(device: str, dtype: str) -> None:
+    ckpt = load_checkpoint("default", dtype=getattr(torch, dtype))
+    print(f"\n## Default model decode ({ckpt.config.name}, {device}/{dtype}, prompt 128 tokens)\n")
+    print("| batch | ms/step | ms/token | tokens/s |")
+    print("|---:|---:|---:|---:|")
+    engine = LLMEngine(EngineConfig(device=device, dtype=dtype, num_blocks=1024, max_num_seqs=64,
+                                    max_num_batched_tokens=2048), ckpt.config, ckpt.weights)
+    for batch in (1, 16):
+        decode_steps(engine, batch, prompt_len=128, steps=4, temperature=0.0)  # warm-up
+        t = decode_steps(engine, batch, prompt_len=128, steps=48, temperature=0.0)
+        step = statistics.median(t)
+        print(f"| {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | {batch / step:.1f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", action="store_true", help="host overhead table only")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
+    host_overhead(args.device)
+    if not args.host:
+        model_speed(args.device, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+
+
+if __name__ == "__main__":
+    main()
