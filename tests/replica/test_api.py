@@ -78,7 +78,8 @@ def ws_url(url):
 def test_golden_greedy_chat(server):
     out = chat(server, CHAT)
     text = out["choices"][0]["message"]["content"]
-    assert text.startswith("The capital of France is Paris."), text
+    assert text == "The capital of France is Paris.", text
+    assert out["choices"][0]["finish_reason"] == "stop"
     assert out["usage"]["prompt_tokens"] > 20 and out["usage"]["completion_tokens"] <= 24
 
 

@@ -187,3 +187,25 @@ def test_bad_requests_are_rejected_with_the_problem_named(req, problem):
     err = engine.add(req)
     assert isinstance(err, P.Error) and problem in err.message and err.id == "a"
     assert not engine.has_work()
+
+
+def test_default_model_logits_match_reference_and_golden_greedy():
+    """SmolLM2-135M-Instruct from its GGUF: chunked prefill + decode vs the plain forward."""
+    from replica.loader import load_checkpoint
+
+    ckpt = load_checkpoint("default")
+    cfg, w = ckpt.config, ckpt.weights
+    engine = LLMEngine(EngineConfig(num_blocks=32, max_num_batched_tokens=16, max_num_seqs=4), cfg, w)
+    ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    engine.add(P.Generate(id="g", prompt_ids=ids, sampling=greedy(8)))
+    seen = []
+
+    def check(logits, toks):
+        seen.extend(logits.values())
+
+    toks, _ = run(engine, check)
+    # One reference pass over prompt + output: row len(ids) - 1 + j predicts output token j.
+    ref = reference_logits(cfg, w, ids + toks["g"][:-1])[len(ids) - 1:]
+    assert len(seen) == len(ref) == 8
+    assert (torch.stack(seen) - ref).abs().max() < 1e-4
+    assert ckpt.tokenizer.decode(toks["g"]) == "The capital of France is Paris."
