@@ -10,6 +10,7 @@ together so each key is read from memory once.
 """
 
 import torch
+import torch.nn.functional as F
 
 from kernels._triton import dot_dtype, dot_precision, tl, triton
 
@@ -18,21 +19,19 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     """q (B, H, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks)
     int32; seq_lens (B,) int32, each >= 1 -> (B, H, D) in q's dtype.
 
-    Batched: gathers every sequence's blocks into a padded (B, L, Hkv, D) and masks.
+    Batched: gathers every sequence's blocks into a padded (B, Hkv, L, D), masks
+    the padding, and runs PyTorch's fused SDPA in fp32 (GQA inside SDPA).
     """
-    b, h, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
+    block_size = k_cache.shape[1]
     n_blocks = -(-int(seq_lens.max()) // block_size)
     ids = block_tables[:, :n_blocks].long().clamp_min(0)  # padding entries may be -1
-    k = k_cache[ids].flatten(1, 2).float()  # (B, L, Hkv, D)
-    v = v_cache[ids].flatten(1, 2).float()
-    qg = q.float().view(b, hkv, h // hkv, d)  # (B, Hkv, G, D)
-    s = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # (B, Hkv, G, L)
-    pos = torch.arange(k.shape[1], device=q.device)
-    s = s.masked_fill((pos[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("bkgl,blkd->bkgd", p, v)
-    return o.reshape(b, h, d).to(q.dtype)
+    k = k_cache[ids].flatten(1, 2).transpose(1, 2).float()  # (B, Hkv, L, D)
+    v = v_cache[ids].flatten(1, 2).transpose(1, 2).float()
+    valid = torch.arange(k.shape[2], device=q.device) < seq_lens[:, None]  # (B, L)
+    o = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )  # (B, H, 1, D)
+    return o[:, :, 0].to(q.dtype)
 
 
 @triton.jit
@@ -120,8 +119,9 @@ def _decode_merge_kernel(
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(mid_lse_ptr + bh * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
-    w = w / tl.sum(w, axis=0)
+    m = tl.max(lse, axis=0)  # finite: split 0 is never empty when seq_len >= 1
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)  # seq_len 0 (graph padding): zeros, not NaN
     o_mask = (s < NUM_SPLITS)[:, None] & (d < D)[None, :]
     o = tl.load(mid_o_ptr + (bh * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=o_mask, other=0.0)
     out = tl.sum(o * w[:, None], axis=0)

@@ -7,6 +7,7 @@ block_size + p % block_size. Query head h reads kv head h // (H // Hkv).
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, length: int):
@@ -23,13 +24,11 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     """softmax(q k^T * scale, masked) v in fp32 for one sequence.
 
     q (M, H, D), k/v (L, Hkv, D), allowed bool (M, L) -> (M, H, D) in q's dtype.
-    Every query must be allowed at least one key.
+    Every query must be allowed at least one key. PyTorch's fused SDPA on fp32
+    copies (exact math, and several times faster on CPU than einsum + softmax).
     """
-    m, h, d = q.shape
-    hkv = k.shape[1]
-    qg = q.float().view(m, hkv, h // hkv, d)  # (M, Hkv, G, D)
-    s = torch.einsum("mkgd,lkd->kgml", qg, k.float()) * scale  # (Hkv, G, M, L)
-    s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("kgml,lkd->mkgd", p, v.float())  # (M, Hkv, G, D)
-    return o.reshape(m, h, d).to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+        attn_mask=allowed, scale=scale, enable_gqa=True,
+    )  # (H, M, D)  # fmt: skip
+    return o.transpose(0, 1).to(q.dtype)

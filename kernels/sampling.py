@@ -9,10 +9,12 @@ always at least the top token (ties with its last value kept).
 
 Randomness is a pure function of (seed, position) per row: the Gumbel-max trick
 argmax_i(logits_i / T + g_i), g_i = -log(-log(u_i)), with u_i from a
-counter-based hash of (seed, position, i): murmur3's 32-bit finalizer, computed
-in uint32 in the kernel and in int64 masked to 32 bits in the reference (with
-the multiply split so no int64 product overflows). So batch composition never
-changes a seeded token, a resumed request continues exactly, and reference and
+counter-based hash of (seed, position, i): a per-row key from (seed, position),
+then one xorshift-multiply mixing round over the Weyl sequence i * 0x61C88647 +
+key, computed in uint32 in the kernel and in int64 masked to 32 bits in the
+reference (multipliers < 2^31, so no int64 product overflows). So batch
+composition never changes a seeded token, a resumed request continues exactly,
+and reference and
 kernel pick the same token on the same inputs (up to an ulp of log).
 
 Top-k/top-p in Triton without a sort: one program per row finds each threshold
@@ -26,87 +28,116 @@ import torch
 from kernels._triton import tl, triton
 
 _M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
+# Multipliers below 2^31: a product with a 32-bit value stays below 2^63, so the
+# int64 reference is exact and matches the kernel's wrapping uint32 multiply.
+_MUL1, _MUL2 = 0x7FEB352D, 0x7B935975
+_WEYL = 0x61C88647  # 2^32 / golden ratio, negated mod 2^32
 
 
-def _mul32(x, c: int):
-    """(x * c) mod 2^32 for int64 x in [0, 2^32), with every product < 2^49."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(x):
-    """murmur3 finalizer on int64 holding uint32 values."""
+def _mix32(x):
+    """xorshift-multiply finalizer on int64 tensors holding uint32 values."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
+    x = (x * _MUL1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _M32
     return x ^ (x >> 16)
 
 
-def _row_keys(seeds, positions):
-    """Two 32-bit keys per row from (seed, position), int64 (B,) each."""
-    h = _fmix32((seeds & _M32) ^ _GOLDEN)
-    h = _fmix32(h ^ ((seeds >> 32) & _M32))
-    h = _fmix32(h ^ (positions & _M32))
-    h = _fmix32(h ^ ((positions >> 32) & _M32))
-    return h, _fmix32(h ^ 0x85EBCA6B)
+def uniforms_ref(seeds, positions, index):
+    """fp32 in (0, 1): u = hash(seed, position, token index) per row.
 
-
-def uniforms_ref(seeds, positions, vocab: int):
-    """(B, V) fp32 in (0, 1): u[b, i] = hash(seeds[b], positions[b], i)."""
-    h1, h2 = _row_keys(seeds.long(), positions.long())
-    idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    r = _fmix32((_mul32(idx, _GOLDEN)[None, :] + h1[:, None]) & _M32)
-    r = _fmix32(r ^ h2[:, None])
+    seeds, positions (B,) int64; index (V,) or (B, n) int64 token ids -> (B, V) or (B, n).
+    """
+    seeds, positions = seeds.long(), positions.long()
+    h1 = _mix32((seeds & _M32) ^ 0x3C6EF372)
+    h1 = _mix32(h1 ^ ((seeds >> 32) & _M32))
+    h1 = _mix32(h1 ^ (positions & _M32))
+    h1 = _mix32(h1 ^ ((positions >> 32) & _M32))
+    h2 = _mix32(h1 ^ 0x2545F491)
+    r = _mix32((((index * _WEYL) + h1[:, None]) & _M32) ^ h2[:, None])
     return ((r >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def _keep_mask(logits, temperature, top_k, top_p):
-    """bool (B, V): the tokens top-k then top-p keep (rows with T == 0: all)."""
-    b, v = logits.shape
-    x = logits.float()
-    sx, _ = torch.sort(x, dim=-1, descending=True)
-    k = top_k.long()
-    kth = sx.gather(1, (k - 1).clamp(0, v - 1)[:, None])  # (B, 1)
-    kth = torch.where((k > 0)[:, None], kth, torch.full_like(kth, float("-inf")))
-    t = torch.where(temperature > 0, temperature, 1.0).float()[:, None]
-    z = torch.where(sx >= kth, sx / t, float("-inf"))  # sorted, top-k applied
-    e = torch.exp(z - z[:, :1])
-    # mass of strictly earlier (larger) entries: exclusive cumsum by shifting
-    mass_gt = torch.cat([torch.zeros_like(e[:, :1]), torch.cumsum(e, dim=-1)[:, :-1]], dim=-1)
-    in_p = (mass_gt < top_p.float()[:, None] * e.sum(-1, keepdim=True)) & (sx >= kth)
-    last = (in_p.sum(-1, keepdim=True) - 1).clamp_min(0)
-    thr_p = sx.gather(1, last)
-    thr = torch.where((top_p < 1)[:, None], torch.maximum(thr_p, kth), kth)
-    return x >= thr
+def _kept(x, t, top_k, top_p, width: int = 1024):
+    """Token ids of each row of logits x (B, V) sorted by logit, descending (B, n),
+    and how many of them top-k then top-p keep (B, 1); the kept set is every token
+    whose logit is >= the last kept one (ties included), and its threshold (B, 1).
+
+    Looks at the `width` largest logits first (enough for real LLM distributions,
+    and far cheaper than sorting the vocabulary on CPU); sorts fully only when the
+    kept set does not provably end inside them.
+    """
+    v = x.shape[1]
+    k = top_k.long()[:, None]
+    k_on = (k > 0) & (k < v)
+    p_on = top_p.float()[:, None] < 1
+    z_max = x.max(-1, keepdim=True).values / t
+    c = min(v, max(width, int(torch.where(k_on, k, 0).max())))
+    while True:
+        if c < v:
+            sx, si = torch.topk(x, c, dim=-1)  # sorted, descending
+        else:
+            sx, si = torch.sort(x, dim=-1, descending=True)
+        kth = torch.where(k_on, sx.gather(1, (k - 1).clamp(0, c - 1)), float("-inf"))
+        e = torch.where(sx >= kth, torch.exp(sx / t - z_max), 0.0)  # unnormalized probabilities
+        total = e.sum(-1, keepdim=True)
+        if c < v:  # rows without top-k: mass of the whole vocabulary
+            total = torch.where(k_on, total, torch.exp(x / t - z_max).sum(-1, keepdim=True))
+        # mass of the strictly earlier (larger) entries: an exclusive cumsum, by shifting
+        mass_gt = torch.cat([torch.zeros_like(e[:, :1]), torch.cumsum(e, dim=-1)[:, :-1]], dim=-1)
+        n_p = ((mass_gt < top_p.float()[:, None] * total) & (sx >= kth)).sum(-1, keepdim=True)
+        thr = torch.where(p_on, sx.gather(1, (n_p - 1).clamp_min(0)), kth)  # >= kth; >= 1 token
+        n_keep = (x >= thr).sum(-1, keepdim=True)
+        n_k = (x >= kth).sum(-1, keepdim=True)
+        if c == v or bool(((~k_on | (n_k <= c)) & (~p_on | (n_p < c)) & (n_keep <= c)).all()):
+            return si, n_keep, thr
+        c = v
 
 
 def probs_ref(logits, temperature, top_k, top_p):
     """(B, V) fp32: the distribution `sample` draws from (one-hot argmax where T == 0)."""
-    keep = _keep_mask(logits, temperature, top_k, top_p)
+    x = logits.float()
     t = torch.where(temperature > 0, temperature, 1.0).float()[:, None]
-    p = torch.softmax(torch.where(keep, logits.float() / t, float("-inf")), dim=-1)
-    greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[1]).float()
+    _, _, thr = _kept(x, t, top_k, top_p)
+    p = torch.softmax(torch.where(x >= thr, x / t, float("-inf")), dim=-1)
+    greedy = torch.nn.functional.one_hot(x.argmax(-1), x.shape[1]).float()
     return torch.where((temperature > 0)[:, None], p, greedy)
 
 
 def sample_ref(logits, temperature, top_k, top_p, seeds, positions):
     """logits (B, V) fp32; temperature (B,) fp32; top_k (B,) int32; top_p (B,) fp32;
-    seeds, positions (B,) int64 -> (B,) int64 token ids."""
-    keep = _keep_mask(logits, temperature, top_k, top_p)
-    t = torch.where(temperature > 0, temperature, 1.0).float()[:, None]
-    u = uniforms_ref(seeds, positions, logits.shape[1])
-    score = torch.where(keep, logits.float() / t - torch.log(-torch.log(u)), float("-inf"))
-    return torch.where(temperature > 0, score.argmax(-1), logits.argmax(-1))
+    seeds, positions (B,) int64 -> (B,) int64 token ids.
+
+    The CPU path: it branches on the data to skip work (greedy rows, unfiltered
+    rows) and hashes only the kept tokens; it picks the kernel's tokens.
+    """
+    x = logits.float()
+    tokens = x.argmax(-1)
+    v = x.shape[1]
+    t = temperature.float()[:, None]
+    filtered = ((top_k > 0) & (top_k < v)) | (top_p < 1)
+    rows = ((temperature > 0) & ~filtered).nonzero()[:, 0]
+    if rows.numel():  # softmax(x / T) over the whole vocabulary
+        u = uniforms_ref(seeds[rows], positions[rows], torch.arange(v, device=x.device))
+        tokens[rows] = (x[rows] / t[rows] - torch.log(-torch.log(u))).argmax(-1)
+    rows = ((temperature > 0) & filtered).nonzero()[:, 0]
+    if rows.numel():  # only the kept tokens: the first n_keep of each row's sorted ids
+        si, n_keep, _ = _kept(x[rows], t[rows], top_k[rows], top_p[rows])
+        idx = si[:, : int(n_keep.max())]
+        u = uniforms_ref(seeds[rows], positions[rows], idx)
+        score = x[rows].gather(1, idx) / t[rows] - torch.log(-torch.log(u))
+        score = score.masked_fill(torch.arange(idx.shape[1], device=x.device) >= n_keep, float("-inf"))
+        tokens[rows] = idx.gather(1, score.argmax(-1, keepdim=True))[:, 0]
+    return tokens
 
 
 @triton.jit
-def _fmix32_tl(x):
-    """murmur3 finalizer on uint32 (wrapping multiplies)."""
+def _mix32_tl(x):
+    """The reference's _mix32 on uint32 (multiplies wrap mod 2^32)."""
     x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x7B935975
     return x ^ (x >> 16)
 
 
@@ -196,17 +227,16 @@ def _sample_kernel(
         # Gumbel-max over the kept tokens with hashed uniforms u(seed, position, i).
         seed = tl.load(seed_ptr + row)
         pos = tl.load(pos_ptr + row)
-        h1 = _fmix32_tl(seed.to(tl.uint32) ^ 0x9E3779B9)
-        h1 = _fmix32_tl(h1 ^ (seed >> 32).to(tl.uint32))
-        h1 = _fmix32_tl(h1 ^ pos.to(tl.uint32))
-        h1 = _fmix32_tl(h1 ^ (pos >> 32).to(tl.uint32))
-        h2 = _fmix32_tl(h1 ^ 0x85EBCA6B)
+        h1 = _mix32_tl(seed.to(tl.uint32) ^ 0x3C6EF372)
+        h1 = _mix32_tl(h1 ^ (seed >> 32).to(tl.uint32))
+        h1 = _mix32_tl(h1 ^ pos.to(tl.uint32))
+        h1 = _mix32_tl(h1 ^ (pos >> 32).to(tl.uint32))
+        h2 = _mix32_tl(h1 ^ 0x2545F491)
         best_s = tl.full([], float("-inf"), tl.float32)
         for v0 in range(0, V, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
             x = tl.load(base + offs, mask=offs < V, other=float("-inf"))
-            r = _fmix32_tl(offs.to(tl.uint32) * 0x9E3779B9 + h1)
-            r = _fmix32_tl(r ^ h2)
+            r = _mix32_tl((offs.to(tl.uint32) * 0x61C88647 + h1) ^ h2)
             u = ((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             s = tl.where((offs < V) & (_order_key_tl(x) >= thr), x / t - tl.log(-tl.log(u)), float("-inf"))
             m = tl.max(s, axis=0)
