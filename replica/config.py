@@ -68,6 +68,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
     random_weights: bool = False
     seed: int = 0
+    tp: int = 1  # tensor-parallel ranks (one process per device)
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 -> cores - 1 (the API process needs one)
     load_report_interval_s: float = 0.5
     extra: dict = field(default_factory=dict)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 
+import msgspec
 import torch
 
 from replica import protocol as P
@@ -18,21 +19,26 @@ from replica.config import EngineConfig, ModelConfig
 from replica.runner import DTYPES, Runner, build_model, kv_bytes_per_block
 from replica.scheduler import Scheduler
 from replica.sequence import Sequence
+from replica.tp import TensorParallel, local_config, shard
 
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, weights: dict | None = None, *, ops=None,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None, tp: TensorParallel | None = None):
         """Build from a model config and Hugging Face-named weights (None: random init).
 
         `model` replaces the Llama model with any object of the same interface
-        (bench/engine.py passes one whose forward costs nothing).
+        (bench/engine.py passes one whose forward costs nothing). With `tp`, this
+        rank holds its shard of the weights and KV heads; rank 0 schedules and
+        broadcasts each step's plan.
         """
         import kernels
 
         self.cfg, self.model_cfg = cfg, model_cfg
+        self.tp = tp or TensorParallel()
+        local_cfg = local_config(model_cfg, self.tp.world) if self.tp.world > 1 else model_cfg
         self.ops = ops if ops is not None else kernels.ops(torch.device(cfg.device).type)
-        per_block = kv_bytes_per_block(model_cfg, cfg.block_size, DTYPES[cfg.dtype])
+        per_block = kv_bytes_per_block(local_cfg, cfg.block_size, DTYPES[cfg.dtype])
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // per_block)
         self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings, num_blocks * cfg.block_size)
@@ -41,10 +47,13 @@ class LLMEngine:
                 from replica.loader import random_weights
 
                 weights = random_weights(model_cfg, seed=cfg.seed)
-            model = build_model(model_cfg, cfg, weights, self.ops, self.max_model_len)
+            if self.tp.world > 1:
+                weights = shard(weights, self.tp.rank, self.tp.world)
+            model = build_model(local_cfg, cfg, weights, self.ops, self.max_model_len, self.tp)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = Runner(model_cfg, cfg, model, self.ops, num_blocks)
+        self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks)
+        self._plan_encoder = msgspec.msgpack.Encoder()
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
@@ -104,8 +113,11 @@ class LLMEngine:
         if not batch.seqs:
             return ([], {}) if return_logits else []
         t0 = time.perf_counter()
-        logits, rows = self.runner.forward_logits(batch)
-        sampled = [batch.seqs[i] for i in rows]
+        plan = self.runner.plan(batch)
+        if self.tp.world > 1:
+            self.tp.broadcast_bytes(self._plan_encoder.encode(plan))
+        logits = self.runner.forward_logits(plan)
+        sampled = [batch.seqs[i] for i in plan.sample_rows]
         tokens = self.runner.sample(logits, sampled) if sampled else []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
@@ -142,6 +154,11 @@ class LLMEngine:
         self.blocks.commit(seq)
         self.scheduler.remove(seq)
         return self._finished(seq, reason, last_ids)
+
+    def close(self) -> None:
+        """Release tensor-parallel workers (rank 0)."""
+        if self.tp.world > 1 and self.tp.rank == 0:
+            self.tp.broadcast_bytes(None)
 
     # -- reports ----------------------------------------------------------------------
     def load(self) -> P.Load:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from replica.config import ModelConfig
+from replica.tp import TensorParallel
 
 
 @dataclass
@@ -69,9 +70,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, tp: TensorParallel):
         super().__init__()
-        self.cfg, self.ops = cfg, ops
+        self.cfg, self.ops, self.tp = cfg, ops, tp
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
@@ -98,27 +99,27 @@ class Attention(nn.Module):
                 ops.paged_extend_attention(q[nd:], k_cache, v_cache, ctx.extend_block_tables,
                                            ctx.extend_cu_seqlens_q, ctx.extend_seq_lens, self.scale),
             ])
-        return self.o_proj(o.reshape(T, cfg.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, cfg.q_size)))  # row-parallel
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, tp: TensorParallel):
         super().__init__()
-        self.ops = ops
+        self.ops, self.tp = ops, tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))  # row-parallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = Attention(cfg, ops, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg, ops, tp)
 
     def forward(self, x, residual, positions, ctx, k_cache, v_cache, cos_sin):
         # Pre-norm residual stream; the residual add is fused into the next norm.
@@ -132,13 +133,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops, max_positions: int):
+    """cfg is this rank's shape (replica.tp.local_config) when tensor-parallel."""
+
+    def __init__(self, cfg: ModelConfig, ops, max_positions: int, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        vocab = cfg.vocab_size // tp.world  # vocab-parallel embedding and head
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.register_buffer("cos_sin", self.rope_table(cfg, max_positions), persistent=False)
 
     @staticmethod
@@ -151,7 +156,7 @@ class LlamaModel(nn.Module):
         """kv_cache: (num_layers, 2, num_blocks, block_size, Hkv, D). Returns the final
         hidden states (T, hidden); with aux_layers, also the residual stream after each
         of those layers (what an EAGLE-3 head reads), as a list of (T, hidden)."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.tp.embed(input_ids, self.embed_tokens.weight), None
         aux = []
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, ctx, kv_cache[i, 0], kv_cache[i, 1], self.cos_sin)
@@ -162,7 +167,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)
+        return self.tp.gather_vocab(torch.nn.functional.linear(hidden, w))
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

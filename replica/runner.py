@@ -6,11 +6,25 @@ Hkv x D) and the op set chosen for the device at start-up.
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from replica.config import EngineConfig, ModelConfig
 from replica.model import Context, LlamaModel
 from replica.scheduler import Batch
+
+
+class StepPlan(msgspec.Struct, array_like=True):
+    """One step as plain data. Row i computes num_tokens[i] tokens starting at
+    position starts[i]; decode rows (one token each) come first."""
+
+    input_ids: list[int]  # all rows' tokens, flattened
+    starts: list[int]
+    num_tokens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # rows whose last token's logits are sampled
+    num_decodes: int
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,49 +45,58 @@ class Runner:
     def _tensor(self, data, dtype):
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
-    def prepare(self, batch: Batch):
-        """Flatten the batch into input ids, positions and the attention Context."""
-        bs = self.block_size
-        ids, pos, slots = [], [], []
-        sample_idx = []  # row of each sampling sequence's last token
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+    @staticmethod
+    def plan(batch: Batch) -> StepPlan:
+        """The step as plain data: what rank 0 broadcasts to tensor-parallel ranks."""
+        ids, starts, tables, sample_rows = [], [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed
             ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            starts.append(start)
+            tables.append(seq.block_table)
             if start + n == len(seq):
-                sample_idx.append(len(ids) - 1)
-        nd = batch.num_decodes
-        dec, ext = batch.seqs[:nd], batch.seqs[nd:]
+                sample_rows.append(i)
+        return StepPlan(input_ids=ids, starts=starts, num_tokens=list(batch.num_tokens), block_tables=tables,
+                        sample_rows=sample_rows, num_decodes=batch.num_decodes)
+
+    def prepare(self, plan: StepPlan):
+        """Input ids, positions, the attention Context, and the rows to compute logits for."""
+        bs = self.block_size
+        pos, slots, last = [], [], []
+        for start, n, table in zip(plan.starts, plan.num_tokens, plan.block_tables):
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            last.append(len(pos) - 1)
+        nd = plan.num_decodes
+        ext_n = plan.num_tokens[nd:]
         cu = [0]
-        for n in batch.num_tokens[nd:]:
+        for n in ext_n:
             cu.append(cu[-1] + n)
         ctx = Context(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=nd,
-            decode_block_tables=self._block_tables(dec) if dec else None,
-            decode_seq_lens=self._tensor([len(s) for s in dec], torch.int32) if dec else None,
-            extend_block_tables=self._block_tables(ext) if ext else None,
-            extend_cu_seqlens_q=self._tensor(cu, torch.int32) if ext else None,
-            extend_seq_lens=self._tensor([s.num_computed + n for s, n in zip(ext, batch.num_tokens[nd:])],
-                                         torch.int32) if ext else None,
+            decode_block_tables=self._block_tables(plan.block_tables[:nd]) if nd else None,
+            # a decode computes the token at position `start`: the sequence holds start + 1
+            decode_seq_lens=self._tensor([s + 1 for s in plan.starts[:nd]], torch.int32) if nd else None,
+            extend_block_tables=self._block_tables(plan.block_tables[nd:]) if ext_n else None,
+            extend_cu_seqlens_q=self._tensor(cu, torch.int32) if ext_n else None,
+            extend_seq_lens=self._tensor([s + n for s, n in zip(plan.starts[nd:], ext_n)], torch.int32)
+            if ext_n else None,
         )
-        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), ctx, sample_idx
+        sample_idx = [last[i] for i in plan.sample_rows]
+        return self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx, sample_idx
 
     @torch.inference_mode()
-    def forward_logits(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
-        """Logits (fp32) for the last token of each sequence that completes its
-        uncomputed tokens this step; also returns which batch rows those are."""
-        input_ids, positions, ctx, sample_idx = self.prepare(batch)
+    def forward_logits(self, plan: StepPlan) -> torch.Tensor:
+        """fp32 logits for the last token of each row in plan.sample_rows (the
+        sequences whose uncomputed tokens all run this step)."""
+        input_ids, positions, ctx, sample_idx = self.prepare(plan)
         hidden = self.model(input_ids, positions, ctx, self.kv_cache)
-        logits = self.model.compute_logits(hidden[sample_idx]).float()
-        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == len(s)]
-        return logits, rows
+        return self.model.compute_logits(hidden[sample_idx]).float()
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs) -> list[int]:
@@ -101,10 +124,10 @@ class Runner:
         return tokens.tolist()  # the one host sync per step: tokens go to the API process
 
 
-def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None, ops, max_positions: int):
+def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None, ops, max_positions: int, tp=None):
     dtype = DTYPES[cfg.dtype]
     with torch.device("meta"):
-        model = LlamaModel(model_cfg, ops, max_positions)
+        model = LlamaModel(model_cfg, ops, max_positions, tp)
     model = model.to_empty(device=cfg.device)
     # Buffers made on meta are empty: rebuild the rotary table for real.
     model.cos_sin = LlamaModel.rope_table(model_cfg, max_positions).to(cfg.device)

@@ -1,0 +1,147 @@
+"""Tensor parallelism (Megatron-style), one process per device.
+
+    q/k/v, gate/up     column-parallel: each rank holds 1/N of the heads / FFN rows
+    o_proj, down_proj  row-parallel: partial sums, then all-reduce
+    embed_tokens       vocab-parallel: each rank embeds its vocab slice, all-reduce
+    lm_head            vocab-parallel: each rank's logit slice, all-gather
+
+Rank 0 runs the scheduler and broadcasts each step's `StepPlan` (msgspec bytes
+over a gloo group, so NCCL only ever carries activations); ranks 1..N-1 run
+`worker_loop`. NCCL on GPUs, gloo on CPU (tests).
+
+    python -m replica.tp --rank R --world N --init-method tcp://H:P --config JSON   # a worker rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+
+import msgspec
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from replica.config import EngineConfig, ModelConfig
+
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_ROW = ("o_proj", "down_proj")
+
+
+class TensorParallel:
+    """This rank's view of the group. With world == 1 every op is the identity."""
+
+    def __init__(self, rank: int = 0, world: int = 1, plan_group=None):
+        self.rank, self.world, self.plan_group = rank, world, plan_group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(x)
+        return x
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: weight holds rows [rank*Vl, (rank+1)*Vl)."""
+        if self.world == 1:
+            return F.embedding(ids, weight)
+        local = ids - self.rank * weight.shape[0]
+        outside = (local < 0) | (local >= weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[:, None], 0)
+        return self.all_reduce(out)
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """(T, V/N) slices from every rank -> (T, V)."""
+        if self.world == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.world)]
+        dist.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    # -- step plans (rank 0 -> workers) ---------------------------------------------
+    def broadcast_bytes(self, payload: bytes | None) -> bytes | None:
+        """Rank 0 sends payload (None = shut down); other ranks receive it."""
+        n = torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64)
+        dist.broadcast(n, 0, group=self.plan_group)
+        if n.item() < 0:
+            return None
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 else \
+            torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.plan_group)
+        return payload if self.rank == 0 else buf.numpy().tobytes()
+
+
+def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The per-rank shape of the model."""
+    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+        if n % world:
+            raise ValueError(f"--tp {world} must divide {name} = {n} of {cfg.name}")
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
+                               intermediate_size=cfg.intermediate_size // world, head_dim=cfg.head_dim)
+
+
+def shard(weights: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of Hugging Face-named weights (norms are replicated)."""
+    out = {}
+    for name, w in weights.items():
+        parts = name.split(".")
+        if any(p in _COLUMN for p in parts):
+            out[name] = w.chunk(world, dim=0)[rank].clone()
+        elif any(p in _ROW for p in parts) and name.endswith("weight"):
+            out[name] = w.chunk(world, dim=1)[rank].clone()
+        else:
+            out[name] = w
+    return out
+
+
+def init(rank: int, world: int, init_method: str, device: str) -> TensorParallel:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank)
+    plan_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return TensorParallel(rank, world, plan_group)
+
+
+def spawn_workers(cfg: EngineConfig, init_method: str) -> list[subprocess.Popen]:
+    """Start ranks 1..tp-1 of the engine (rank 0 is the caller)."""
+    conf = msgspec.json.encode(cfg).decode()
+    return [subprocess.Popen([sys.executable, "-m", "replica.tp", "--rank", str(r), "--world", str(cfg.tp),
+                              "--init-method", init_method, "--config", conf]) for r in range(1, cfg.tp)]
+
+
+def worker_loop(runner, tp: TensorParallel) -> None:
+    """Run every step rank 0 plans, until it broadcasts the end."""
+    from replica.runner import StepPlan
+
+    decoder = msgspec.msgpack.Decoder(StepPlan)
+    while (payload := tp.broadcast_bytes(b"")) is not None:
+        runner.forward_logits(decoder.decode(payload))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from replica.engine_process import load_model_for
+
+    ap = argparse.ArgumentParser(description="one worker rank of a tensor-parallel engine")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--config", required=True)
+    args = ap.parse_args(argv)
+    cfg = msgspec.json.decode(args.config, type=EngineConfig)
+    if cfg.device.startswith("cuda"):
+        cfg.device = f"cuda:{args.rank}"
+    tp = init(args.rank, args.world, args.init_method, cfg.device)
+    model_cfg, weights = load_model_for(cfg)
+    from replica.engine import LLMEngine
+
+    engine = LLMEngine(cfg, model_cfg, weights, tp=tp)
+    try:
+        worker_loop(engine.runner, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
