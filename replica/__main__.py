@@ -24,7 +24,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
                                                   "bfloat16 on CUDA)")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV pool budget")
+    ap.add_argument("--kv-memory-gb", type=float, default=0.0,
+                    help="KV pool budget (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--graph-mode", default="auto", choices=["auto", "off", "buffers"],
+                    help="CUDA graphs for decode steps (auto: on CUDA)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=0)
@@ -45,7 +49,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=device, dtype=dtype, block_size=args.block_size,
                         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        random_weights=args.random_weights, tp=args.tp)
+                        random_weights=args.random_weights, tp=args.tp,
+                        gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -61,13 +61,15 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     block_size: int = 16
-    kv_memory_bytes: int = 256 << 20  # KV pool budget; num_blocks derives from it
+    kv_memory_bytes: int = 0  # KV pool budget; 0 -> 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.85  # fraction of the GPU this replica may fill (weights + KV + graphs)
     num_blocks: int = 0  # >0 overrides the memory budget
     max_num_seqs: int = 64  # running sequences at once
     max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
     random_weights: bool = False
     seed: int = 0
+    graph_mode: str = "auto"  # "auto": CUDA graphs on CUDA; "off"; "buffers": padded graph buffers, eager
     tp: int = 1  # tensor-parallel ranks (one process per device)
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 -> cores - 1 (the API process needs one)
     load_report_interval_s: float = 0.5
@@ -78,5 +80,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+        if self.graph_mode not in ("auto", "off", "buffers"):
+            raise ValueError(f"graph_mode must be auto, off or buffers, got {self.graph_mode!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

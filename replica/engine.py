@@ -22,6 +22,24 @@ from replica.sequence import Sequence
 from replica.tp import TensorParallel, local_config, shard
 
 
+def kv_budget(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Bytes for the KV pool. On CUDA: what the weights left of the allowed fraction
+    of the GPU, minus a reserve for activations, logits and the CUDA-graph pool."""
+    if cfg.kv_memory_bytes:
+        return cfg.kv_memory_bytes
+    if not cfg.device.startswith("cuda"):
+        return 1 << 30
+    free, total = torch.cuda.mem_get_info(torch.device(cfg.device))
+    act = 4 * cfg.max_num_batched_tokens * (model_cfg.hidden_size * 8 + model_cfg.intermediate_size * 3)
+    logits = 4 * 2 * cfg.max_num_seqs * model_cfg.vocab_size
+    reserve = act + logits + (512 << 20)  # graphs share one pool; 512 MiB covers its bookkeeping
+    budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
+    if budget <= 0:
+        raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                           f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or use a smaller model")
+    return int(budget)
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, weights: dict | None = None, *, ops=None,
                  model: torch.nn.Module | None = None, tp: TensorParallel | None = None):
@@ -38,10 +56,7 @@ class LLMEngine:
         self.tp = tp or TensorParallel()
         local_cfg = local_config(model_cfg, self.tp.world) if self.tp.world > 1 else model_cfg
         self.ops = ops if ops is not None else kernels.ops(torch.device(cfg.device).type)
-        per_block = kv_bytes_per_block(local_cfg, cfg.block_size, DTYPES[cfg.dtype])
-        num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // per_block)
-        self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings, num_blocks * cfg.block_size)
+        max_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
         if model is None:
             if weights is None:
                 from replica.loader import random_weights
@@ -49,10 +64,14 @@ class LLMEngine:
                 weights = random_weights(model_cfg, seed=cfg.seed)
             if self.tp.world > 1:
                 weights = shard(weights, self.tp.rank, self.tp.world)
-            model = build_model(local_cfg, cfg, weights, self.ops, self.max_model_len, self.tp)
+            model = build_model(local_cfg, cfg, weights, self.ops, max_len, self.tp)
+            del weights
+        per_block = kv_bytes_per_block(local_cfg, cfg.block_size, DTYPES[cfg.dtype])
+        num_blocks = cfg.num_blocks or max(1, kv_budget(cfg, model_cfg) // per_block)
+        self.max_model_len = min(max_len, num_blocks * cfg.block_size)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks)
+        self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks, self.max_model_len)
         self._plan_encoder = msgspec.msgpack.Encoder()
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = frozenset(model_cfg.eos_token_ids)

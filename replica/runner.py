@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from replica.config import EngineConfig, ModelConfig
+from replica.graphs import DecodeGraphs
 from replica.model import Context, LlamaModel
 from replica.scheduler import Batch
 
@@ -34,13 +35,18 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class Runner:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: torch.nn.Module, ops, num_blocks: int):
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: torch.nn.Module, ops, num_blocks: int,
+                 max_model_len: int):
         self.model_cfg, self.cfg, self.model, self.ops = model_cfg, cfg, model, ops
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.block_size
         self.kv_cache = torch.zeros(model_cfg.num_layers, 2, num_blocks, cfg.block_size, model_cfg.num_kv_heads,
                                     model_cfg.head_dim, dtype=self.dtype, device=self.device)
+        on_cuda = self.device.type == "cuda"
+        use_graphs = (cfg.graph_mode == "auto" and on_cuda) or cfg.graph_mode == "buffers"
+        self.graphs = DecodeGraphs(self, cfg.max_num_seqs, max_model_len, capture=on_cuda and cfg.graph_mode == "auto") \
+            if use_graphs and isinstance(model, LlamaModel) else None
 
     def _tensor(self, data, dtype):
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -94,6 +100,9 @@ class Runner:
     def forward_logits(self, plan: StepPlan) -> torch.Tensor:
         """fp32 logits for the last token of each row in plan.sample_rows (the
         sequences whose uncomputed tokens all run this step)."""
+        if self.graphs is not None and plan.num_decodes == len(plan.starts) \
+                and self.graphs.bucket_for(plan.num_decodes) is not None:
+            return self.graphs.run(plan)  # pure decode: replay (every row samples)
         input_ids, positions, ctx, sample_idx = self.prepare(plan)
         hidden = self.model(input_ids, positions, ctx, self.kv_cache)
         return self.model.compute_logits(hidden[sample_idx]).float()

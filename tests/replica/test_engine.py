@@ -50,9 +50,12 @@ def prompts(n_list, seed=0, vocab=97):
     {"attention_bias": True, "tie_word_embeddings": True},  # Qwen2-style
     {"rope_scaling": RopeScaling(factor=8.0, original_max_position_embeddings=32)},  # Llama-3 scaling
     {"num_kv_heads": 6},  # MHA
+    {"graph_mode": "buffers"},  # decode through the padded CUDA-graph buffers (run eagerly on CPU)
 ])
 def test_logits_match_reference_through_chunked_prefill_and_decode(model_kw):
-    engine, cfg, w = make_engine(tiny_config(**model_kw))
+    graph_mode = model_kw.pop("graph_mode", "auto")
+    engine, cfg, w = make_engine(tiny_config(**model_kw), graph_mode=graph_mode)
+    assert (engine.runner.graphs is not None) == (graph_mode == "buffers")
     ps = prompts([5, 40, 17, 33, 16])
     for k, ids in ps.items():
         assert engine.add(P.Generate(id=k, prompt_ids=ids, sampling=greedy())) is None
