@@ -1,5 +1,7 @@
 """Shared helpers of the kernel tests: random paged KV pools, devices, tolerances."""
 
+import os
+
 import pytest
 import torch
 
@@ -12,8 +14,13 @@ ELEMENTWISE_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), tor
 ATTENTION_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-# The interpreter runs on CPU tensors; the same tests run on a GPU with `pytest -m gpu`.
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# The interpreter runs on CPU tensors (tests/conftest.py turns it on where there is
+# no GPU); the same tests run compiled on a GPU with `pytest -m gpu`.
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                 reason="Triton on CPU tensors needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]  # fmt: skip
 
 
 def triton_ops(device: str) -> kernels.Ops:

@@ -23,6 +23,21 @@ def test_matches_reference(device, dtype, heads, kv_heads):
     assert_close(out, ref, dtype, ATTENTION_TOL)
 
 
+def test_reference_is_softmax_attention():
+    """The reference against the textbook formula, one sequence and head at a time."""
+    lens = [1, 20, 33]
+    k_cache, v_cache, block_tables = make_pool(lens, 2, 8, 4, torch.float32, "cpu")
+    q = torch.randn(3, 6, 8)
+    out = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32), 0.3)
+    for b, n in enumerate(lens):
+        for h in range(6):
+            slots = [(int(block_tables[b, p // 4]), p % 4) for p in range(n)]
+            k = torch.stack([k_cache[blk, off, h // 3] for blk, off in slots])  # (n, D)
+            v = torch.stack([v_cache[blk, off, h // 3] for blk, off in slots])
+            expected = torch.softmax(k @ q[b, h] * 0.3, dim=0) @ v
+            torch.testing.assert_close(out[b, h], expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
 def test_split_k_merge(device, num_splits):

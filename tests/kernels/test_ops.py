@@ -1,6 +1,7 @@
 """kernels.ops: the start-up choice between Triton and the references."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -9,13 +10,21 @@ import kernels
 
 def test_default_choice():
     assert kernels.ops("cpu").impl == "ref"
+    assert kernels.ops("cuda").impl == "triton"
     assert kernels.ops("cpu").rms_norm is kernels.rmsnorm.rms_norm_ref
-    assert kernels.ops("cpu", impl="triton").sample is kernels.sampling.sample_triton  # interpreter (conftest)
+
+
+def test_triton_on_cpu_needs_the_interpreter():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert kernels.ops("cpu", impl="triton").sample is kernels.sampling.sample_triton
+    else:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            kernels.ops("cpu", impl="triton")
 
 
 def test_every_kernel_has_both_versions():
     for impl in ("ref", "triton"):
-        table = kernels.ops("cpu", impl=impl)
+        table = kernels.ops("cuda", impl=impl)  # choosing needs no device
         for field in dataclasses.fields(table):
             if field.name != "impl":
                 assert getattr(table, field.name).__name__.endswith("_" + impl)
