@@ -17,13 +17,16 @@ from kernels._triton import dot_dtype, dot_precision, tl, triton
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale: float):
     """q (B, H, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks)
-    int32; seq_lens (B,) int32, each >= 1 -> (B, H, D) in q's dtype.
+    int32; seq_lens (B,) int32 -> (B, H, D) in q's dtype. A row with seq_len 0 (CUDA-graph
+    padding) attends to nothing and gets zeros.
 
     Batched: gathers every sequence's blocks into a padded (B, Hkv, L, D), masks
     the padding, and runs PyTorch's fused SDPA in fp32 (GQA inside SDPA).
     """
     block_size = k_cache.shape[1]
     n_blocks = -(-int(seq_lens.max()) // block_size)
+    if n_blocks == 0:
+        return torch.zeros_like(q)
     ids = block_tables[:, :n_blocks].long().clamp_min(0)  # padding entries may be -1
     k = k_cache[ids].flatten(1, 2).transpose(1, 2).float()  # (B, Hkv, L, D)
     v = v_cache[ids].flatten(1, 2).transpose(1, 2).float()
@@ -31,7 +34,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     o = F.scaled_dot_product_attention(
         q.float()[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
     )  # (B, H, 1, D)
-    return o[:, :, 0].to(q.dtype)
+    return torch.where((seq_lens > 0)[:, None, None], o[:, :, 0], 0.0).to(q.dtype)
 
 
 @triton.jit

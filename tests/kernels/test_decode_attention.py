@@ -52,6 +52,22 @@ def test_split_k_merge(device, num_splits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_padding_rows_get_zeros(device):
+    """CUDA-graph padding rows (seq_len 0, block table of zeros) attend to nothing: zeros."""
+    lens = [0, 5, 0]
+    k_cache, v_cache, block_tables = make_pool([5, 5, 5], 1, 16, 16, torch.float32, device)
+    block_tables[0] = 0
+    q = torch.randn(3, 2, 16, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = triton_ops(device).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
+    assert_close(out, ref, torch.float32, ATTENTION_TOL)
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+    zero = torch.zeros(3, dtype=torch.int32, device=device)
+    assert (paged_decode_attention_ref(q, k_cache, v_cache, block_tables, zero, 0.25) == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_size,head_dim", [(5, 40), (1, 16)])
 def test_odd_block_size_and_head_dim(device, block_size, head_dim):
     lens = [1, 9, 23]
