@@ -183,7 +183,8 @@ def bench_elementwise(t, args, ops):
         k = torch.randn(n, hkv, d, device=DEVICE, dtype=dt)
         pos = torch.randint(0, 65536, (n,), device=DEVICE)
         t.row("apply_rotary", f"T={n} H={h}/{hkv} D={d}", bench(lambda: ops.apply_rotary(q, k, pos, cache)),
-              2 * (q.numel() + k.numel()) * e + n * d * 4, bench(lambda: rotary.apply_rotary_ref(q, k, pos, cache)))  # fmt: skip
+              2 * (q.numel() + k.numel()) * e + n * d * 4,
+              bench(lambda: rotary.apply_rotary_ref(q, k, pos, cache)))  # fmt: skip
         k_cache = torch.zeros(-(-n // 16) + 1, 16, hkv, d, device=DEVICE, dtype=dt)
         v_cache = torch.zeros_like(k_cache)
         slots = torch.randperm(k_cache.shape[0] * 16, device=DEVICE)[:n]
