@@ -47,16 +47,16 @@ class ReplicaConnection:
     def __init__(self, ws: WebSocket, client: EngineClient):
         self.ws, self.client = ws, client
         self.prefix = f"c{next(self._ids)}/"
-        self.live: set[str] = set()  # engine-side ids
+        self.live: set[str] = set()  # this connection's request ids in flight (engine ids: prefix + id)
         self.pending: list = []
         self.codec = P.Codec()
         self.closed = False
 
     def sink(self, msg) -> None:
-        if hasattr(msg, "id") and msg.id and msg.id.startswith(self.prefix):
+        if getattr(msg, "id", None) and msg.id.startswith(self.prefix):
+            msg.id = msg.id[len(self.prefix):]
             if isinstance(msg, (P.Finished, P.Error)):
                 self.live.discard(msg.id)
-            msg.id = msg.id[len(self.prefix):]
         if not self.pending:
             asyncio.get_running_loop().call_soon(self._flush)
         self.pending.append(msg)
@@ -79,15 +79,15 @@ class ReplicaConnection:
             return
         for msg in msgs:
             if isinstance(msg, P.Generate):
-                if msg.id in {i[len(self.prefix):] for i in self.live}:
+                if msg.id in self.live:
                     self.sink(P.Error(code=P.BAD_REQUEST, message=f"request id {msg.id!r} is already in flight",
                                       id=msg.id))
                     continue
-                msg.id = self.prefix + msg.id
                 self.live.add(msg.id)
+                msg.id = self.prefix + msg.id
                 self.client.submit(msg, self.sink)
             elif isinstance(msg, P.Abort):
-                self.live.discard(self.prefix + msg.id)
+                self.live.discard(msg.id)
                 self.client.abort(self.prefix + msg.id)
             else:
                 self.sink(P.Error(code=P.BAD_REQUEST, message=f"unexpected message {type(msg).__name__}"))
@@ -95,7 +95,7 @@ class ReplicaConnection:
     def close(self) -> None:
         self.closed = True
         for rid in self.live:
-            self.client.abort(rid)
+            self.client.abort(self.prefix + rid)
         self.live.clear()
 
 
