@@ -34,6 +34,10 @@ class Context:
     extend_block_tables: torch.Tensor | None  # (Be, max_blocks) int32
     extend_cu_seqlens_q: torch.Tensor | None  # (Be + 1,) int32
     extend_seq_lens: torch.Tensor | None  # (Be,) int32, cached + new tokens
+    # Speculative verification: every token is a draft-tree node; node i of sequence b
+    # attends to b's tree_prefix_lens[b] cached tokens plus the nodes tree_mask[i] allows.
+    tree_mask: torch.Tensor | None = None  # (T, max_n) bool
+    tree_prefix_lens: torch.Tensor | None = None  # (B,) int32
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -87,7 +91,10 @@ class Attention(nn.Module):
         q, k = ops.apply_rotary(q, k, positions, cos_sin)
         ops.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         nd = ctx.num_decode_tokens
-        if nd == T:
+        if ctx.tree_mask is not None:
+            o = ops.paged_tree_attention(q, k_cache, v_cache, ctx.extend_block_tables, ctx.extend_cu_seqlens_q,
+                                         ctx.tree_prefix_lens, ctx.tree_mask, self.scale)
+        elif nd == T:
             o = ops.paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_seq_lens, self.scale)
         elif nd == 0:
             o = ops.paged_extend_attention(q, k_cache, v_cache, ctx.extend_block_tables, ctx.extend_cu_seqlens_q,
