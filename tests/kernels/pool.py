@@ -19,8 +19,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                  reason="Triton on CPU tensors needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.gpu),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a CUDA device")]),
 ]  # fmt: skip
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def triton_ops(device: str) -> kernels.Ops:

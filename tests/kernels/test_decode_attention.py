@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.decode_attention import _decode, paged_decode_attention_ref
-from tests.kernels.pool import ATTENTION_TOL, DEVICES, DTYPES, assert_close, make_pool, triton_ops
+from tests.kernels.pool import ATTENTION_TOL, DEVICES, DTYPES, assert_close, make_pool, needs_gpu, triton_ops
 
 # Block size 16 and the kernel's 64-key tile: lengths at, below and across both.
 LENS = [1, 15, 16, 17, 63, 64, 65, 130]
@@ -80,6 +80,7 @@ def test_odd_block_size_and_head_dim(device, block_size, head_dim):
 
 
 @pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("batch,context", [(1, 32768), (32, 4096)])
 def test_long_context_gpu(batch, context):
     lens = [context - 7 * i for i in range(batch)]

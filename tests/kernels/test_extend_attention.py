@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kernels.extend_attention import paged_extend_attention_ref
-from tests.kernels.pool import ATTENTION_TOL, DEVICES, DTYPES, assert_close, cu_seqlens, make_pool, triton_ops
+from tests.kernels.pool import (
+    ATTENTION_TOL, DEVICES, DTYPES, assert_close, cu_seqlens, make_pool, needs_gpu, triton_ops,
+)  # fmt: skip
 
 # (total keys, new queries) per sequence: whole prompts, chunks after a prefix,
 # one-token extends, an empty sequence, lengths at/below/across the 16-token block
@@ -42,6 +44,7 @@ def test_tile_heights(device, q_lens):
 
 
 @pytest.mark.gpu
+@needs_gpu
 def test_long_prefill_gpu():
     lens, q_lens = [8192, 3000, 600], [2048, 3000, 1]
     k_cache, v_cache, block_tables = make_pool(lens, 8, 128, 16, torch.bfloat16, "cuda")
