@@ -1,0 +1,289 @@
+"""Standalone speculative generation: the target LlamaModel over a paged KV pool,
+batch >= 1, drafts from the EAGLE-3 head (chains, EAGLE-2 trees) or the n-gram
+drafter, one tree-verify forward per round, KV rollback of rejected drafts.
+Tests and bench/speculative.py run it; the engine integration follows it.
+
+One round for a batch of sequences (`SpeculativeGenerator._spec_step`), n = a
+sequence's length, its newest token x_{n-1} (the root) not yet in the target KV:
+
+  1. pool.reserve(n + spec.lookahead)           slots for the tree and the head's drafts
+  2. trees = drafter.propose(tokens, states, block_tables, spec[, temps, seeds])
+                                                commits the head's pending entries, drafts
+  3. target forward over the packed trees       node i of a tree: token tree.tokens[i],
+     with aux_layers (verify_forward)           position n-1 + depth(i), KV slot n-1 + i,
+                                                attends to the prefix + ancestor_mask()[i]
+  4. verdicts = verify(trees, logits, temps, top_ks, top_ps, seeds, roots)
+  5. per sequence: pool.move(verdict.kv_moves(n-1))     accepted KV made contiguous
+                   state.add_features(aux[rows of verdict.path])
+                   append verdict.tokens (stop checks), pool.truncate(new length)
+                                                rejected drafts' blocks released
+
+Engine interface (replica/engine.py, runner.py, scheduler.py; not wired yet):
+
+- At start-up, when `head_dir(model_cfg.name)` holds a head:
+  `head = load_head(path, model_cfg, model.embed_tokens.weight)` and
+  `drafter = Drafter(head, model.cos_sin, num_blocks, block_size, ops)` (a
+  one-layer KV pool indexed by the engine's own block ids).
+- Per Sequence: `state = drafter.new_state(cached=num_cached_prefix_tokens)`.
+  Every target forward that computes a sequence's tokens runs with
+  `aux_layers=head.cfg.aux_layers` and calls `state.add_features(torch.cat(aux,
+  -1)[rows of that sequence])` -- prefill chunks and plain decode steps too, so
+  the head stays in step even when speculation is off for a while.
+- Scheduler: a speculating decode takes 1 + spec.budget tokens of the step budget
+  and needs blocks for positions [0, len + spec.lookahead); spec = None (plain
+  decode) above the measured batch-size crossover (bench/speculative.py).
+- Runner, speculating sequences: (2) `drafter.propose(...)` on the decode rows;
+  (3) the verify forward: the `Context` hook below makes it `model(ids,
+  positions, ctx, kv_cache, aux_layers)`; (4) `verify(...)`; (5) copy the KV of
+  `kv_moves` (all layers; `KVPool.move` shows the indexing), append the tokens,
+  count `verdict.num_accepted` into usage, and free the blocks past the new
+  length (BlockManager needs a `truncate(seq, length)`).
+- The Context hook (replica/model.py): add `tree_mask: Tensor | None = None`
+  ((T, max_n) bool) and `tree_prefix_lens: Tensor | None = None` ((B,) int32) to
+  Context, and in Attention.forward, before the decode/extend dispatch:
+      if ctx.tree_mask is not None:
+          o = ops.paged_tree_attention(q, k_cache, v_cache, ctx.extend_block_tables,
+                                       ctx.extend_cu_seqlens_q, ctx.tree_prefix_lens,
+                                       ctx.tree_mask, self.scale)
+  `verify_forward` below is exactly that forward, written out until the hook lands.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from replica.model import Context, LlamaModel
+from replica.protocol import SamplingParams
+from speculative.drafting import DraftTree, Drafter, HeadState, TreeSpec
+from speculative.head import Eagle3Head
+from speculative.ngram import NgramDrafter
+from speculative.pool import KVPool
+from speculative.verify import verify
+
+
+@dataclass
+class TreeBatch:
+    """Attention metadata of a tree-verify forward (what the Context hook carries)."""
+
+    slot_mapping: torch.Tensor  # (T,) int64
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    cu_seqlens_q: torch.Tensor  # (B + 1,) int32: tree b is rows [cu[b], cu[b+1])
+    prefix_lens: torch.Tensor  # (B,) int32: tokens in the KV before the root (= root position)
+    tree_mask: torch.Tensor  # (T, max_n) bool: row i may see node j of its own tree
+
+
+def verify_forward(model: LlamaModel, input_ids, positions, tb: TreeBatch, kv_cache, aux_layers=()):
+    """LlamaModel.forward with tree attention in every layer -> (hidden (T, h), aux list)."""
+    cfg, ops = model.cfg, model.ops
+    T = input_ids.shape[0]
+    x, residual, aux = model.tp.embed(input_ids, model.embed_tokens.weight), None, []
+    for i, layer in enumerate(model.layers):
+        x, residual = (layer.input_layernorm(x), x) if residual is None else layer.input_layernorm(x, residual)
+        attn = layer.self_attn
+        q, k, v = attn.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # (T, H, D)
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = ops.apply_rotary(q, k, positions, model.cos_sin)
+        ops.store_kvcache(k, v, kv_cache[i, 0], kv_cache[i, 1], tb.slot_mapping)
+        o = ops.paged_tree_attention(q, kv_cache[i, 0], kv_cache[i, 1], tb.block_tables, tb.cu_seqlens_q,
+                                     tb.prefix_lens, tb.tree_mask, attn.scale)
+        x = attn.tp.all_reduce(attn.o_proj(o.reshape(T, cfg.q_size)))  # row-parallel
+        x, residual = layer.post_attention_layernorm(x, residual)
+        x = layer.mlp(x)
+        if i in aux_layers:
+            aux.append(x + residual)
+    x, _ = model.norm(x, residual)
+    return x, aux
+
+
+@dataclass
+class Stats:
+    steps: int = 0  # target forwards after prefill
+    seq_rounds: int = 0  # Σ over steps of the sequences they decoded
+    emitted: int = 0  # tokens those rounds produced (accepted drafts + bonus), before stop truncation
+    drafted: int = 0
+    accepted: int = 0
+    generated: int = 0  # tokens returned
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: tokens per sequence per target forward."""
+        return self.emitted / max(1, self.seq_rounds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / max(1e-9, self.prefill_s + self.decode_s)
+
+
+@dataclass
+class _Seq:
+    sid: int
+    tokens: list[int]
+    n_prompt: int
+    params: SamplingParams
+    seed: int
+    state: HeadState | None = None
+    done: bool = False
+    out: list[int] = field(default_factory=list)
+
+
+class SpeculativeGenerator:
+    def __init__(self, model: LlamaModel, head: Eagle3Head | None = None, *, num_blocks: int = 256,
+                 block_size: int = 16):
+        cfg = model.cfg
+        self.model, self.ops = model, model.ops
+        w = model.embed_tokens.weight
+        self.pool = KVPool(num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, w.dtype, w.device)
+        self.head = head
+        self.drafter = Drafter(head, model.cos_sin, num_blocks, block_size, self.ops) if head is not None else None
+        self.eos = frozenset(cfg.eos_token_ids)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 spec: TreeSpec | NgramDrafter | None = None) -> tuple[list[list[int]], Stats]:
+        """Completions of prompts (one SamplingParams for all, or one each); spec None
+        decodes one token per forward, the baseline."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if isinstance(spec, TreeSpec) and self.drafter is None:
+            raise ValueError("a TreeSpec drafts with the EAGLE-3 head: pass head= to SpeculativeGenerator")
+        seqs = [_Seq(i, list(p), len(p), sp, sp.seed if sp.seed is not None else 0)
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+        stats = Stats()
+        aux_layers = self.head.cfg.aux_layers if isinstance(spec, TreeSpec) else ()
+        try:
+            t0 = time.perf_counter()
+            self._prefill(seqs, aux_layers)
+            t1 = time.perf_counter()
+            while active := [s for s in seqs if not s.done]:
+                if spec is None:
+                    self._plain_step(active, stats)
+                else:
+                    self._spec_step(active, spec, aux_layers, stats)
+                for s in active:
+                    if s.done:
+                        self.pool.free(s.sid)
+            stats.prefill_s, stats.decode_s = t1 - t0, time.perf_counter() - t1
+        finally:
+            for s in seqs:
+                self.pool.free(s.sid)
+        outs = [s.tokens[s.n_prompt :] for s in seqs]
+        stats.generated = sum(map(len, outs))
+        return outs, stats
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _tensor(self, data, dtype=torch.int64):
+        return torch.tensor(data, dtype=dtype, device=self.pool.device)
+
+    def _append(self, s: _Seq, tokens: list[int]) -> None:
+        """Append emitted tokens up to the first stop condition (as Sequence.check_stop)."""
+        sp = s.params
+        for t in tokens:
+            s.tokens.append(t)
+            if ((t in self.eos and not sp.ignore_eos) or t in sp.stop_token_ids
+                    or len(s.tokens) - s.n_prompt >= sp.max_tokens):
+                s.done = True
+                return
+
+    def _sample(self, logits, seqs) -> list[int]:
+        """The engine's sampler: randomness is a function of (seed, position)."""
+        t = self._tensor([s.params.temperature for s in seqs], torch.float32)
+        k = self._tensor([s.params.top_k for s in seqs], torch.int32)
+        p = self._tensor([s.params.top_p for s in seqs], torch.float32)
+        return self.ops.sample(logits, t, k, p, self._tensor([s.seed for s in seqs]),
+                               self._tensor([len(s.tokens) for s in seqs])).tolist()
+
+    def _prefill(self, seqs: list[_Seq], aux_layers) -> None:
+        ids, pos, slots, cu = [], [], [], [0]
+        for s in seqs:
+            n = len(s.tokens)
+            self.pool.reserve(s.sid, n)
+            ids += s.tokens
+            pos += range(n)
+            slots += self.pool.slots(s.sid, range(n))
+            cu.append(cu[-1] + n)
+        ctx = Context(slot_mapping=self._tensor(slots), num_decode_tokens=0, decode_block_tables=None,
+                      decode_seq_lens=None, extend_block_tables=self.pool.block_tables([s.sid for s in seqs]),
+                      extend_cu_seqlens_q=self._tensor(cu, torch.int32),
+                      extend_seq_lens=self._tensor([len(s.tokens) for s in seqs], torch.int32))
+        out = self.model(self._tensor(ids), self._tensor(pos), ctx, self.pool.kv_cache, aux_layers)
+        hidden, aux = out if aux_layers else (out, [])
+        logits = self.model.compute_logits(hidden[self._tensor(cu[1:]) - 1]).float()
+        first = self._sample(logits, seqs)
+        for b, s in enumerate(seqs):
+            if aux_layers:
+                s.state = self.drafter.new_state()
+                s.state.add_features(torch.cat(aux, -1)[cu[b] : cu[b + 1]])
+            self._append(s, [first[b]])
+
+    def _plain_step(self, act: list[_Seq], stats: Stats) -> None:
+        for s in act:
+            self.pool.reserve(s.sid, len(s.tokens))
+        sids = [s.sid for s in act]
+        ctx = Context(slot_mapping=self._tensor([self.pool.slots(s.sid, [len(s.tokens) - 1])[0] for s in act]),
+                      num_decode_tokens=len(act), decode_block_tables=self.pool.block_tables(sids),
+                      decode_seq_lens=self._tensor([len(s.tokens) for s in act], torch.int32),
+                      extend_block_tables=None, extend_cu_seqlens_q=None, extend_seq_lens=None)
+        hidden = self.model(self._tensor([s.tokens[-1] for s in act]), self._tensor([len(s.tokens) - 1 for s in act]),
+                            ctx, self.pool.kv_cache)
+        tokens = self._sample(self.model.compute_logits(hidden).float(), act)
+        for s, t in zip(act, tokens):
+            self._append(s, [t])
+        stats.steps += 1
+        stats.seq_rounds += len(act)
+        stats.emitted += len(act)
+
+    def _spec_step(self, act: list[_Seq], spec, aux_layers, stats: Stats) -> None:
+        for s in act:
+            self.pool.reserve(s.sid, len(s.tokens) + spec.lookahead)
+        sids = [s.sid for s in act]
+        block_tables = self.pool.block_tables(sids)
+        temps = [s.params.temperature for s in act]
+        seeds = [s.seed for s in act]
+        if isinstance(spec, TreeSpec):
+            trees = self.drafter.propose([s.tokens for s in act], [s.state for s in act], block_tables, spec,
+                                         temps, seeds)
+        else:
+            trees = [spec.propose(s.tokens) for s in act]
+        tb, ids, pos = self._tree_batch(act, trees, block_tables)
+        hidden, aux = verify_forward(self.model, ids, pos, tb, self.pool.kv_cache, aux_layers)
+        logits = self.model.compute_logits(hidden).float()
+        roots = [len(s.tokens) - 1 for s in act]
+        verdicts = verify(trees, logits, temps, [s.params.top_k for s in act], [s.params.top_p for s in act],
+                          seeds, roots)
+        aux = torch.cat(aux, -1) if aux_layers else None
+        cu = tb.cu_seqlens_q.tolist()
+        for b, (s, tree, v) in enumerate(zip(act, trees, verdicts)):
+            self.pool.move(s.sid, v.kv_moves(roots[b]))
+            if aux is not None:
+                s.state.add_features(aux[[cu[b] + j for j in v.path]])
+            self._append(s, v.tokens)
+            self.pool.truncate(s.sid, len(s.tokens))  # rejected drafts' blocks go back
+            stats.drafted += len(tree) - 1
+            stats.accepted += v.num_accepted
+            stats.emitted += len(v.tokens)
+        stats.steps += 1
+        stats.seq_rounds += len(act)
+
+    def _tree_batch(self, act: list[_Seq], trees: list[DraftTree], block_tables):
+        max_n = max(len(t) for t in trees)
+        ids, pos, slots, masks, cu = [], [], [], [], [0]
+        for s, tree in zip(act, trees):
+            root = len(s.tokens) - 1
+            ids += tree.tokens
+            pos += [root + d for d in tree.depths]
+            slots += self.pool.slots(s.sid, range(root, root + len(tree)))
+            m = tree.ancestor_mask()
+            masks.append(torch.nn.functional.pad(m, (0, max_n - m.shape[1])))
+            cu.append(cu[-1] + len(tree))
+        tb = TreeBatch(slot_mapping=self._tensor(slots), block_tables=block_tables,
+                       cu_seqlens_q=self._tensor(cu, torch.int32),
+                       prefix_lens=self._tensor([len(s.tokens) - 1 for s in act], torch.int32),
+                       tree_mask=torch.cat(masks).to(self.pool.device))
+        return tb, self._tensor(ids), self._tensor(pos)

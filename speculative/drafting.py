@@ -1,0 +1,290 @@
+"""Draft token trees from the EAGLE-3 head: chains and EAGLE-2 dynamic trees.
+
+A round starts at the sequence's newest token x_{n-1}, the tree's root: emitted,
+not yet in the target's KV. Node i holds a token for position n - 1 + depth(i);
+the target verifies the whole tree in one forward, node i's KV at slot n - 1 + i,
+attending to the prefix and to `ancestor_mask()[i]` (speculative.decode).
+
+Head KV. The head keeps one layer of K/V in a paged pool addressed by the
+sequence's own block table (the target's slots). Entries [0, length) are
+committed: computed from the target's features, so final. `propose` first
+commits the pending entries (one per token the target has processed since the
+last round; see HeadState), which yields q for the root's children, then drafts.
+Draft entries go to scratch slots n, n+1, ... and are never committed: rolling
+them back costs nothing, the next round overwrites them with the accepted
+tokens' entries and the slots past the new length are released with the
+target's.
+
+EAGLE-2 dynamic tree (arXiv 2406.16858): score(node) = Σ log q along its path.
+Level 1 holds the root's top_k tokens; at each level the top_k nodes by score are
+expanded (one head step for all of them together), each proposing its top_k
+children; after `depth` levels the `budget` best-scored candidates form the tree.
+A child never outscores its parent, so the kept set contains every kept node's
+ancestors (ties go to the earlier-created node, the parent). A chain is top_k = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.paged import attend_ref, gather_kv
+from speculative.head import Eagle3Head
+from speculative.verify import DRAFT_STREAM, gumbel_draw
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    depth: int  # draft tokens on the longest path
+    top_k: int = 1  # children per expanded node, and nodes expanded per level
+    budget: int = 0  # draft tokens kept after reranking (0: depth, i.e. a chain)
+    sample: bool = False  # chains only: draw drafts from the head's q at the request's temperature
+
+    def __post_init__(self):
+        if self.budget == 0:
+            object.__setattr__(self, "budget", self.depth)
+        if self.depth < 1 or self.top_k < 1:
+            raise ValueError(f"TreeSpec needs depth >= 1 and top_k >= 1, got {self}")
+        if not self.depth <= self.budget <= self.num_candidates:
+            raise ValueError(f"budget must be in [depth, {self.num_candidates}] for depth {self.depth}, "
+                             f"top_k {self.top_k}; got {self.budget}")
+        if self.sample and self.top_k != 1:
+            raise ValueError("sampled drafts are for chains (top_k = 1); trees pick their top-k deterministically")
+
+    @classmethod
+    def chain(cls, k: int, sample: bool = False) -> TreeSpec:
+        return cls(depth=k, top_k=1, budget=k, sample=sample)
+
+    @property
+    def num_candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past the newest token a round writes: the target's drafts at
+        n .. n-1+budget, the head's draft entries at n .. n-1+top_k*(depth-1)."""
+        return max(self.budget, self.top_k * (self.depth - 1))
+
+
+@dataclass
+class DraftTree:
+    """Node 0 is the root. parents[i] < i; siblings are tried in node order."""
+
+    tokens: list[int]  # target ids
+    parents: list[int]
+    depths: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None  # (n, V): the distribution node i was drawn from; None: picked deterministically
+
+    def __post_init__(self):
+        if not self.parents or self.parents[0] != -1:
+            raise ValueError("node 0 is the root: parents[0] must be -1")
+        if any(not 0 <= p < i for i, p in enumerate(self.parents[1:], 1)):
+            raise ValueError(f"every parent must precede its child: {self.parents}")
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents differ in length")
+        self.depths = [0] * len(self.parents)
+        for i, p in enumerate(self.parents[1:], 1):
+            self.depths[i] = self.depths[p] + 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for i, p in enumerate(self.parents[1:], 1):
+            kids[p].append(i)
+        return kids
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """(n, n) bool: [i, j] = j is i or an ancestor of i (the tree-attention mask)."""
+        n = len(self.tokens)
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                m[i] = m[p]
+            m[i, i] = True
+        return m
+
+
+def chain(root: int, drafts: list[int], q: torch.Tensor | None = None) -> DraftTree:
+    return DraftTree([root, *drafts], list(range(-1, len(drafts))), q=q)
+
+
+@dataclass
+class HeadState:
+    """The head's view of one sequence: KV entries [0, length) are committed and
+    feats holds the target features for the next entries (entry p reads the
+    target's features at p - 1), one row per entry. Invariant when `propose` runs:
+    length + pending == number of tokens."""
+
+    length: int = 0
+    feats: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def pending(self) -> int:
+        return sum(f.shape[0] for f in self.feats)
+
+    def add_features(self, aux: torch.Tensor) -> None:
+        """aux (k, 3h): the target's [lo ; mid ; hi] residual streams for the k tokens it just processed."""
+        self.feats.append(aux)
+
+
+class Drafter:
+    """Runs the head over a batch of sequences: commit pending entries, then draft."""
+
+    def __init__(self, head: Eagle3Head, cos_sin: torch.Tensor, num_blocks: int, block_size: int, ops):
+        self.head, self.cos_sin, self.ops, self.block_size = head, cos_sin, ops, block_size
+        w = head.fc.weight
+        kvh, d = head.kv_shape()
+        self.k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=w.dtype, device=w.device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.scale = d**-0.5
+
+    def new_state(self, cached: int = 0) -> HeadState:
+        """State for a sequence whose first `cached` tokens already have head KV in
+        their blocks (a prefix-cache hit; 0 otherwise). The feature before the first
+        new entry is zeros: exact at position 0; after a hit it stands in for a
+        feature the target did not recompute (drafts stay lossless either way)."""
+        return HeadState(length=cached, feats=[torch.zeros(1, 3 * self.head.cfg.hidden_size,
+                                                           device=self.k_cache.device)])
+
+    def _slots(self, block_tables, rows, positions):
+        bs = self.block_size
+        return block_tables[rows, positions // bs].long() * bs + positions % bs
+
+    # -- commit: pending entries with the target's features ---------------------------------
+    def _commit(self, tokens, states, block_tables):
+        ids, pos, rows, feats, cu = [], [], [], [], [0]
+        for b, (toks, st) in enumerate(zip(tokens, states)):
+            if st.length + st.pending != len(toks) or st.pending == 0:
+                raise RuntimeError(f"head state out of step: {st.length} committed + {st.pending} pending entries "
+                                   f"for {len(toks)} tokens; feed add_features() after every target forward")
+            ids += toks[st.length:]
+            pos += range(st.length, len(toks))
+            rows += [b] * st.pending
+            feats += st.feats
+            cu.append(len(ids))
+        dev = self.k_cache.device
+        ids, pos, rows = (torch.tensor(x, device=dev) for x in (ids, pos, rows))
+        slots = self._slots(block_tables, rows, pos)
+        cu = torch.tensor(cu, dtype=torch.int32, device=dev)
+        lens = torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=dev)
+
+        def attend(q, k, v):  # causal over the committed entries, as a prefill chunk
+            self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, slots)
+            return self.ops.paged_extend_attention(q, self.k_cache, self.v_cache, block_tables, cu, lens, self.scale)
+
+        o = self.head(ids, self.head.fuse(torch.cat(feats).to(dev)), pos, self.cos_sin, attend)
+        for st, toks in zip(states, tokens):
+            st.length, st.feats = len(toks), []
+        o = o[cu[1:].long() - 1]  # (B, h): each sequence's newest entry
+        return o, self.head.logits(o).float()
+
+    # -- one draft level ----------------------------------------------------------------------
+    def _step(self, tok, g, lens, level: int, e0: int, anc, block_tables):
+        """Head step for K nodes per sequence at depth `level`: tok (B, K) target ids,
+        g (B, K, h) their parents' outputs. Their entries go to scratch slots
+        n + e0 .. n + e0 + K - 1; anc (B, E, E) says which scratch entries each sees."""
+        B, K = tok.shape
+        dev = tok.device
+        pos = (lens - 1 + level)[:, None].expand(B, K)  # RoPE position of the drafted token
+        scratch = lens[:, None] + e0 + torch.arange(K, device=dev)  # (B, K)
+        rows = torch.arange(B, device=dev)[:, None].expand(B, K)
+        slots = self._slots(block_tables, rows.flatten(), scratch.flatten())
+        lens_l = lens.tolist()
+
+        def attend(q, k, v):  # q (B*K, H, D): committed prefix + the node's scratch ancestors
+            self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, slots)
+            out = torch.empty_like(q)
+            for b, n in enumerate(lens_l):
+                kk, vv = gather_kv(self.k_cache, self.v_cache, block_tables[b], n + e0 + K)
+                allowed = torch.cat([torch.ones(K, n, dtype=torch.bool, device=dev), anc[b, e0 : e0 + K, : e0 + K]], 1)
+                out[b * K : (b + 1) * K] = attend_ref(q[b * K : (b + 1) * K], kk, vv, allowed, self.scale)
+            return out
+
+        o = self.head(tok.flatten(), g.flatten(0, 1), pos.flatten(), self.cos_sin, attend)
+        return o.view(B, K, -1)
+
+    # -- public -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, tokens: list[list[int]], states: list[HeadState], block_tables: torch.Tensor, spec: TreeSpec,
+                temperatures=None, seeds=None) -> list[DraftTree]:
+        """One draft tree per sequence. block_tables (B, W) int32 must cover positions
+        [0, len + spec.lookahead). temperatures/seeds: for spec.sample only."""
+        o, logits = self._commit(tokens, states, block_tables)
+        lens = torch.tensor([len(t) for t in tokens], device=o.device)
+        if spec.sample:
+            return self._sample_chain(tokens, o, logits, lens, block_tables, spec, temperatures, seeds)
+        return self._tree(tokens, o, logits, lens, block_tables, spec)
+
+    def _tree(self, tokens, o, logits, lens, block_tables, spec: TreeSpec) -> list[DraftTree]:
+        B, K, d2t = len(tokens), spec.top_k, self.head.d2t
+        E = K * (spec.depth - 1)
+        anc = torch.zeros(B, E, E, dtype=torch.bool, device=o.device)
+        top = logits.log_softmax(-1).topk(K, dim=-1)
+        # Candidates in creation order, per sequence: draft token, score, parent candidate
+        # (-1: the root) and the scratch entry of that parent (-1: the root).
+        c_tok, c_score = [top.indices], [top.values]
+        c_parent = [torch.full((B, K), -1, device=o.device)]
+        c_parent_e = [torch.full((B, K), -1, device=o.device)]
+        frontier = torch.arange(K, device=o.device).expand(B, K)  # candidates to expand (level 1: all)
+        g = o[:, None].expand(B, K, o.shape[-1])
+        for level in range(1, spec.depth):
+            n_prev = sum(t.shape[1] for t in c_tok)
+            tok_all, score_all = torch.cat(c_tok, 1), torch.cat(c_score, 1)
+            pe_all = torch.cat(c_parent_e, 1)
+            e0 = (level - 1) * K
+            f_tok, f_score, f_pe = tok_all.gather(1, frontier), score_all.gather(1, frontier), pe_all.gather(1, frontier)
+            for r in range(K):  # scratch entry e0 + r sees its parent's ancestors and itself
+                parent_rows = anc[torch.arange(B), f_pe[:, r].clamp_min(0)] & (f_pe[:, r] >= 0)[:, None]
+                anc[:, e0 + r] = parent_rows
+                anc[:, e0 + r, e0 + r] = True
+            o_f = self._step(d2t[f_tok], g, lens, level, e0, anc, block_tables)  # (B, K, h)
+            lp = self.head.logits(o_f).float().log_softmax(-1).topk(K, dim=-1)  # (B, K, K)
+            new_score = (f_score[..., None] + lp.values).flatten(1)  # (B, K*K)
+            c_tok.append(lp.indices.flatten(1))
+            c_score.append(new_score)
+            c_parent.append(frontier[..., None].expand(B, K, K).flatten(1))
+            c_parent_e.append((e0 + torch.arange(K, device=o.device))[None, :, None].expand(B, K, K).flatten(1))
+            best = new_score.topk(K, dim=-1).indices  # next frontier, best first
+            frontier = n_prev + best
+            g = o_f.gather(1, (best // K)[..., None].expand(B, K, o_f.shape[-1]))
+        return self._rerank(tokens, torch.cat(c_tok, 1), torch.cat(c_score, 1), torch.cat(c_parent, 1), spec)
+
+    def _rerank(self, tokens, tok, score, parent, spec: TreeSpec) -> list[DraftTree]:
+        """Keep the `budget` best candidates, ordered by depth then score."""
+        K = spec.top_k
+        level_of = [1] * K + [lv for lv in range(2, spec.depth + 1) for _ in range(K * K)]
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, : spec.budget].tolist()
+        tok_t = self.head.d2t[tok].tolist()
+        parent_l = parent.tolist()
+        trees = []
+        for b, keep in enumerate(order):
+            keep = sorted(keep, key=lambda c: level_of[c])  # stable: score order within a level
+            node_of = {c: i + 1 for i, c in enumerate(keep)}
+            parents = [-1] + [0 if parent_l[b][c] < 0 else node_of[parent_l[b][c]] for c in keep]
+            trees.append(DraftTree([tokens[b][-1]] + [tok_t[b][c] for c in keep], parents))
+        return trees
+
+    def _sample_chain(self, tokens, o, logits, lens, block_tables, spec, temperatures, seeds) -> list[DraftTree]:
+        """Chain drafts x_k ~ q_k = softmax(head logits / T), recorded for verification."""
+        B, dev, d2t = len(tokens), o.device, self.head.d2t
+        V = self.head.cfg.target_vocab_size
+        temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev)
+        seeds = torch.as_tensor(seeds, dtype=torch.int64, device=dev)
+        anc = torch.ones(B, spec.depth, spec.depth, device=dev, dtype=torch.bool).tril()
+        qs, drafts, g = [torch.zeros(B, V, device=dev)], [], o[:, None]
+        for level in range(1, spec.depth + 1):
+            t = torch.where(temps > 0, temps, 1.0)[:, None]
+            q = torch.softmax(logits / t, dim=-1)
+            q = torch.where((temps > 0)[:, None], q, torch.nn.functional.one_hot(logits.argmax(-1), q.shape[-1]).float())
+            x = gumbel_draw(q, seeds, lens - 1 + level, DRAFT_STREAM)  # (B,) draft ids
+            qs.append(torch.zeros(B, V, device=dev).index_copy_(1, d2t, q))
+            drafts.append(d2t[x])
+            if level < spec.depth:
+                o_f = self._step(d2t[x][:, None], g, lens, level, level - 1, anc, block_tables)
+                g, logits = o_f, self.head.logits(o_f[:, 0]).float()
+        q_all = torch.stack(qs, 1)  # (B, depth + 1, V)
+        drafts = torch.stack(drafts, 1).tolist()
+        return [chain(tokens[b][-1], drafts[b], q=q_all[b]) for b in range(B)]

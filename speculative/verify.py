@@ -1,0 +1,142 @@
+"""Verification: which drafted tokens the target keeps, and the token after them.
+
+The target scored every tree node in one forward; row i of its logits is the
+target's next-token distribution p_i after the path root..i.
+
+Greedy (temperature 0): from the root, step to the child whose token is the
+target's argmax; the first node without one ends the path and its argmax is the
+bonus token. Output == plain greedy decoding, token for token.
+
+Sampling: multi-round rejection sampling (SpecInfer, arXiv 2305.09781; one child
+is Leviathan et al. / Chen et al. 2023). At a node with target distribution p,
+try its children x_1, x_2, ... in order, child i drawn from proposal q_i:
+
+    accept x_i with probability min(1, p(x_i) / q_i(x_i));  else  p <- (p - q_i)+ / |(p - q_i)+|
+
+and when every child is rejected draw the bonus token from the final p. Each
+round emits exactly p:  P(x) = min(p, q_i)(x) + (1 - Σ min(p, q_i)) (p - q_i)+(x) / Σ (p - q_i)+
+= min(p, q_i)(x) + (p - q_i)+(x) = p(x), because 1 - Σ min(p, q) = Σ (p - q)+.
+A child picked deterministically (the tree's top-k, an n-gram) has q_i = δ(x_i):
+accept with probability p(x_i), else zero p(x_i) and renormalize.
+
+Randomness is kernels.sampling's hashed uniforms u(seed, position, i), with a
+stream id in the position's high 32 bits: stream 0 is the plain sampler's (the
+final draw, so with nothing rejected it is the token plain sampling would pick),
+ACCEPT_STREAM + r the accept test of the r-th child tried, DRAFT_STREAM the
+drafter's own draws. Each position is decided in exactly one round, so no
+uniform is used twice: a speculative run is reproducible and batch-independent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sampling import probs_ref, uniforms_ref
+
+ACCEPT_STREAM = 1
+DRAFT_STREAM = 1 << 30
+
+
+def hashed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, streams, n: int) -> torch.Tensor:
+    """(B, n) uniforms in (0, 1), a pure function of (seed, position, stream, index);
+    streams: an int or a (B,) tensor, each in [0, 2^31)."""
+    streams = torch.as_tensor(streams, device=positions.device)
+    return uniforms_ref(seeds.long(), positions.long() | (streams << 32), torch.arange(n, device=positions.device))
+
+
+def gumbel_draw(p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """(B,) tokens x ~ p (B, V) by Gumbel-max: argmax log p - log(-log u)."""
+    u = hashed_uniforms(seeds, positions, stream, p.shape[-1])
+    return (p.float().log() - (-u.log()).log()).argmax(-1)
+
+
+@dataclass
+class Verdict:
+    """One sequence's round: path[k] is the node accepted at depth k (path[0] = root),
+    tokens[k] the token emitted after it (accepted drafts, then the bonus token)."""
+
+    path: list[int]
+    tokens: list[int]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+    def kv_moves(self, root_pos: int) -> list[tuple[int, int]]:
+        """The target wrote node j's KV at root_pos + j; the kept path must end up
+        contiguous, node path[k] at root_pos + k. Positions from root_pos + len(path)
+        on are released (their slots are free once these moves are done)."""
+        return [(root_pos + j, root_pos + k) for k, j in enumerate(self.path) if j != k]
+
+
+def accept_greedy(tree, argmax: list[int]) -> Verdict:
+    """argmax[i]: the target's argmax at node i."""
+    children = tree.children()
+    node, path, tokens = 0, [0], []
+    while True:
+        best = argmax[node]
+        tokens.append(best)
+        nxt = next((c for c in children[node] if tree.tokens[c] == best), None)
+        if nxt is None:
+            return Verdict(path, tokens)
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampling(tree, p: torch.Tensor, seed: int, root_pos: int) -> Verdict:
+    """p (n, V): the target's sampling distribution at each node (probs_ref rows).
+    The token decided at node i sits at position root_pos + depth(i) + 1."""
+    children = tree.children()
+    seed_t = torch.tensor([seed], device=p.device)
+    node, path, tokens = 0, [0], []
+    while True:
+        dist = p[node].float().clone()
+        pos_t = torch.tensor([root_pos + tree.depths[node] + 1], device=p.device)
+        kids = children[node]
+        ranks = torch.arange(len(kids), device=p.device)
+        u = hashed_uniforms(seed_t.expand(len(kids)), pos_t.expand(len(kids)), ACCEPT_STREAM + ranks, 1)[:, 0].tolist()
+        accepted = None
+        for r, c in enumerate(kids):
+            x = tree.tokens[c]
+            qx = 1.0 if tree.q is None else float(tree.q[c, x])
+            if u[r] * qx < float(dist[x]):  # accept with probability min(1, p(x) / q(x))
+                accepted = c
+                break
+            resid = dist.clone()
+            if tree.q is None:
+                resid[x] = 0.0  # (p - δ_x)+
+            else:
+                resid = (resid - tree.q[c].float()).clamp_min(0.0)  # (p - q)+
+            mass = resid.sum()
+            # mass == 0 only when p == q up to rounding (then acceptance was certain): keep p.
+            if mass > 0:
+                dist = resid / mass
+        if accepted is None:
+            tokens.append(int(gumbel_draw(dist[None], seed_t, pos_t)[0]))
+            return Verdict(path, tokens)
+        path.append(accepted)
+        tokens.append(tree.tokens[accepted])
+        node = accepted
+
+
+def verify(trees, logits: torch.Tensor, temperatures, top_ks, top_ps, seeds, root_positions) -> list[Verdict]:
+    """Verdicts for a batch. logits (sum of tree sizes, V): the target's rows for
+    the trees' nodes, packed in order; per sequence sampling params, seed, and the
+    position of its root (the newest token)."""
+    out, start = [], 0
+    for b, tree in enumerate(trees):
+        rows = logits[start : start + len(tree)]
+        start += len(tree)
+        t = float(temperatures[b])
+        if t <= 0:
+            out.append(accept_greedy(tree, rows.argmax(-1).tolist()))
+            continue
+        n = len(tree)
+        dev = rows.device
+        p = probs_ref(rows, torch.full((n,), t, device=dev), torch.full((n,), int(top_ks[b]), device=dev),
+                      torch.full((n,), float(top_ps[b]), device=dev))
+        out.append(accept_sampling(tree, p, int(seeds[b]), int(root_positions[b])))
+    assert start == logits.shape[0], "logits rows must match the trees' nodes"
+    return out

@@ -1,0 +1,100 @@
+"""Training: the training-time-test unroll computes what drafting computes, a
+tiny head learns (loss goes down), checkpoints resume, heads save and load."""
+
+import json
+
+import pytest
+import torch
+
+from replica.protocol import SamplingParams
+from speculative.decode import SpeculativeGenerator
+from speculative.drafting import Drafter, TreeSpec
+from speculative.head import HeadConfig, aux_layers_for, head_dir, load_head, save_head
+from speculative.pool import KVPool
+from speculative.train import (STATE_FILE, batches, draft_vocab, init_head, load_prompts, record_features, train,
+                               ttt_unroll)
+from tests.speculative.util import random_head, tiny_target
+
+
+@pytest.fixture(scope="module")
+def data():
+    """Self-distillation data from the tiny target: its own greedy answers."""
+    model = tiny_target()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 97, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (12,), generator=g)]
+    answers, _ = SpeculativeGenerator(model, num_blocks=64).generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    feats = record_features(model, seqs, aux_layers_for(4))
+    return model, {"ids": [torch.tensor(s, dtype=torch.int32) for s in seqs], "n_prompt": [len(p) for p in prompts],
+                   "aux": [f[0] for f in feats], "hidden": [f[1] for f in feats], "top1": [f[2] for f in feats]}
+
+
+def test_ttt_unroll_matches_chain_drafting(data):
+    """Step k of the unroll at root r = what the drafter's chain computes at depth k + 1,
+    when the drafts are the tokens that follow (the paged KV path and the dense TTT mask agree)."""
+    model, d = data
+    head = random_head(model, draft_vocab=97)  # full vocabulary: the drafts are the sequence's own tokens
+    ids, n = d["ids"][0].long(), 9
+    aux = d["aux"][0].float()
+    steps = list(ttt_unroll(head, ids[None], aux[None], model.cos_sin, 3))
+    drafter = Drafter(head, model.cos_sin, 8, 16, model.ops)
+    pool = KVPool(8, 16, 4, 2, 8)
+    pool.reserve(0, len(ids))
+    st = drafter.new_state()
+    st.add_features(aux[: n - 1])
+    tokens = ids[:n].tolist()
+    with torch.inference_mode():
+        o, logits = drafter._commit([tokens], [st], pool.block_tables([0]))
+        torch.testing.assert_close(logits[0], steps[0][0, n - 1], rtol=1e-4, atol=1e-4)
+        anc = torch.ones(1, 3, 3, dtype=torch.bool).tril()
+        g = o[:, None]
+        for k in (1, 2):  # draft the true next token x_{n-1+k} at depth k
+            g = drafter._step(ids[n - 1 + k].view(1, 1), g, torch.tensor([n]), k, k - 1, anc, pool.block_tables([0]))
+            torch.testing.assert_close(head.logits(g[:, 0])[0], steps[k][0, n - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_tiny_head_loss_decreases_and_training_resumes(data, tmp_path):
+    model, d = data
+    cfg = HeadConfig.for_target(model.cfg, 64)
+    d2t = draft_vocab(d, 64, model.cfg.vocab_size)
+    assert len(d2t) == 64 and d2t.tolist() == sorted(set(d2t.tolist()))
+    head = init_head(cfg, model, d2t)
+    kw = dict(ttt_steps=5, lr=3e-3, batch_tokens=512, progress=False)
+    first = train(head, model, d, None, epochs=1, **kw)
+    n_batches = len(batches(d, 512, 0))
+    assert first["step"] == n_batches and len(first["acc"]) == 5
+    last = train(head, model, d, tmp_path, epochs=30, save_every=10, **kw)
+    # The soft cross-entropy cannot go below the target's entropy (~12 here, summed over weighted steps).
+    assert last["loss"] < 0.8 * first["loss"] and sum(last["acc"]) > 1.5 * sum(first["acc"]), (first, last)
+    assert (tmp_path / STATE_FILE).exists()
+    # Resuming a finished run does no more steps and keeps the weights.
+    again = init_head(cfg, model, d2t, seed=1)
+    assert train(again, model, d, tmp_path, epochs=30, **kw) == {}
+    assert torch.equal(again.fc.weight, head.fc.weight)
+
+
+def test_save_load_roundtrip_and_target_check(tmp_path):
+    model = tiny_target()
+    head = random_head(model, draft_vocab=32)
+    save_head(head, tmp_path / "h")
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["architecture"] == "eagle3" and cfg["aux_layers"] == [0, 2, 3]
+    loaded = load_head(tmp_path / "h", model.cfg, model.embed_tokens.weight)
+    for (n, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), n
+    other = tiny_target(hidden_size=24, num_heads=3, num_kv_heads=1)
+    with pytest.raises(ValueError, match="does not fit target"):
+        load_head(tmp_path / "h", other.cfg, other.embed_tokens.weight)
+    with pytest.raises(FileNotFoundError, match="speculative.train"):
+        load_head(tmp_path / "missing", model.cfg, model.embed_tokens.weight)
+
+
+def test_paths_and_prompts(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGECHAT_EAGLE3_DIR", str(tmp_path))
+    assert head_dir("SmolLM2-135M/Q4 x") == tmp_path / "SmolLM2-135M_Q4_x"
+    assert aux_layers_for(30) == (1, 14, 26) and aux_layers_for(4) == (0, 2, 3)
+    train_p, held = load_prompts("train"), load_prompts("heldout")
+    assert len(train_p) >= 200 and held and not set(train_p) & set(held)
+    spec = TreeSpec.chain(2)
+    assert spec.lookahead == 2

@@ -1,0 +1,180 @@
+"""Acceptance rules: greedy walks, KV moves, and losslessness of rejection
+sampling on a synthetic target/draft pair (chi-square, fixed seeds), with the
+biased rules the test must catch."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from speculative.drafting import DraftTree, chain
+from speculative.verify import (ACCEPT_STREAM, Verdict, accept_greedy, accept_sampling, gumbel_draw, hashed_uniforms,
+                                verify)
+
+
+def onehot_logits(argmaxes, vocab=10):
+    x = torch.zeros(len(argmaxes), vocab)
+    x[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return x
+
+
+def test_greedy_takes_the_longest_matching_path_whatever_its_branch():
+    #        0:root(7)
+    #       /         \
+    #   1:(3)        2:(4)
+    #   /   \          |
+    # 3:(5) 4:(6)    5:(1)
+    tree = DraftTree([7, 3, 4, 5, 6, 1], [-1, 0, 0, 1, 1, 2])
+    # target: after root -> 4, after node 2 -> 1, after node 5 -> 9 (bonus)
+    v = accept_greedy(tree, [4, 0, 1, 0, 0, 9])
+    assert v.path == [0, 2, 5] and v.tokens == [4, 1, 9] and v.num_accepted == 2
+    assert v.kv_moves(100) == [(102, 101), (105, 102)]
+    v = accept_greedy(tree, [3, 6, 0, 0, 8, 0])
+    assert v.path == [0, 1, 4] and v.tokens == [3, 6, 8] and v.kv_moves(0) == [(4, 2)]
+    v = accept_greedy(tree, [2, 0, 0, 0, 0, 0])  # nothing accepted: the bonus is the target's argmax
+    assert v == Verdict([0], [2]) and v.kv_moves(5) == []
+
+
+def test_verify_packs_rows_per_tree_and_mixes_greedy_and_sampling():
+    t1, t2 = chain(1, [2, 3]), chain(4, [5])
+    logits = onehot_logits([2, 3, 9, 0, 0])  # t1 accepts both, bonus 9; t2 rejects 5, bonus 0
+    out = verify([t1, t2], logits, [0.0, 0.0], [0, 0], [1.0, 1.0], [0, 0], [10, 20])
+    assert [v.tokens for v in out] == [[2, 3, 9], [0]]
+    # With a peaked target, sampling agrees with greedy (p(argmax) ~ 1).
+    out = verify([t1, t2], logits * 10, [1.0, 0.5], [0, 0], [1.0, 1.0], [3, 4], [10, 20])
+    assert [v.tokens for v in out] == [[2, 3, 9], [0]]
+    with pytest.raises(AssertionError):
+        verify([t1], logits, [0.0], [0], [1.0], [0], [0])
+
+
+# -- losslessness -------------------------------------------------------------------------------
+V, L = 4, 2  # synthetic vocabulary, tokens per sample (their joint law: V**L cells)
+g = torch.Generator().manual_seed(11)
+
+
+def random_rows():
+    x = -torch.rand(V, V, generator=g).log()  # Dirichlet(1) rows, sharpened
+    return x**2 / (x**2).sum(-1, keepdim=True)
+
+
+P = random_rows()  # target: a Markov chain p(x | last)
+Q = random_rows()  # draft: a different one
+ROOT = 2
+
+
+Q_ROWS = Q.tolist()
+
+
+def sampled_chain(tokens, seed, depth=2):
+    """Drafts x_k ~ Q(. | x_{k-1}), independent of the verifier's uniforms."""
+    rng = random.Random(seed * 1000 + len(tokens))
+    drafts, qs, last = [], [torch.zeros(V)], tokens[-1]
+    for k in range(depth):
+        x = rng.choices(range(V), weights=Q_ROWS[last])[0]
+        drafts.append(x)
+        qs.append(Q[last])
+        last = x
+    return chain(tokens[-1], drafts, q=torch.stack(qs))
+
+
+def topk_tree(tokens, seed):
+    """Deterministic tree: the root's two most likely drafts, each with its best child."""
+    last = tokens[-1]
+    a, b = Q[last].topk(2).indices.tolist()
+    return DraftTree([last, a, b, int(Q[a].argmax()), int(Q[b].argmax())], [-1, 0, 0, 1, 2])
+
+
+def target_probs(tree):
+    return P[torch.tensor(tree.tokens)]  # row i: the target's distribution after node i
+
+
+def lossless(tree, seed, root):
+    return accept_sampling(tree, target_probs(tree), seed, root)
+
+
+def always_accept(tree, seed, root):
+    """Biased: keep every draft of the first branch."""
+    path = [0]
+    kids = tree.children()
+    while kids[path[-1]]:
+        path.append(kids[path[-1]][0])
+    p = target_probs(tree)[path[-1]]
+    bonus = int(gumbel_draw(p[None], torch.tensor([seed]), torch.tensor([root + len(path)]))[0])
+    return Verdict(path, [tree.tokens[i] for i in path[1:]] + [bonus])
+
+
+def no_residual(tree, seed, root):
+    """Biased: accept with min(1, p/q) but, on rejection, draw from p instead of (p - q)+."""
+    p = target_probs(tree)
+    path, tokens = [0], []
+    for i in range(1, len(tree)):
+        x, pos = tree.tokens[i], torch.tensor([root + i])
+        u = float(hashed_uniforms(torch.tensor([seed]), pos, ACCEPT_STREAM, 1)[0, 0])
+        if u * float(tree.q[i, x]) >= float(p[i - 1, x]):
+            return Verdict(path, tokens + [int(gumbel_draw(p[i - 1][None], torch.tensor([seed]), pos)[0])])
+        path.append(i)
+        tokens.append(x)
+    return Verdict(path, tokens + [int(gumbel_draw(p[-1][None], torch.tensor([seed]), torch.tensor([root + len(tree)]))[0])])
+
+
+def emitted_counts(draft, rule, n_samples):
+    counts = torch.zeros(V**L)
+    for seed in range(n_samples):
+        tokens = [ROOT]
+        while len(tokens) < 1 + L:
+            tree = draft(tokens, seed)
+            tokens += rule(tree, seed, len(tokens) - 1).tokens
+        cell = 0
+        for t in tokens[1 : 1 + L]:
+            cell = cell * V + t
+        counts[cell] += 1
+    return counts
+
+
+def chi_square_rejects(counts) -> bool:
+    """Pearson's test of counts against the target's joint law at the 0.1 % level
+    (Wilson-Hilferty quantile of chi2)."""
+    expected = torch.ones(V**L)
+    for cell in range(V**L):
+        last, digits = ROOT, [(cell // V ** (L - 1 - i)) % V for i in range(L)]
+        for t in digits:
+            expected[cell] *= P[last, t]
+            last = t
+    expected *= counts.sum()
+    keep = expected >= 5  # pool the rare cells
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    z = 3.09  # 0.999 quantile of N(0, 1)
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical
+
+
+N = 2000
+
+
+@pytest.mark.parametrize("draft", [sampled_chain, topk_tree])
+def test_rejection_sampling_is_lossless(draft):
+    assert not chi_square_rejects(emitted_counts(draft, lossless, N))
+
+
+@pytest.mark.parametrize("rule", [always_accept, no_residual])
+def test_the_chi_square_check_catches_a_biased_rule(rule):
+    assert chi_square_rejects(emitted_counts(sampled_chain, rule, N))
+
+
+def test_sampling_is_reproducible_and_uses_the_plain_samplers_stream_when_nothing_is_drafted():
+    tree = sampled_chain([ROOT], seed=5)
+    assert lossless(tree, 5, 0) == lossless(tree, 5, 0)
+    # A lone root: the bonus draw is the plain sampler's Gumbel-max on u(seed, position).
+    from kernels.sampling import sample_ref
+
+    logits = torch.randn(1, 50, generator=g)
+    p = torch.softmax(logits, -1)
+    for seed in range(20):
+        v = accept_sampling(DraftTree([1], [-1]), p, seed, 7)
+        ref = sample_ref(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([seed]),
+                         torch.tensor([8]))
+        assert v.tokens == [int(ref[0])]
