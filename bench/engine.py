@@ -13,6 +13,7 @@ decode ms per step and tokens/s at batch 1 and 16 after the prompts are prefille
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -31,12 +32,14 @@ from replica.loader import PRESETS, load_checkpoint  # noqa: E402
 
 class ZeroCostModel(torch.nn.Module):
     """Same interface as LlamaModel; forward and logits are views of preallocated
-    zeros, so a step's time is the engine's own work plus the sampler."""
+    buffers, so a step's time is the engine's own work plus the sampler. The logits
+    are fixed random values (peaked like a real model's, so top-p keeps a realistic
+    handful of tokens rather than a flat vocabulary)."""
 
     def __init__(self, hidden: int, vocab: int, max_tokens: int = 4096):
         super().__init__()
         self.hidden_buf = torch.zeros(max_tokens, hidden)
-        self.logits_buf = torch.zeros(256, vocab)
+        self.logits_buf = torch.randn(256, vocab, generator=torch.Generator().manual_seed(0)) * 4
 
     def forward(self, input_ids, positions, ctx, kv_cache, aux_layers=()):
         return self.hidden_buf[: input_ids.shape[0]]
@@ -99,8 +102,10 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="host overhead table only")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="torch threads (default: what the engine process uses, cores - 1)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     host_overhead(args.device)
