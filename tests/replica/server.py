@@ -33,17 +33,17 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> No
 
 
 @contextlib.contextmanager
-def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = None):
+def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = None, env: dict | None = None):
     """Yield the base URL of a running replica; stop its whole process group after.
     With `cmd`, "{port}" in its arguments is replaced by the chosen free port."""
     port = free_port()
     cmd = [a.replace("{port}", str(port)) for a in cmd] if cmd else [
         sys.executable, "-m", "replica", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
-        yield url
+        yield url, proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

@@ -18,7 +18,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    with replica_server("--kv-memory-gb", "0.25", "--max-num-seqs", "40") as url:
+    with replica_server("--kv-memory-gb", "0.25", "--max-num-seqs", "40") as (url, _):
         yield url
 
 

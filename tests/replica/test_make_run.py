@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_run_serves_a_chat_request():
-    with replica_server(cmd=["make", "-s", "run", "PORT={port}"], cwd=str(ROOT)) as url:
+    with replica_server(cmd=["make", "-s", "run", "PORT={port}"], cwd=str(ROOT)) as (url, _):
         r = httpx.post(url + "/v1/chat/completions", timeout=120,
                        json={"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
         assert r.status_code == 200
