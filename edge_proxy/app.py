@@ -1,4 +1,4 @@
-"""The ASGI app: routes only. Starlette moves bytes; `core.Proxy` decides.
+"""The ASGI app: routes only. Starlette and uvicorn move bytes; `core.Proxy` decides.
 
     WS   /v1/stream              public protocol (edge_proxy.protocol)
     POST /v1/chat/completions    OpenAI-compatible, SSE with "stream": true
@@ -16,14 +16,14 @@ import os
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Route
 
 from edge_proxy.auth import ENV_VAR, KeyStore, load_entries
 from edge_proxy.config import ProxyConfig
 from edge_proxy.core import Proxy
 from edge_proxy.openai_api import OpenAIRoutes
 from edge_proxy.prompt import load_tokenizer
-from edge_proxy.ws import websocket_endpoint
+from edge_proxy.ws import StreamEndpoint
 
 
 def build_proxy(cfg: ProxyConfig, tokenizer=None, keys: KeyStore | None = None, tracer=None) -> Proxy:
@@ -33,7 +33,22 @@ def build_proxy(cfg: ProxyConfig, tokenizer=None, keys: KeyStore | None = None, 
     return Proxy(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer), keys, tracer=tracer)
 
 
-def create_app(proxy: Proxy) -> Starlette:
+class EdgeApp:
+    """Plain ASGI front: the public WebSocket (the per-token hot path) goes straight to
+    its endpoint; HTTP, the lifespan and anything else go to Starlette."""
+
+    def __init__(self, app: Starlette, stream: StreamEndpoint):
+        self.app, self.stream = app, stream
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == "/v1/stream":
+            await self.stream(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+def create_app(proxy: Proxy) -> EdgeApp:
     oa = OpenAIRoutes(proxy)
 
     async def healthz(request: Request):
@@ -55,7 +70,6 @@ def create_app(proxy: Proxy) -> Starlette:
             await proxy.stop()
 
     app = Starlette(routes=[
-        WebSocketRoute("/v1/stream", websocket_endpoint),
         Route("/v1/chat/completions", oa.chat, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
         Route("/v1/models", oa.models, methods=["GET"]),
@@ -63,4 +77,4 @@ def create_app(proxy: Proxy) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.proxy = proxy
-    return app
+    return EdgeApp(app, StreamEndpoint(proxy))

@@ -33,11 +33,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import msgspec
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from edge_proxy.admission import LoadView
 from edge_proxy.prefix_index import BlockIndex
+from edge_proxy.replica_link import LinkClosed, LinkRefused, ReplicaLink
 from edge_proxy.routing import effective_load
 from replica.protocol import Abort, Codec, Error, Finished, Hello, KvEvents, Load, Tokens
 
@@ -78,7 +77,7 @@ class ReplicaConn:
         self.cfg = pool.cfg
         self.id = url  # replaced by Hello.replica_id
         self.hello: Hello | None = None
-        self.ws = None
+        self.link: ReplicaLink | None = None
         self.connected = False
         self.healthy = True  # /healthz verdict
         self.refused = False  # the replica refused our secret (4401)
@@ -94,11 +93,9 @@ class ReplicaConn:
         self.last_tokens_rx = 0.0
         self._codec = Codec()
         self._out: list = []
-        self._wake = asyncio.Event()
         self._seq = 0
         self._prefix = secrets.token_hex(4) + "-"
         self._healthz_fail = 0
-        self._after_hello: list = []
 
     def __repr__(self):
         return f"ReplicaConn({self.id!r}, ready={self.ready})"
@@ -152,32 +149,27 @@ class ReplicaConn:
                 self._send(Abort(rid))
 
     def _send(self, msg) -> None:
+        """Queue a message; everything queued in one loop iteration leaves as one frame."""
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
         self._out.append(msg)
-        self._wake.set()
 
-    async def _write_loop(self, ws) -> None:
-        enc = self._codec.encode
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            out, self._out = self._out, []
-            if out:
-                await ws.send(enc(out))
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and self.link is not None:
+            self.link.send(self._codec.encode(out))
 
-    # -- incoming --------------------------------------------------------------
+    # -- incoming (the hot path: runs inside the link's data_received) ----------
 
-    async def _read_loop(self, ws) -> None:
-        decode, dispatch = self._codec.decode, self._dispatch
-        while True:
-            data = await ws.recv()
-            now = perf_counter()
-            self.last_rx = now
-            try:
-                msgs = decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                log.error("replica %s sent an undecodable frame (%s); dropping the connection", self.id, e)
-                raise ConnectionError("bad frame from replica") from None
-            dispatch(msgs, now)
+    def _on_frame(self, data: bytes, now: float) -> None:
+        self.last_rx = now
+        try:
+            msgs = self._codec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.error("replica %s sent an undecodable frame (%s); dropping the connection", self.id, e)
+            self.lose("bad_frame")
+            return
+        self._dispatch(msgs, now)
 
     def _dispatch(self, msgs: list, now: float) -> None:
         streams = self.streams
@@ -208,6 +200,33 @@ class ReplicaConn:
             else:
                 log.warning("replica %s sent unexpected %s", self.id, t.__name__)
 
+    def _on_first_frame(self, data: bytes, now: float) -> None:
+        """Until Hello: the first frame must start with it (the rest of it is ordinary traffic)."""
+        self.link.on_frame = self._on_frame
+        try:
+            msgs = self._codec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            msgs = []
+        if not msgs or type(msgs[0]) is not Hello:
+            log.error("replica %s did not start with Hello", self.url)
+            self.link.abort()
+            return
+        hello = msgs[0]
+        if not self.pool.accept_hello(self, hello):
+            self.link.abort()
+            return
+        self.link.up = True
+        self.hello, self.id = hello, hello.replica_id
+        self.index.reset()
+        self.load = None
+        self.own_at_report = 0
+        self.last_rx = now
+        self.connected = True
+        self.refused = False
+        log.info("replica %s ready at %s (model %s)", self.id, self.url, hello.model)
+        self._dispatch(msgs[1:], now)  # the replica sends its KV state and Load along with Hello
+        self.pool.on_state_change()
+
     # -- lifecycle -------------------------------------------------------------
 
     def lose(self, cause: str) -> None:
@@ -224,92 +243,78 @@ class ReplicaConn:
         if lost:
             log.warning("replica %s lost (%s) with %d streams in flight", self.id, cause, len(lost))
         self.pool.on_lost(self, lost, cause)
-        ws = self.ws
-        if ws is not None:
-            ws.transport.abort()  # no closing handshake with a peer we no longer trust
+        if self.link is not None:
+            self.link.abort()  # no closing handshake with a peer we no longer trust
 
     async def run(self) -> None:
-        backoff = self.cfg.backoff_min_s
-        headers = {"Authorization": f"Bearer {self.cfg.secret}"} if self.cfg.secret else None
+        """Keep a connection up: connect, wait for Hello, keep alive, and start over when it ends."""
+        cfg = self.cfg
+        backoff = cfg.backoff_min_s
+        headers = {"Authorization": f"Bearer {cfg.secret}"} if cfg.secret else None
         while True:
+            cause = None
+            # Frames may arrive in the same segment as the handshake response: the link
+            # must be ours (self.link) before it connects.
+            self.link = ReplicaLink(self.url, headers, self._on_first_frame, cfg.max_frame_bytes)
             try:
-                ws = await connect(self.url, additional_headers=headers, compression=None, proxy=None,
-                                   open_timeout=self.cfg.hello_timeout_s, ping_interval=self.cfg.ping_interval_s,
-                                   ping_timeout=self.cfg.ping_timeout_s, close_timeout=1.0,
-                                   max_size=self.cfg.max_frame_bytes, max_queue=None)
-            except InvalidStatus as e:  # refused before the upgrade (HTTP 401/403) or not a replica
-                if e.response.status_code in (401, 403):
-                    self._refused()
-                    backoff = self.cfg.backoff_max_s
-                else:
-                    log.warning("replica %s: connect answered HTTP %d", self.url, e.response.status_code)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.backoff_max_s)
-                continue
-            except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
+                await self.link.connect(cfg.hello_timeout_s)
+            except LinkRefused as e:  # refused before the upgrade (HTTP 401/403) or not a replica at all
+                cause = "refused" if e.status in (401, 403) else None
+                if cause is None:
+                    log.warning("replica %s: handshake answered HTTP %d", self.url, e.status)
+                self.link = None
+            except (OSError, TimeoutError, LinkClosed) as e:
                 log.debug("replica %s: connect failed: %s", self.url, e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.backoff_max_s)
-                continue
-            cause = "disconnect"
-            writer = None
-            try:
-                hello = await self._handshake(ws)
-                if hello is not None:
-                    backoff = self.cfg.backoff_min_s
-                    self.ws, self.hello, self.id = ws, hello, hello.replica_id
-                    self.index.reset()
-                    self.load = None
-                    self.own_at_report = 0
-                    self.last_rx = perf_counter()
-                    self.connected = True
-                    self.refused = False
-                    writer = asyncio.create_task(self._write_loop(ws))
-                    rest, self._after_hello = self._after_hello, []
-                    self._dispatch(rest, self.last_rx)
-                    log.info("replica %s ready at %s (model %s)", self.id, self.url, hello.model)
-                    self.pool.on_state_change()
-                    await self._read_loop(ws)
-            except ConnectionClosed as e:
-                if e.rcvd is not None and e.rcvd.code == AUTH_CLOSE_CODE:
-                    cause = "refused"
-            except (OSError, ConnectionError, TimeoutError) as e:
-                log.debug("replica %s: %s", self.id, e)
-            finally:
-                if writer is not None:
-                    writer.cancel()
-                if self.ws is ws:
-                    self.ws = None
                 if self.connected:
-                    self.lose(cause)
-                ws.transport.abort()
+                    self.lose("disconnect")
+                self.link = None
+            else:
+                cause = await self._serve_link(self.link)
+                self.link = None
             if cause == "refused":
                 self._refused()
-                backoff = self.cfg.backoff_max_s
+                backoff = cfg.backoff_max_s
+            elif cause == "disconnect":
+                backoff = cfg.backoff_min_s  # it was up: reconnect at once
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.cfg.backoff_max_s)
+            backoff = min(backoff * 2, cfg.backoff_max_s)
+
+    async def _serve_link(self, link: ReplicaLink) -> str:
+        """Wait for Hello, then keep alive until the link closes. Returns why it ended:
+        "refused" (close 4401), "disconnect" (it had been up) or "no_hello"."""
+        cfg = self.cfg
+        keepalive = asyncio.get_running_loop().create_task(self._keepalive(link))
+        try:
+            done, _ = await asyncio.wait([link.closed], timeout=cfg.hello_timeout_s)
+            if not done and not link.up:
+                log.error("replica %s sent no Hello within %g s", self.url, cfg.hello_timeout_s)
+                link.abort()
+            closed = await link.closed
+        finally:
+            keepalive.cancel()
+        if self.connected:
+            self.lose("disconnect")
+        if closed.code == AUTH_CLOSE_CODE:
+            return "refused"
+        return "disconnect" if link.up else "no_hello"
+
+    async def _keepalive(self, link: ReplicaLink) -> None:
+        """Ping every `ping_interval_s`; no pong for `ping_interval_s + ping_timeout_s` loses the replica."""
+        cfg = self.cfg
+        while True:
+            await asyncio.sleep(cfg.ping_interval_s)
+            if perf_counter() - link.last_pong > cfg.ping_interval_s + cfg.ping_timeout_s:
+                log.warning("replica %s: no pong for %g s", self.id, cfg.ping_interval_s + cfg.ping_timeout_s)
+                if self.connected:
+                    self.lose("ping_timeout")
+                link.abort()
+                return
+            link.ping()
 
     def _refused(self) -> None:
         if not self.refused:
             log.error("replica %s refused the proxy's secret; check EDGECHAT_REPLICA_SECRET", self.url)
         self.refused = True
-
-    async def _handshake(self, ws) -> Hello | None:
-        try:
-            data = await asyncio.wait_for(ws.recv(), self.cfg.hello_timeout_s)
-        except ConnectionClosed as e:
-            if e.rcvd is not None and e.rcvd.code == AUTH_CLOSE_CODE:
-                raise
-            return None
-        msgs = self._codec.decode(data)
-        if not msgs or type(msgs[0]) is not Hello:
-            log.error("replica %s did not start with Hello", self.url)
-            return None
-        hello = msgs[0]
-        if not self.pool.accept_hello(self, hello):
-            return None
-        self._after_hello = msgs[1:]  # the replica may send its KV state and Load in the same frame
-        return hello
 
     async def healthz(self, client: httpx.AsyncClient) -> None:
         try:
@@ -378,9 +383,13 @@ class ReplicaPool:
 
     async def wait_ready(self, n: int = 1, timeout: float | None = None) -> bool:
         """Wait until at least `n` replicas are ready; False on timeout."""
+        return await self.wait_for(lambda: len(self.ready()) >= n, timeout)
+
+    async def wait_for(self, predicate, timeout: float | None = None) -> bool:
+        """Wait until `predicate()` holds, re-checked on every readiness change; False on timeout."""
         async def wait():
             async with self._changed:
-                await self._changed.wait_for(lambda: len(self.ready()) >= n)
+                await self._changed.wait_for(predicate)
 
         try:
             await asyncio.wait_for(wait(), timeout)
@@ -401,8 +410,8 @@ class ReplicaPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         for c in self.conns:
-            if c.ws is not None:
-                c.ws.transport.abort()
+            if c.link is not None:
+                c.link.abort()
         if self._http is not None:
             await self._http.aclose()
 

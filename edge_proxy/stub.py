@@ -32,7 +32,7 @@ import asyncio
 import heapq
 import hmac
 import random
-import sys
+import signal
 import time
 from array import array
 from collections import OrderedDict
@@ -46,6 +46,7 @@ from replica import protocol as rp
 from replica.hashing import block_hashes
 
 ALPHABET = b" abcdefghijklmnopqrstuvwxyz"
+TICK_S = 0.001  # engine loop granularity (the event loop's timers have 1 ms resolution)
 
 
 def token_at(prompt_key: int, seed: int, pos: int) -> int:
@@ -108,6 +109,7 @@ class StubReplica:
         self.refuse = False  # refuse every new connection as if its secret were wrong
         self.refuse_http = False  # refuse before the upgrade (HTTP 403, as Starlette does) instead of close 4401
         self.healthy = True  # /healthz 200 or 503
+        self.frozen = False  # see freeze()
         self.generates: list[rp.Generate] = []
         self.aborts: list[tuple[str, float]] = []
         self.tokens_sent = 0
@@ -143,8 +145,8 @@ class StubReplica:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
             self._server.close()
-            for c in list(self.conns):
-                c.ws.transport.abort()
+            for ws in list(self._server.connections):
+                ws.transport.abort()
             await self._server.wait_closed()
 
     async def crash(self) -> None:
@@ -154,6 +156,12 @@ class StubReplica:
         self.conns.clear()
         self._heap.clear()
         await self.stop()
+
+    def freeze(self) -> None:
+        """Like SIGSTOP: sockets stay open, nothing is read or sent (pings go unanswered)."""
+        self.lag = self.frozen = True
+        for c in self.conns:
+            c.ws.transport.pause_reading()
 
     def _http(self, connection, request):
         if request.path == "/healthz":
@@ -175,6 +183,10 @@ class StubReplica:
     async def _handler(self, ws) -> None:
         if not self._authorized(ws.request.headers):
             await ws.close(4401, "unauthorized")
+            return
+        if self.frozen:
+            ws.transport.pause_reading()
+            await ws.wait_closed()
             return
         c = _Conn(ws)
         cfg = self.cfg
@@ -260,9 +272,11 @@ class StubReplica:
 
     async def _engine(self) -> None:
         heap, step = self._heap, self.cfg.step_s
+        tick = min(TICK_S, step)
         while True:
             now = time.perf_counter()
-            while heap and heap[0][0] <= now:
+            horizon = now + tick / 2  # what falls due within half a tick goes now: no busy-waiting
+            while heap and heap[0][0] <= horizon:
                 _, _, r = heapq.heappop(heap)
                 if r.conn.reqs.get(r.gen.id) is not r:
                     continue  # aborted or connection gone
@@ -273,8 +287,7 @@ class StubReplica:
                     heapq.heappush(heap, (r.due, self._seq, r))
             if self._dirty and not self.lag:
                 await self._flush()
-                continue
-            await self._sleep(max(heap[0][0] - time.perf_counter(), 0.0) if heap else None)
+            await self._sleep(max(heap[0][0] - time.perf_counter(), tick) if heap else None)
 
     def _emit(self, r: _Req, now: float) -> None:
         g = r.gen
@@ -327,11 +340,12 @@ async def _main(a) -> None:
     stub = StubReplica(StubConfig(replica_id=a.id, secret=a.secret, step_s=a.step_ms / 1e3, stamp=a.stamp,
                                   jitter=a.jitter, load_interval_s=0.5, block_size=a.block_size))
     await stub.start(a.host, a.port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     print(f"READY {stub.port}", flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await stub.stop()
+    await stop.wait()
+    await stub.stop()
 
 
 def main(argv=None) -> None:
@@ -345,12 +359,9 @@ def main(argv=None) -> None:
     p.add_argument("--stamp", action="store_true")
     p.add_argument("--jitter", action="store_true")
     a = p.parse_args(argv)
-    try:
-        import uvloop
+    import uvloop
 
-        uvloop.run(_main(a))
-    except KeyboardInterrupt:
-        sys.exit(0)
+    uvloop.run(_main(a))
 
 
 if __name__ == "__main__":

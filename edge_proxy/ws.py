@@ -11,6 +11,11 @@ text, past which the connection is closed with `too_slow` (1008).
 
 Handshake checks, in order: Origin allowlist (403), API key from
 `Authorization: Bearer` or the subprotocol `bearer.<key>` (401), draining (503).
+
+`StreamEndpoint` is a plain ASGI callable mounted in front of Starlette (see
+`app.py`): frames go to uvicorn's `send` directly, without Starlette's per-message
+state checks and exception wrappers. Starlette's `WebSocket` still does the
+handshake.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import asyncio
 import logging
 
 from starlette.responses import JSONResponse
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
 from edge_proxy import protocol as pp
 from edge_proxy.auth import bearer
@@ -40,32 +45,38 @@ def _deny(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"type": "error", "code": code, "message": message}, status_code=status)
 
 
-async def websocket_endpoint(ws: WebSocket) -> None:
-    proxy = ws.app.state.proxy
-    cfg = proxy.cfg
-    if not origin_allowed(ws.headers.get("origin"), cfg.allowed_origins):
-        await ws.send_denial_response(_deny(403, pp.FORBIDDEN, "origin not allowed"))
-        return
-    offered = [p.strip() for h in ws.headers.getlist("sec-websocket-protocol") for p in h.split(",")]
-    token = bearer(ws.headers.get("authorization"))
-    if token is None:
-        token = next((p[len(KEY_SUBPROTOCOL_PREFIX):] for p in offered if p.startswith(KEY_SUBPROTOCOL_PREFIX)), None)
-    key = proxy.keys.check(token)
-    if key is None:
-        await ws.send_denial_response(_deny(401, pp.UNAUTHORIZED, "missing or unknown API key"))
-        return
-    if proxy.draining:
-        await ws.send_denial_response(_deny(503, pp.SHUTTING_DOWN, "the proxy is draining"))
-        return
-    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
-    await ClientConnection(ws, proxy, key).run()
+class StreamEndpoint:
+    """ASGI app for the public WebSocket (`/v1/stream`)."""
+
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    async def __call__(self, scope, receive, send) -> None:
+        proxy, ws = self.proxy, WebSocket(scope, receive, send)
+        if not origin_allowed(ws.headers.get("origin"), proxy.cfg.allowed_origins):
+            await ws.send_denial_response(_deny(403, pp.FORBIDDEN, "origin not allowed"))
+            return
+        offered = [p.strip() for h in ws.headers.getlist("sec-websocket-protocol") for p in h.split(",")]
+        token = bearer(ws.headers.get("authorization"))
+        if token is None:
+            token = next((p[len(KEY_SUBPROTOCOL_PREFIX):] for p in offered if p.startswith(KEY_SUBPROTOCOL_PREFIX)),
+                         None)
+        key = proxy.keys.check(token)
+        if key is None:
+            await ws.send_denial_response(_deny(401, pp.UNAUTHORIZED, "missing or unknown API key"))
+            return
+        if proxy.draining:
+            await ws.send_denial_response(_deny(503, pp.SHUTTING_DOWN, "the proxy is draining"))
+            return
+        await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+        await ClientConnection(receive, send, proxy, key).run()
 
 
 class ClientConnection:
     """Sink for the streams of one client socket, and its reader."""
 
-    def __init__(self, ws: WebSocket, proxy, key):
-        self.ws = ws
+    def __init__(self, receive, send, proxy, key):
+        self.receive, self.send = receive, send  # raw ASGI
         self.proxy = proxy
         self.key = key
         self.codec = pp.ClientCodec()
@@ -73,7 +84,7 @@ class ClientConnection:
         self._pending: dict = {}  # Stream (or None for connection errors) -> [text, tokens, merged, final]
         self._pending_bytes = 0
         self._conn_errors: list[pp.Error] = []
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the writer, when idle
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
 
@@ -92,7 +103,8 @@ class ClientConnection:
         self._pending_bytes += len(text)
         if self._pending_bytes > self.proxy.cfg.max_pending_bytes:
             self._too_slow()
-        self._wake.set()
+        if self._waiter is not None:
+            self._wake()
 
     def finish(self, s, msg) -> None:
         if self.active.get(s.cid) is s:
@@ -102,33 +114,41 @@ class ClientConnection:
             self._pending[s] = ["", 0, 0, msg]
         else:
             e[3] = msg
-        self._wake.set()
+        self._wake()
 
     def _error(self, cid: str | None, e: pp.ProtocolError) -> None:
         self._conn_errors.append(pp.Error(e.code, e.message, cid, e.retry_after_s))
-        self._wake.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            w.set_result(None)
 
     # -- writer ----------------------------------------------------------------
 
     async def _write_loop(self) -> None:
-        send, enc = self.ws.send_text, self.codec.encode
+        send, enc = self.send, self.codec.encode
         coalesced = self.proxy.metrics.coalesced
+        loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            if not self._pending and not self._conn_errors:
+                self._waiter = loop.create_future()
+                await self._waiter
             if self._conn_errors:
                 errs, self._conn_errors = self._conn_errors, []
                 for err in errs:
-                    await send(enc(err).decode())
+                    await send({"type": "websocket.send", "text": enc(err).decode()})
             batch, self._pending = self._pending, {}
             self._pending_bytes = 0
             for s, (text, ntok, merged, final) in batch.items():
                 if merged:
-                    await send(enc(pp.Delta(s.cid, text, ntok)).decode())
+                    await send({"type": "websocket.send", "text": enc(pp.Delta(s.cid, text, ntok)).decode()})
                     if merged > 1:
                         coalesced.inc()
                 if final is not None:
-                    await send(enc(final).decode())
+                    await send({"type": "websocket.send", "text": enc(final).decode()})
 
     def _too_slow(self) -> None:
         if self._closing:
@@ -138,7 +158,8 @@ class ClientConnection:
         self._pending.clear()
         self._pending_bytes = 0
         self._cancel_all()
-        t = asyncio.get_running_loop().create_task(self.ws.close(1008, pp.TOO_SLOW))
+        t = asyncio.get_running_loop().create_task(
+            self.send({"type": "websocket.close", "code": 1008, "reason": pp.TOO_SLOW}))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
@@ -149,7 +170,7 @@ class ClientConnection:
         max_bytes = self.proxy.cfg.max_frame_bytes
         try:
             while True:
-                msg = await self.ws.receive()
+                msg = await self.receive()
                 if msg["type"] == "websocket.disconnect":
                     break
                 data = msg.get("text")
@@ -167,8 +188,6 @@ class ClientConnection:
                     self._cancel(m.id)
                 else:
                     self._generate(m)
-        except WebSocketDisconnect:
-            pass
         finally:
             self._closing = True
             self._cancel_all()
@@ -209,7 +228,7 @@ class ClientConnection:
         if s is None:  # still being admitted: `_start` cancels it; answer now
             self._pending[("cancelled", cid)] = ["", 0, 0, pp.Done(cid, "abort", pp.Usage(), pp.Timing(),
                                                                    self.proxy.cfg.region, "")]
-            self._wake.set()
+            self._wake()
             return
         s.cancel(notify=True)
 

@@ -1,13 +1,14 @@
 """Failover with exact resume: the client sees one uninterrupted stream."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from edge_proxy import protocol as pp
 from edge_proxy.client import EdgeClient, EdgeError
 
-from conftest import proxy_for, stubs
+from conftest import FAST_POOL, proxy_for, stubs
 
 pytestmark = pytest.mark.anyio
 HI = [{"role": "user", "content": "tell me a story"}]
@@ -78,6 +79,16 @@ async def test_stalled_replica_is_abandoned():
                     serving(reps, before).lag = True  # stuck engine: socket up, nothing sent
             assert req.text == want and req.done.failovers == 1
         assert p.proxy.metrics.failovers.get("stall") == 1
+
+
+async def test_a_frozen_idle_replica_is_dropped_by_keepalive():
+    pool = replace(FAST_POOL, ping_interval_s=0.1, ping_timeout_s=0.2, healthz_interval_s=0)
+    async with stubs("a", "b") as reps, proxy_for(reps, pool=pool) as p:
+        reps[0].freeze()
+        assert await p.proxy.pool.wait_for(lambda: [c.id for c in p.proxy.pool.ready()] == ["b"], timeout=5)
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            _, d = await c.complete(prompt="still here?", max_tokens=2)
+            assert d.replica == "b"
 
 
 async def test_healthz_failure_moves_streams_and_stops_routing():

@@ -14,20 +14,19 @@ pytestmark = pytest.mark.anyio
 
 
 class BlockingSocket:
-    """Accepts one frame, then blocks every send until `release()` (a full TCP buffer)."""
+    """ASGI send that takes one frame, then blocks every send until `gate` opens (a full TCP buffer)."""
 
     def __init__(self):
         self.frames: list[dict] = []
         self.gate = asyncio.Event()
         self.closed_with = None
 
-    async def send_text(self, text):
-        self.frames.append(json.loads(text))
-        if len(self.frames) >= 1:
-            await self.gate.wait()
-
-    async def close(self, code, reason=""):
-        self.closed_with = (code, reason)
+    async def __call__(self, message):
+        if message["type"] == "websocket.close":
+            self.closed_with = (message["code"], message["reason"])
+            return
+        self.frames.append(json.loads(message["text"]))
+        await self.gate.wait()
 
 
 class FakeStream:
@@ -41,7 +40,7 @@ class FakeStream:
 
 def conn(ws, max_pending=1 << 20):
     proxy = SimpleNamespace(cfg=SimpleNamespace(max_pending_bytes=max_pending, region="t"), metrics=ProxyMetrics())
-    return ClientConnection(ws, proxy, key=None)
+    return ClientConnection(None, ws, proxy, key=None)
 
 
 async def test_tokens_merge_while_the_client_is_behind():
