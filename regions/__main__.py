@@ -1,0 +1,108 @@
+"""python -m regions up [topology.toml]     launch a topology (built-in two-region one by default)
+python -m regions check [topology.toml]  validate a topology and print its resolved ports
+
+`up` prints one line per component with its URL, then serves until Ctrl-C or
+SIGTERM, when it stops everything (relays, then proxies, which drain, then
+replicas); a second signal kills at once. If any component dies, everything is
+stopped and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+from regions.launch import LaunchError, Stack
+from regions.topology import ROUTING_MODES, TopologyError, load
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m regions", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="launch a topology and serve until Ctrl-C")
+    up.add_argument("topology", nargs="?", help="topology TOML (default: the built-in two-region topology)")
+    up.add_argument("--routing", default="auto", choices=ROUTING_MODES, help="proxy routing mode")
+    up.add_argument("--no-relays", action="store_true", help="no latency relays (clients talk to proxies directly)")
+    up.add_argument("--log-dir", default=None, help="component logs (default: a fresh temporary folder)")
+    up.add_argument("--targets", default=None, metavar="FILE",
+                    help="write the URLs (regions, client relays) as JSON here, for python -m loadtest --targets")
+    chk = sub.add_parser("check", help="validate a topology and print its resolved ports")
+    chk.add_argument("topology", nargs="?")
+    return p
+
+
+async def _up(a) -> int:
+    stack = Stack(load(a.topology), routing=a.routing, log_dir=a.log_dir, relays=not a.no_relays)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = [0]
+
+    def on_signal() -> None:
+        signals[0] += 1
+        if signals[0] == 1:
+            stop.set()
+        else:
+            loop.create_task(stack.kill())
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    start = loop.create_task(stack.start())
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # a signal while starting: start() cleans up after itself
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        return 130
+    stopped.cancel()
+    try:
+        start.result()
+    except LaunchError as e:
+        print(f"regions: {e}", file=sys.stderr)
+        return 1
+    if a.targets:
+        with open(a.targets, "w") as f:
+            json.dump(stack.targets(), f, indent=1)
+    crashed = loop.create_task(stack.wait_exit())
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait([crashed, stopped], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if crashed.done():
+        c = crashed.result()
+        print(f"regions: {c.kind} {c.name} exited with code {c.proc.returncode}; stopping everything\n"
+              f"{c.log_tail()}", file=sys.stderr)
+        code = 1
+    else:
+        crashed.cancel()
+        print("regions: stopping", flush=True)
+    await stack.stop()
+    print("regions: stopped", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        if a.cmd == "check":
+            t = load(a.topology)
+            print(f"{t.source}: {len(t.regions)} regions, replica kind {t.replica_kind}, model {t.model}")
+            for r in t.regions:
+                reps = ", ".join(f"{x.id}:{x.port}" + (f" tp{x.tp}" if x.tp > 1 else "") for x in r.replicas)
+                print(f"  region {r.name}: proxy :{r.proxy_port}; replicas {reps}; peers {', '.join(t.peers(r.name))}")
+            for (kind, src, dst), port in t.relay_ports.items():
+                rtt = t.rtt(src, dst) if kind == "link" else next(c for c in t.clients if c.name == src).rtt_ms[dst]
+                print(f"  relay {kind} {src}>{dst}: :{port} rtt {rtt:g} ms")
+            return 0
+        import uvloop
+
+        return uvloop.run(_up(a))
+    except TopologyError as e:
+        print(f"regions: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The launcher brings a two-region topology (stub replicas) up and down: ready checks, one line
+per component, latency relays in front, clean shutdown with no process left behind."""
+
+import asyncio
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from edge_proxy.client import EdgeClient
+from regions.launch import Stack
+from regions.topology import parse
+from regions.select import ws_url
+
+from tests.regions.ports import free_block, stub_topology
+
+pytestmark = pytest.mark.anyio
+HI = [{"role": "user", "content": "hi"}]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)  # any process left in the group?
+        return True
+    except ProcessLookupError:
+        return False
+
+
+async def test_stack_up_serve_down(tmp_path):
+    topo = parse(stub_topology(free_block(12)), "stub.toml")
+    out = io.StringIO()
+    stack = Stack(topo, log_dir=tmp_path, out=out)
+    await stack.start()
+    try:
+        lines = out.getvalue().splitlines()
+        assert sum(ln.startswith("replica ") for ln in lines) == 3
+        assert sum(ln.startswith("proxy ") for ln in lines) == 2
+        assert sum(ln.startswith("relay ") for ln in lines) == 6  # 2 clients x 2 regions + 2 link directions
+        assert lines[-1].startswith("ready: 3 replicas, 2 proxies, 6 relays")
+        t = stack.targets()
+        ttft = {}
+        for region, url in t["clients"]["eu"].items():
+            async with await EdgeClient.connect(ws_url(url)) as c:
+                await c.complete(messages=HI, max_tokens=2)  # connection warm
+                _, done = await c.complete(messages=HI, max_tokens=2)
+                ttft[region] = done
+        assert ttft["eu"].region == "eu" and ttft["us"].region == "us"
+        assert ttft["eu"].replica.startswith("eu-") and ttft["us"].replica == "us-0"
+        pids = [c.proc.pid for c in stack.replicas + stack.proxies]
+    finally:
+        await stack.stop()
+    assert not any(alive(p) for p in pids)
+    assert all(c.proc.returncode is not None for c in stack.replicas + stack.proxies)
+
+
+async def test_restart_proxies_switches_routing(tmp_path):
+    topo = parse(stub_topology(free_block(12)), "stub.toml")
+    stack = Stack(topo, log_dir=tmp_path, out=io.StringIO(), relays=False)
+    await stack.start()
+    try:
+        await stack.restart_proxies("round_robin")
+        url = ws_url(stack.proxy_url("eu"))
+        async with await EdgeClient.connect(url) as c:
+            replicas = [(await c.complete(messages=HI, max_tokens=1, session="same"))[1].replica for _ in range(4)]
+        assert replicas[0] != replicas[1] and replicas[0] == replicas[2]  # round robin ignores the session
+        with pytest.raises(ValueError):
+            await stack.restart_proxies("nope")
+    finally:
+        await stack.stop()
+
+
+def _run_cli(path, tmp_path):
+    return subprocess.Popen([sys.executable, "-m", "regions", "up", str(path), "--log-dir", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _read_until_ready(proc) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if line.startswith("ready:"):
+            return lines
+    raise AssertionError("launcher ended before ready:\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_stops_everything_on_signal(tmp_path, sig):
+    path = tmp_path / "t.toml"
+    path.write_text(stub_topology(free_block(12)))
+    proc = _run_cli(path, tmp_path)
+    try:
+        lines = _read_until_ready(proc)
+        pids = [int(m.group(1)) for ln in lines if (m := re.search(r"\(pid (\d+)", ln))]
+        assert len(pids) == 3 and all(alive(p) for p in pids)
+        assert any("ws://127.0.0.1:" in ln and ln.startswith("proxy") for ln in lines)
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, rest
+        assert "regions: stopped" in rest
+        assert not any(alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_cli_stops_everything_when_a_component_dies(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(stub_topology(free_block(12)))
+    proc = _run_cli(path, tmp_path)
+    try:
+        lines = _read_until_ready(proc)
+        pids = [int(m.group(1)) for ln in lines if (m := re.search(r"\(pid (\d+)", ln))]
+        os.killpg(pids[0], signal.SIGKILL)  # a replica crashes
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "exited with code" in rest
+        assert not any(alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_cli_reports_topology_errors_with_the_line(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[regions.eu]\nreplicas = [{ port = "x" }]\n')
+    r = subprocess.run([sys.executable, "-m", "regions", "up", str(path)], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and f"{path}:2: regions.eu.replicas.0.port: expected an integer" in r.stderr
+
+
+def test_check_prints_the_resolved_plan():
+    r = subprocess.run([sys.executable, "-m", "regions", "check"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "region eu: proxy :8100" in r.stdout and "relay link eu>us" in r.stdout
+
+
+async def test_a_replica_that_fails_to_start_is_reported(tmp_path):
+    base = free_block(12)
+    topo = parse(stub_topology(base), "stub.toml")
+    blocker = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", topo.regions[0].replicas[0].port)
+    try:
+        stack = Stack(topo, log_dir=tmp_path, out=io.StringIO(), ready_timeout_s=10)
+        from regions.launch import LaunchError
+
+        with pytest.raises(LaunchError, match="replica eu-0"):
+            await stack.start()
+        assert all(c.proc.returncode is not None for c in stack.replicas)
+    finally:
+        blocker.close()
+        await blocker.wait_closed()
