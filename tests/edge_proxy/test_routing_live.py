@@ -66,6 +66,17 @@ async def test_prefix_routing_follows_kv_events():
         assert m.routing.get("prefix") == 2 and m.prefix_blocks_hit.get() > 0
 
 
+async def test_prefix_routing_from_history_without_kv_events():
+    async with stubs("a", "b", "c", kv_events=False) as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            _, first = await c.complete(messages=turn(2), max_tokens=2)
+            assert not any(x.index.precise for x in p.proxy.pool.conns)  # approximate mode
+            for n in (3, 4):
+                _, d = await c.complete(messages=turn(n), max_tokens=2)
+                assert d.replica == first.replica and d.usage.cached_tokens > 0
+        assert p.proxy.metrics.routing.get("prefix") == 2
+
+
 async def test_imbalanced_replicas_route_by_load():
     async with stubs("a", "b") as reps, proxy_for(reps) as p:
         reps[0].cfg.load_override = {"running": 200}
