@@ -70,6 +70,7 @@ class EngineConfig:
     random_weights: bool = False
     seed: int = 0
     graph_mode: str = "auto"  # "auto": CUDA graphs on CUDA; "off"; "buffers": padded graph buffers, eager
+    overlap: bool | None = None  # schedule step N+1 while step N runs; None -> on CUDA
     tp: int = 1  # tensor-parallel ranks (one process per device)
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 -> cores - 1 (the API process needs one)
     load_report_interval_s: float = 0.5

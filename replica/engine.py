@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -18,7 +19,7 @@ from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
 from replica.runner import DTYPES, Runner, build_model, kv_bytes_per_block
 from replica.scheduler import Scheduler
-from replica.sequence import Sequence
+from replica.sequence import Sequence, Status
 from replica.tp import TensorParallel, local_config, shard
 
 
@@ -38,6 +39,19 @@ def kv_budget(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
         raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
                            f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or use a smaller model")
     return int(budget)
+
+
+@dataclass
+class _Launched:
+    """A step whose tokens may still be on their way to the host."""
+
+    seqs: list[Sequence]
+    sampled: list[tuple[Sequence, int]]  # (sequence, index of its placeholder token)
+    tokens: torch.Tensor  # on the device
+    host: torch.Tensor  # host copy (complete once `event` has fired)
+    event: object  # torch.cuda.Event, or None on CPU
+    logits: torch.Tensor
+    t0: float
 
 
 class LLMEngine:
@@ -70,9 +84,13 @@ class LLMEngine:
         num_blocks = cfg.num_blocks or max(1, kv_budget(cfg, model_cfg) // per_block)
         self.max_model_len = min(max_len, num_blocks * cfg.block_size)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
         self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks, self.max_model_len)
         self._plan_encoder = msgspec.msgpack.Encoder()
+        # Overlap needs the step's tokens on the device of every rank: off with TP for now.
+        self.overlap = (cfg.overlap if cfg.overlap is not None else self.runner.device.type == "cuda") \
+            and self.tp.world == 1
+        self._inflight: _Launched | None = None
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
@@ -122,57 +140,96 @@ class LLMEngine:
         return self._finished(seq, P.FINISH_ABORT)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # -- the step ---------------------------------------------------------------------
     def step(self, return_logits: bool = False):
         """Run one batch; return Tokens / Finished messages for the API process
-        (and, for tests, {request id: fp32 logits of the sampled position})."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        (and, for tests, {request id: fp32 logits of the sampled position}).
+
+        With overlap (CUDA by default), step N+1 is scheduled and launched before
+        step N's tokens are read back, so the host's work hides under the GPU's;
+        the messages returned are step N's."""
+        if self.overlap:
+            return self._step_overlap()
+        launched = self._launch(self.scheduler.schedule())
+        if launched is None:
             return ([], {}) if return_logits else []
+        out = self._resolve(launched)
+        if return_logits:
+            return out, {seq.id: launched.logits[i] for i, (seq, _) in enumerate(launched.sampled)}
+        return out
+
+    def _step_overlap(self) -> list:
+        # Sequences with unread tokens hold placeholders: the plan refers to the
+        # in-flight step's token tensor, resolved on the device.
+        launched = self._launch(self.scheduler.schedule(), self._inflight)
+        out = self._resolve(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        return out
+
+    def _launch(self, batch, prev: _Launched | None = None) -> _Launched | None:
+        """Plan, run and sample a batch without reading the tokens back; account the
+        tokens as computed and append one placeholder per sampled sequence."""
+        if not batch.seqs:
+            return None
         t0 = time.perf_counter()
         plan = self.runner.plan(batch)
         if self.tp.world > 1:
             self.tp.broadcast_bytes(self._plan_encoder.encode(plan))
-        logits = self.runner.forward_logits(plan)
-        sampled = [batch.seqs[i] for i in plan.sample_rows]
-        tokens = self.runner.sample(logits, sampled) if sampled else []
+        logits = self.runner.forward_logits(plan, prev.tokens if prev is not None else None)
+        seqs = [batch.seqs[i] for i in plan.sample_rows]
+        tokens = self.runner.sample(logits, seqs)
+        host, event = self.runner.to_host(tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
+        sampled = []
+        for j, seq in enumerate(seqs):
+            sampled.append((seq, len(seq.token_ids)))
+            seq.token_ids.append(-(j + 1))  # placeholder: this step's j-th token
+            seq.num_unresolved += 1
+        return _Launched(batch.seqs, sampled, tokens, host, event, logits, t0)
+
+    def _resolve(self, step: _Launched) -> list:
+        """Read a launched step's tokens back, replace its placeholders, check stops."""
+        if step.event is not None:
+            step.event.synchronize()
+        tokens = step.host.tolist()
         out: list = []
         now = time.monotonic()
-        for seq, tok in zip(sampled, tokens):
-            seq.token_ids.append(tok)
+        for (seq, pos), tok in zip(step.sampled, tokens):
+            seq.token_ids[pos] = tok
+            seq.num_unresolved -= 1
+            if seq.status == Status.FINISHED:
+                continue  # finished or aborted while this step was in flight
             if not seq.first_token_time:
                 seq.first_token_time = now
-            reason = seq.check_stop(tok, self.max_model_len)
+            reason = seq.check_stop(tok, pos + 1, self.max_model_len)
             if reason:
-                out.append(self._finish(seq, reason, [tok]))
+                out.append(self._finish(seq, reason, [tok], length=pos + 1))
             else:
                 out.append(P.Tokens(id=seq.id, ids=[tok]))
-        for seq in batch.seqs:
-            if seq.id in self.seqs:
+        for seq in step.seqs:  # tokens before num_computed are all real now
+            if seq.status != Status.FINISHED:
                 self.blocks.commit(seq)
         self.tokens_generated += len(tokens)
         self.num_steps += 1
-        dt = (time.perf_counter() - t0) * 1e3
+        dt = (time.perf_counter() - step.t0) * 1e3
         self.step_ms = dt if self.num_steps == 1 else 0.9 * self.step_ms + 0.1 * dt
-        if return_logits:
-            return out, {seq.id: logits[i] for i, seq in enumerate(sampled)}
         return out
 
-    def _finished(self, seq: Sequence, reason: str, last_ids: list[int] = ()) -> P.Finished:
+    def _finished(self, seq: Sequence, reason: str, last_ids: list[int] = (), length: int = 0) -> P.Finished:
         ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
-        usage = P.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens,
+        length = length or len(seq.token_ids) - seq.num_unresolved
+        usage = P.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=length - seq.num_prompt_tokens,
                         cached_tokens=max(0, seq.num_cached_prompt))
         return P.Finished(id=seq.id, finish_reason=reason, usage=usage, ttft_ms=ttft, ids=list(last_ids))
 
-    def _finish(self, seq: Sequence, reason: str, last_ids: list[int]) -> P.Finished:
+    def _finish(self, seq: Sequence, reason: str, last_ids: list[int], length: int) -> P.Finished:
         self.seqs.pop(seq.id)
         self.blocks.commit(seq)
         self.scheduler.remove(seq)
-        return self._finished(seq, reason, last_ids)
+        return self._finished(seq, reason, last_ids, length)
 
     def close(self) -> None:
         """Release tensor-parallel workers (rank 0)."""

@@ -22,6 +22,14 @@ import torch
 from replica.model import Context
 
 
+def resolve_placeholders(ids: torch.Tensor, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    """Overlap scheduling: input id -(j + 1) stands for prev_tokens[j], a token the
+    previous step sampled that the host has not seen yet; resolve it on the device."""
+    if prev_tokens is None or prev_tokens.numel() == 0:
+        return ids
+    return torch.where(ids >= 0, ids, prev_tokens[(-ids - 1).clamp(0, prev_tokens.numel() - 1)])
+
+
 def default_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to max_num_seqs (what nano-vllm / vLLM do)."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
@@ -84,7 +92,7 @@ class DecodeGraphs:
               f"{self.capture_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
 
     @torch.inference_mode()
-    def run(self, plan) -> torch.Tensor:
+    def run(self, plan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, V) of a pure-decode plan with B <= the largest bucket."""
         n = len(plan.starts)
         b = self.bucket_for(n)
@@ -97,7 +105,7 @@ class DecodeGraphs:
                              [t[p // bs] * bs + p % bs for t, p in zip(plan.block_tables, starts)] + [-1] * (b - n),
                              [p + 1 for p in starts] + [0] * (b - n)], dtype=torch.int64)
         dev = self.runner.device
-        self.input_ids[:b].copy_(host[0].to(dev, non_blocking=True))
+        self.input_ids[:b].copy_(resolve_placeholders(host[0].to(dev, non_blocking=True), prev_tokens))
         self.positions[:b].copy_(host[1].to(dev, non_blocking=True))
         self.slots[:b].copy_(host[2].to(dev, non_blocking=True))
         self.seq_lens[:b].copy_(host[3].to(dev, non_blocking=True))

@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from replica.config import EngineConfig, ModelConfig
-from replica.graphs import DecodeGraphs
+from replica.graphs import DecodeGraphs, resolve_placeholders
 from replica.model import Context, LlamaModel
 from replica.scheduler import Batch
 
@@ -97,18 +97,21 @@ class Runner:
         return self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx, sample_idx
 
     @torch.inference_mode()
-    def forward_logits(self, plan: StepPlan) -> torch.Tensor:
+    def forward_logits(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits for the last token of each row in plan.sample_rows (the
-        sequences whose uncomputed tokens all run this step)."""
+        sequences whose uncomputed tokens all run this step). With overlap, input id
+        -(j + 1) stands for prev_tokens[j], the previous step's j-th sampled token,
+        still on the device: it is resolved there, without waiting for the host."""
         if self.graphs is not None and plan.num_decodes == len(plan.starts) \
                 and self.graphs.bucket_for(plan.num_decodes) is not None:
-            return self.graphs.run(plan)  # pure decode: replay (every row samples)
+            return self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
         input_ids, positions, ctx, sample_idx = self.prepare(plan)
+        input_ids = resolve_placeholders(input_ids, prev_tokens)
         hidden = self.model(input_ids, positions, ctx, self.kv_cache)
         return self.model.compute_logits(hidden[sample_idx]).float()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs) -> torch.Tensor:
         """Sample one token per row; randomness depends on (seed, position) only.
 
         Greedy rows take a plain argmax; only rows that sample pay for filtering
@@ -130,7 +133,18 @@ class Runner:
                 tokens = sampled
             else:
                 tokens[self._tensor(hot, torch.int64)] = sampled
-        return tokens.tolist()  # the one host sync per step: tokens go to the API process
+        return tokens
+
+    def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start copying sampled tokens to the host; returns (host tensor, event to wait on).
+        Waiting on the event waits for this step only, not for steps queued after it."""
+        if tokens.device.type != "cuda":
+            return tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
 
 def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None, ops, max_positions: int, tp=None):

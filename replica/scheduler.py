@@ -37,8 +37,10 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int = 1 << 62):
         self.blocks = blocks
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: dict[int, deque[Sequence]] = {}  # priority class -> FIFO
@@ -74,6 +76,10 @@ class Scheduler:
         self.blocks.free(seq)
         seq.status = Status.FINISHED
 
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        n = len(seq)
+        return n - seq.num_prompt_tokens >= seq.sampling.max_tokens or n >= self.max_model_len
+
     # -- preemption ---------------------------------------------------------------
     def _victim(self) -> Sequence:
         return max(self.running, key=lambda s: (s.priority, s.arrival))
@@ -96,6 +102,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (not s.is_decode, s.priority, s.arrival)):
             if seq.status != Status.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_unresolved and self._ends_by_length(seq):
+                continue  # overlap: its in-flight token is its last; nothing more to compute
             n = 1 if seq.is_decode else min(seq.num_uncomputed, budget)
             if n <= 0:
                 continue
@@ -114,6 +122,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             seq = q[0]
+            if seq.num_unresolved:
+                break  # preempted with a token still in flight: admit once it is read back
             if seq.num_computed == 0 and not seq.block_table:
                 hit = self.blocks.match_prefix(seq)
                 if seq.num_cached_prompt < 0:

@@ -26,7 +26,7 @@ class Sequence:
         "id", "token_ids", "num_prompt_tokens", "sampling", "priority", "cache_salt",
         "seed", "arrival", "deadline", "status", "block_table", "block_hashes",
         "num_computed", "num_cached_prompt", "first_token_time", "finish_reason",
-        "eos_ids", "num_preemptions",
+        "eos_ids", "num_preemptions", "num_unresolved",
     )
 
     def __init__(self, id: str, prompt_ids: list[int], sampling: SamplingParams, *,
@@ -50,6 +50,7 @@ class Sequence:
         self.finish_reason = ""
         self.eos_ids = eos_ids if not sampling.ignore_eos else frozenset()
         self.num_preemptions = 0
+        self.num_unresolved = 0  # overlap scheduling: placeholder tokens not yet read back
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -66,10 +67,11 @@ class Sequence:
     def is_decode(self) -> bool:
         return self.num_computed == len(self.token_ids) - 1
 
-    def check_stop(self, token: int, max_model_len: int) -> str:
-        """Finish reason after appending `token`, or "" to keep going."""
+    def check_stop(self, token: int, length: int, max_model_len: int) -> str:
+        """Finish reason for `token`, the sequence's token number `length` (1-based),
+        or "" to keep going."""
         if token in self.eos_ids or token in self.sampling.stop_token_ids:
             return "stop"
-        if self.num_completion_tokens >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len:
+        if length - self.num_prompt_tokens >= self.sampling.max_tokens or length >= max_model_len:
             return "length"
         return ""
