@@ -1,4 +1,4 @@
-"""Decode speed on a GPU: eager vs CUDA graphs, against the HBM roofline and a
+"""Decode speed on a GPU: eager vs CUDA graphs vs graphs + overlap, against the HBM roofline and a
 Hugging Face transformers peer (static cache + torch.compile), same run, same GPU.
 
     python bench/decode.py                      # default model + Llama-3.1-8B shape (random bf16 weights)
@@ -155,12 +155,12 @@ def main() -> None:
     for name in args.models:
         cfg = PRESETS[name]
         weights = random_weights(cfg, dtype=torch.bfloat16, seed=0, device=dev)
-        for mode in ("off", "auto"):
-            ecfg = EngineConfig(model=name, device=dev, dtype="bfloat16", graph_mode=mode,
+        for mode, overlap, label in (("off", False, "eager"), ("auto", False, "CUDA graphs"),
+                                     ("auto", True, "graphs + overlap")):
+            ecfg = EngineConfig(model=name, device=dev, dtype="bfloat16", graph_mode=mode, overlap=overlap,
                                 max_num_seqs=max(args.batches), max_num_batched_tokens=4096,
                                 max_model_len=args.context + args.steps + 64)
             engine = LLMEngine(ecfg, cfg, weights)
-            label = "eager" if mode == "off" else "CUDA graphs"
             for b in args.batches:
                 run_decode(engine, b, args.context, 4)  # warm-up
                 step = statistics.median(run_decode(engine, b, args.context, args.steps))
