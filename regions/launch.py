@@ -281,6 +281,7 @@ def targets_for(topo: Topology, relays: bool = True) -> dict:
         "regions": {r.name: f"http://{h}:{r.proxy_port}" for r in topo.regions},
         "clients": {c.name: {r: client_url(c.name, r) for r in c.rtt_ms} for c in topo.clients},
         "client_rtt_ms": {c.name: dict(c.rtt_ms) for c in topo.clients},
+        "relays": relays,  # False: client URLs are the proxies, so measured RTTs say nothing about distance
         "links": {f"{a}>{b}": f"http://{h}:{p}" for (kind, a, b), p in topo.relay_ports.items() if kind == "link"},
     }
 
