@@ -20,7 +20,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import os
 import platform
 import shlex
@@ -136,7 +136,8 @@ def machine() -> str:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 async def main_async(a) -> int:
@@ -165,8 +166,6 @@ async def main_async(a) -> int:
             topo = replace(topo, replica_kind=a.replica_kind)
         targets = targets_for(topo, relays=not a.no_relays)
     elif a.targets:
-        import json
-
         with open(a.targets) as f:
             targets = json.load(f)
     elif not a.url:
@@ -202,19 +201,8 @@ async def main_async(a) -> int:
                        "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                        "workloads": a.workload, "slos_ms": base.slos, "protocol": a.protocol, "seed": a.seed},
               "runs": runs}
-    if a.no_plots:
-        from pathlib import Path
-
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        import json
-
-        (out / "report.json").write_text(json.dumps(report, indent=1))
-        (out / "report.md").write_text(R.markdown(report))
-        print(f"loadtest: report in {out}/report.md", file=sys.stderr)
-    else:
-        files = R.write(report, a.out)
-        print(f"loadtest: report in {files['md']} and {files['html']}", file=sys.stderr)
+    files = R.write(report, a.out, with_plots=not a.no_plots)
+    print(f"loadtest: report in {files['md']} and {files['html']}", file=sys.stderr)
     print(R.markdown(report))
     return 0
 

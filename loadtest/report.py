@@ -232,14 +232,14 @@ def html_page(md: str, images: list[Path]) -> str:
             f"<style>{style}</style></head><body>{_md_to_html(md)}<h2>Plots</h2>{imgs}</body></html>\n")
 
 
-def write(report: dict, out_dir: str | Path) -> dict[str, Path]:
+def write(report: dict, out_dir: str | Path, with_plots: bool = True) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
     files["json"].write_text(json.dumps(report, indent=1, allow_nan=False, default=_json_default))
     md = markdown(report)
     files["md"].write_text(md)
-    images = plots(report, out)
+    images = plots(report, out) if with_plots else []
     files["html"].write_text(html_page(md, images))
     for p in images:
         files[p.stem] = p

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 
-from edge_proxy.routing import FAILOVER, LOAD, STICKY, Candidate, Decision, Router, RouterConfig, pick_prefix, pick_sticky
+from edge_proxy.routing import FAILOVER, LOAD, STICKY, Candidate, Decision, Router, RouterConfig, pick_sticky
 
 
 class PrefixRouter(Router):
