@@ -6,6 +6,9 @@
             print(text, end="", flush=True)
         print(req.done.usage, req.done.timing)
 
+With several regions, `EdgeClient.connect_nearest({"eu": "http://...", "us": "http://..."})`
+picks the nearest healthy one by /healthz round trip and falls over in RTT order.
+
 Many requests may be in flight on one client; `req.cancel()` aborts one. A
 request that ends in an error raises `EdgeError` (code, message, retry_after_s)
 from the iteration (or from `result()`).
@@ -78,6 +81,14 @@ class EdgeClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         ws = await connect(url, additional_headers=headers, origin=origin, compression=None, proxy=None, **kw)
         return cls(ws)
+
+    @classmethod
+    async def connect_nearest(cls, regions: dict[str, str], api_key: str | None = None, **kw):
+        """Connect to the nearest healthy region: probe each region's `/healthz` RTT (`regions`
+        maps names to http(s) base URLs), then try them in RTT order. Returns (client, Probe)."""
+        from regions.select import connect_nearest  # torch-free; kept out of the import path of plain clients
+
+        return await connect_nearest(regions, api_key=api_key, **kw)
 
     async def __aenter__(self) -> EdgeClient:
         return self

@@ -2,6 +2,7 @@
 
 import pytest
 
+from edge_proxy.client import EdgeClient
 from regions.relay import Relay
 from regions.select import NoRegionAvailable, Probe, connect_nearest, probe_regions, rank, ws_url
 
@@ -36,7 +37,7 @@ async def test_probe_picks_the_region_with_the_lower_rtt_and_fails_over():
             assert not probes["down"].healthy and probes["down"].detail
             assert [p.region for p in rank(list(probes.values()))] == ["us", "eu"]
 
-            client, chosen = await connect_nearest(regions)
+            client, chosen = await EdgeClient.connect_nearest(regions)  # the reference client's entry
             async with client:
                 _, done = await client.complete(messages=HI, max_tokens=3)
             assert chosen.region == "us" and done.region == "us"
