@@ -113,7 +113,7 @@ class StubReplica:
         self.healthy = True  # /healthz 200 or 503
         self.frozen = False  # see freeze()
         self.generates: list[rp.Generate] = []
-        self.aborts: list[tuple[str, float]] = []
+        self.aborts: list[tuple[str, int]] = []  # (request id, tokens it had produced when the Abort came)
         self.tokens_sent = 0
         self.conns: set[_Conn] = set()
         self._codec = rp.Codec()
@@ -158,6 +158,10 @@ class StubReplica:
         self.conns.clear()
         self._heap.clear()
         await self.stop()
+
+    def produced(self) -> dict[str, int]:
+        """Tokens produced so far by each running request."""
+        return {rid: r.pos for c in self.conns for rid, r in c.reqs.items()}
 
     def freeze(self) -> None:
         """Like SIGSTOP: sockets stay open, nothing is read or sent (pings go unanswered)."""
@@ -205,8 +209,9 @@ class StubReplica:
                     if type(m) is rp.Generate:
                         self._admit(c, m)
                     elif type(m) is rp.Abort:
-                        if c.reqs.pop(m.id, None) is not None:
-                            self.aborts.append((m.id, time.perf_counter()))
+                        r = c.reqs.pop(m.id, None)
+                        if r is not None:
+                            self.aborts.append((m.id, r.pos))
                             self.abort_event.set()
         except ConnectionClosed:
             pass
