@@ -16,7 +16,7 @@ import signal
 import sys
 
 from regions.launch import LaunchError, Stack
-from regions.topology import ROUTING_MODES, TopologyError, load
+from regions.topology import ROUTING_MODES, TopologyError, load, shift_ports
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="launch a topology and serve until Ctrl-C")
     up.add_argument("topology", nargs="?", help="topology TOML (default: the built-in two-region topology)")
+    up.add_argument("--port", type=int, default=None,
+                    help="move every port so the first region's proxy listens here (the rest keep their offsets)")
     up.add_argument("--routing", default="auto", choices=ROUTING_MODES, help="proxy routing mode")
     up.add_argument("--no-relays", action="store_true", help="no latency relays (clients talk to proxies directly)")
     up.add_argument("--log-dir", default=None, help="component logs (default: a fresh temporary folder)")
@@ -36,7 +38,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _up(a) -> int:
-    stack = Stack(load(a.topology), routing=a.routing, log_dir=a.log_dir, relays=not a.no_relays)
+    topo = load(a.topology)
+    if a.port is not None:
+        topo = shift_ports(topo, a.port)
+    stack = Stack(topo, routing=a.routing, log_dir=a.log_dir, relays=not a.no_relays)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = [0]
@@ -96,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 rtt = t.rtt(src, dst) if kind == "link" else next(c for c in t.clients if c.name == src).rtt_ms[dst]
                 print(f"  relay {kind} {src}>{dst}: :{port} rtt {rtt:g} ms")
             return 0
+        if a.port is not None:
+            shift_ports(load(a.topology), a.port)  # report a bad --port before anything starts
         import uvloop
 
         return uvloop.run(_up(a))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPLICA_KINDS = ("model", "stub")
@@ -93,6 +93,21 @@ class Topology:
         """Other regions, nearest first."""
         others = [r.name for r in self.regions if r.name != region and frozenset((region, r.name)) in self.links]
         return sorted(others, key=lambda o: (self.rtt(region, o), o))
+
+
+def shift_ports(t: Topology, first_proxy_port: int) -> Topology:
+    """The same topology with every port moved so the first region's proxy listens on
+    `first_proxy_port` (`python -m regions up --port P`; `make run PORT=P`)."""
+    d = first_proxy_port - t.regions[0].proxy_port
+    ports = [r.proxy_port for r in t.regions] + [x.port for r in t.regions for x in r.replicas]
+    ports += list(t.relay_ports.values())
+    if min(ports) + d < 1 or max(ports) + d > 65535:
+        raise TopologyError(f"--port {first_proxy_port} moves the topology's ports out of 1..65535 "
+                            f"(they span {min(ports)}..{max(ports)})")
+    regions = tuple(replace(r, proxy_port=r.proxy_port + d,
+                            replicas=tuple(replace(x, port=x.port + d) for x in r.replicas)) for r in t.regions)
+    return replace(t, regions=regions, base_port=t.base_port + d,
+                   relay_ports={k: p + d for k, p in t.relay_ports.items()})
 
 
 # -- line index ----------------------------------------------------------------

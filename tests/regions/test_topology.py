@@ -98,3 +98,14 @@ def test_line_index_covers_headers_dotted_keys_and_array_elements():
     assert idx[("x", "y", 0, "p")] == 4
     assert idx[("x", "y", 1, "q")] == 5 and idx[("x", "y", 2, "r")] == 5
     assert idx[("z", 0, "k")] == 8 and idx[("z", 1, "k")] == 10
+
+
+def test_shift_ports_moves_everything_together():
+    from regions.topology import shift_ports
+
+    t = load()
+    s = shift_ports(t, 9000)
+    assert s.regions[0].proxy_port == 9000 and s.regions[0].replicas[0].port == 9001
+    assert s.regions[1].proxy_port == 9100 and s.relay_ports[("link", "eu", "us")] == 8404 - 8100 + 9000
+    with pytest.raises(TopologyError, match="out of 1..65535"):
+        shift_ports(t, 65400)
