@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The built-in two-region topology on the default model (eu: proxy + 2 replicas,
+# us: proxy + 1 replica, latency relays); the eu proxy listens on PORT.
 run: $(STAMP)
-	$(PY) -m replica --model default --port $(PORT)
+	$(PY) -m regions up --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
