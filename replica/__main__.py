@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from replica.config import EngineConfig
+from replica.config import SPEC_MAX_BATCH, EngineConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,6 +33,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU; gloo on CPU)")
+    ap.add_argument("--speculative", default="off", choices=["off", "eagle3", "ngram"],
+                    help="speculative decoding: eagle3 (a trained head, see --spec-head) or ngram (prompt lookup)")
+    ap.add_argument("--spec-head", default="",
+                    help="EAGLE-3 head folder (default: $EDGECHAT_EAGLE3_DIR or ~/.cache/edgechat/eagle3/<model>; "
+                         "train one with `python -m speculative.train`)")
+    ap.add_argument("--spec-depth", type=int, default=4, help="draft tokens on the longest path at batch 1")
+    ap.add_argument("--spec-top-k", type=int, default=1, help="EAGLE-3 tree: children per expanded node (1: chains)")
+    ap.add_argument("--spec-budget", type=int, default=0, help="EAGLE-3 tree: draft tokens kept (0: --spec-depth)")
+    ap.add_argument("--spec-max-batch", type=int, default=SPEC_MAX_BATCH,
+                    help="speculation off while more sequences decode (depth tapers to 1 up to it)")
     ap.add_argument("--random-weights", action="store_true", help="random weights of the model's shape (timing)")
     ap.add_argument("--secret-env", default="EDGECHAT_REPLICA_SECRET",
                     help="env var holding the shared secret proxies must present (unset: no auth)")
@@ -50,7 +60,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         random_weights=args.random_weights, tp=args.tp,
-                        gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode)
+                        gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode,
+                        speculative=args.speculative, spec_head=args.spec_head, spec_depth=args.spec_depth,
+                        spec_top_k=args.spec_top_k, spec_budget=args.spec_budget, spec_max_batch=args.spec_max_batch)
 
 
 def main(argv: list[str] | None = None) -> None:

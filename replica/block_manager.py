@@ -99,6 +99,19 @@ class BlockManager:
             seq.block_table.append(self._take())
         return True
 
+    def truncate(self, seq: Sequence, length: int) -> None:
+        """Give back the blocks wholly past position length - 1: the slots a
+        speculative step reserved for drafts that were rejected. They hold no
+        registered hash (only blocks full of computed, i.e. verified, tokens are
+        registered), so they go straight to the free list."""
+        assert length >= seq.num_computed, "truncate keeps every computed token"
+        keep = -(-length // self.block_size)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            assert self.ref_count[b] == 1 and self._block_hash[b] is None, "draft blocks are private and unhashed"
+            self.ref_count[b] = 0
+            self._free.append(b)
+
     def commit(self, seq: Sequence) -> None:
         """Register the blocks that became full with computed tokens under their hashes."""
         bs = self.block_size

@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Speculation runs while at most this many sequences decode at once; its depth
+# tapers linearly down to 1 draft token as the batch approaches it. A placeholder
+# until bench/speculative.py measures the crossover (tokens/s with vs without
+# speculation at batch 1/4/16) on the target device: set it from that table.
+SPEC_MAX_BATCH = 8
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -74,6 +80,12 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (one process per device)
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 -> cores - 1 (the API process needs one)
     load_report_interval_s: float = 0.5
+    speculative: str = "off"  # "off" | "eagle3" (trained head) | "ngram" (prompt lookup)
+    spec_head: str = ""  # EAGLE-3 head folder; "" -> speculative.head.head_dir(model name)
+    spec_depth: int = 4  # draft tokens on the longest path (n-gram: tokens per lookup) at batch 1
+    spec_top_k: int = 1  # EAGLE-3: children per expanded node (1: chains)
+    spec_budget: int = 0  # EAGLE-3: draft tokens kept per tree (0: spec_depth, a chain)
+    spec_max_batch: int = SPEC_MAX_BATCH  # speculation off while more sequences decode
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -85,3 +97,9 @@ class EngineConfig:
             raise ValueError(f"graph_mode must be auto, off or buffers, got {self.graph_mode!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.speculative not in ("off", "eagle3", "ngram"):
+            raise ValueError(f"speculative must be off, eagle3 or ngram, got {self.speculative!r}")
+        if self.spec_depth < 1 or self.spec_top_k < 1 or self.spec_budget < 0 or self.spec_max_batch < 0:
+            raise ValueError("spec_depth and spec_top_k must be >= 1, spec_budget and spec_max_batch >= 0")
+        if self.speculative != "off" and self.tp > 1:
+            raise ValueError("speculative decoding runs on a single rank for now: use tp=1")

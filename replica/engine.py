@@ -84,12 +84,20 @@ class LLMEngine:
         num_blocks = cfg.num_blocks or max(1, kv_budget(cfg, model_cfg) // per_block)
         self.max_model_len = min(max_len, num_blocks * cfg.block_size)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
+        self.speculator = None
+        if cfg.speculative != "off":
+            from replica.speculation import Speculator
+
+            self.speculator = Speculator(cfg, model_cfg, model, self.ops, num_blocks)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
+                                   speculation=self.speculator)
         self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks, self.max_model_len)
         self._plan_encoder = msgspec.msgpack.Encoder()
         # Overlap needs the step's tokens on the device of every rank: off with TP for now.
+        # Off with speculation too: how many tokens a verify step emits (and so the next
+        # step's inputs and blocks) is only known once its verdicts are read back.
         self.overlap = (cfg.overlap if cfg.overlap is not None else self.runner.device.type == "cuda") \
-            and self.tp.world == 1
+            and self.tp.world == 1 and self.speculator is None
         self._inflight: _Launched | None = None
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
@@ -152,7 +160,11 @@ class LLMEngine:
         the messages returned are step N's."""
         if self.overlap:
             return self._step_overlap()
-        launched = self._launch(self.scheduler.schedule())
+        batch = self.scheduler.schedule()
+        if batch.spec is not None:
+            out = self._step_speculative(batch)
+            return (out, {}) if return_logits else out
+        launched = self._launch(batch)
         if launched is None:
             return ([], {}) if return_logits else []
         out = self._resolve(launched)
@@ -177,7 +189,11 @@ class LLMEngine:
         plan = self.runner.plan(batch)
         if self.tp.world > 1:
             self.tp.broadcast_bytes(self._plan_encoder.encode(plan))
-        logits = self.runner.forward_logits(plan, prev.tokens if prev is not None else None)
+        if self.speculator is not None and self.speculator.aux_layers:  # the head sees every token computed
+            logits, aux = self.runner.forward_logits(plan, None, self.speculator.aux_layers)
+            self.speculator.feed(batch, aux)
+        else:
+            logits = self.runner.forward_logits(plan, prev.tokens if prev is not None else None)
         seqs = [batch.seqs[i] for i in plan.sample_rows]
         tokens = self.runner.sample(logits, seqs)
         host, event = self.runner.to_host(tokens)
@@ -218,11 +234,50 @@ class LLMEngine:
         self.step_ms = dt if self.num_steps == 1 else 0.9 * self.step_ms + 0.1 * dt
         return out
 
+    def _step_speculative(self, batch) -> list:
+        """Draft, verify and append: rows [0, batch.num_spec) may emit several tokens."""
+        t0 = time.perf_counter()
+        results = self.speculator.step(self.runner, batch)
+        out: list = []
+        now = time.monotonic()
+        for i, (seq, n, (tokens, accepted)) in enumerate(zip(batch.seqs, batch.num_tokens, results)):
+            seq.num_computed += n  # a speculating row: its root (the accepted drafts follow below)
+            if not tokens:
+                continue  # a prefill chunk short of the prompt's end
+            if not seq.first_token_time:
+                seq.first_token_time = now
+            emitted, reason = [], ""
+            for tok in tokens:  # a stop (EOS, stop id, max_tokens) may cut an accepted run
+                seq.token_ids.append(tok)
+                emitted.append(tok)
+                reason = seq.check_stop(tok, len(seq), self.max_model_len)
+                if reason:
+                    break
+            if i < batch.num_spec:
+                # Accepted drafts are verified tokens with their KV in place: all but the newest are computed.
+                seq.num_computed = len(seq) - 1
+                seq.num_accepted_drafts += min(accepted, len(emitted))
+            self.tokens_generated += len(emitted)
+            if reason:
+                out.append(self._finish(seq, reason, emitted, length=len(seq)))
+                continue
+            out.append(P.Tokens(id=seq.id, ids=emitted))
+            if i < batch.num_spec:
+                self.blocks.truncate(seq, len(seq))  # rejected drafts' blocks go back
+        for seq in batch.seqs:
+            if seq.status != Status.FINISHED:
+                self.blocks.commit(seq)  # hashes cover computed (verified) tokens only
+        self.num_steps += 1
+        dt = (time.perf_counter() - t0) * 1e3
+        self.step_ms = dt if self.num_steps == 1 else 0.9 * self.step_ms + 0.1 * dt
+        return out
+
     def _finished(self, seq: Sequence, reason: str, last_ids: list[int] = (), length: int = 0) -> P.Finished:
         ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
         length = length or len(seq.token_ids) - seq.num_unresolved
         usage = P.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=length - seq.num_prompt_tokens,
-                        cached_tokens=max(0, seq.num_cached_prompt))
+                        cached_tokens=max(0, seq.num_cached_prompt),
+                        accepted_draft_tokens=seq.num_accepted_drafts)
         return P.Finished(id=seq.id, finish_reason=reason, usage=usage, ttft_ms=ttft, ids=list(last_ids))
 
     def _finish(self, seq: Sequence, reason: str, last_ids: list[int], length: int) -> P.Finished:

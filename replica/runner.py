@@ -51,7 +51,8 @@ class Runner:
     def _tensor(self, data, dtype):
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+    def block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """(B, max_blocks) int32, rows padded with block 0 (never read past a length)."""
         width = max(len(t) for t in tables)
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
@@ -85,10 +86,10 @@ class Runner:
         ctx = Context(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=nd,
-            decode_block_tables=self._block_tables(plan.block_tables[:nd]) if nd else None,
+            decode_block_tables=self.block_tables(plan.block_tables[:nd]) if nd else None,
             # a decode computes the token at position `start`: the sequence holds start + 1
             decode_seq_lens=self._tensor([s + 1 for s in plan.starts[:nd]], torch.int32) if nd else None,
-            extend_block_tables=self._block_tables(plan.block_tables[nd:]) if ext_n else None,
+            extend_block_tables=self.block_tables(plan.block_tables[nd:]) if ext_n else None,
             extend_cu_seqlens_q=self._tensor(cu, torch.int32) if ext_n else None,
             extend_seq_lens=self._tensor([s + n for s, n in zip(plan.starts[nd:], ext_n)], torch.int32)
             if ext_n else None,
@@ -97,18 +98,35 @@ class Runner:
         return self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx, sample_idx
 
     @torch.inference_mode()
-    def forward_logits(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_logits(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, aux_layers: tuple = ()):
         """fp32 logits for the last token of each row in plan.sample_rows (the
         sequences whose uncomputed tokens all run this step). With overlap, input id
         -(j + 1) stands for prev_tokens[j], the previous step's j-th sampled token,
-        still on the device: it is resolved there, without waiting for the host."""
-        if self.graphs is not None and plan.num_decodes == len(plan.starts) \
+        still on the device: it is resolved there, without waiting for the host.
+
+        With aux_layers (an EAGLE-3 head drafts), returns (logits, aux): aux (T, 3h)
+        holds the residual streams after those layers for every token of the step,
+        and the step runs eagerly (the decode graphs do not capture them yet)."""
+        if self.graphs is not None and not aux_layers and plan.num_decodes == len(plan.starts) \
                 and self.graphs.bucket_for(plan.num_decodes) is not None:
             return self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
         input_ids, positions, ctx, sample_idx = self.prepare(plan)
         input_ids = resolve_placeholders(input_ids, prev_tokens)
-        hidden = self.model(input_ids, positions, ctx, self.kv_cache)
-        return self.model.compute_logits(hidden[sample_idx]).float()
+        if not aux_layers:
+            hidden = self.model(input_ids, positions, ctx, self.kv_cache)
+            return self.model.compute_logits(hidden[sample_idx]).float()
+        hidden, aux = self.model(input_ids, positions, ctx, self.kv_cache, aux_layers)
+        return self.model.compute_logits(hidden[sample_idx]).float(), torch.cat(aux, -1)
+
+    @torch.inference_mode()
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the KV of slot src[i] to slot dst[i] in every layer (accepted drafts
+        moving down to their final positions). The sources are gathered before any
+        destination is written, so overlapping moves are safe."""
+        if not src:
+            return
+        flat = self.kv_cache.flatten(2, 3)  # (L, 2, slots, Hkv, D), a view
+        flat[:, :, self._tensor(dst, torch.int64)] = flat[:, :, self._tensor(src, torch.int64)]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs) -> torch.Tensor:

@@ -9,6 +9,12 @@ When the pool runs dry the scheduler preempts by recompute: the running sequence
 of the lowest priority that arrived last gives back its blocks and goes back to
 the front of its waiting queue (its full blocks stay cached, so the recompute is
 mostly prefix hits).
+
+Speculation (`speculation`, a replica.speculation.Speculator): the step's draft
+shape follows the number of decoding sequences. A speculating decode costs
+1 + draft tokens of the budget (its tree is verified in the one forward) and
+holds blocks for its lookahead, positions [0, len + lookahead); a decode whose
+lookahead does not fit (blocks, budget or the context length) decodes plainly.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class Batch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     num_decodes: int = 0
+    spec: object = None  # the draft shape of rows [0, num_spec) (TreeSpec | NgramDrafter); None: no speculation
+    num_spec: int = 0  # speculating decodes, first among the decodes
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -38,8 +46,9 @@ class Batch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int = 1 << 62):
+                 max_model_len: int = 1 << 62, speculation=None):
         self.blocks = blocks
+        self.speculation = speculation
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -96,6 +105,18 @@ class Scheduler:
     def schedule(self) -> Batch:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}  # seq -> tokens this step, in order
+        speculating: set[Sequence] = set()
+        spec, extra = None, 0  # draft shape, and the budget a speculating decode takes beyond its one token
+        if self.speculation is not None:
+            spec = self.speculation.spec_for(sum(1 for s in self.running if s.is_decode))
+            extra = self.speculation.draft_tokens(spec) if spec is not None else 0
+
+        def unschedule(victim: Sequence) -> int:
+            tokens = scheduled.pop(victim, 0)
+            if victim in speculating:
+                speculating.discard(victim)
+                tokens += extra
+            return tokens
 
         # 1 + 2: running decodes, then running prefill chunks; each class by importance.
         # Decodes always fit: budget >= max_num_seqs >= len(running).
@@ -107,10 +128,17 @@ class Scheduler:
             n = 1 if seq.is_decode else min(seq.num_uncomputed, budget)
             if n <= 0:
                 continue
+            if (spec is not None and seq.is_decode and budget >= 1 + extra
+                    and len(seq) + spec.lookahead <= self.max_model_len
+                    and self.blocks.allocate(seq, 1 + spec.lookahead)):
+                speculating.add(seq)
+                scheduled[seq] = 1
+                budget -= 1 + extra
+                continue
             while not self.blocks.allocate(seq, n):
                 victim = self._victim()
                 self._preempt(victim)
-                budget += scheduled.pop(victim, 0)
+                budget += unschedule(victim)
                 if victim is seq:
                     break
             if seq.status == Status.RUNNING:
@@ -135,7 +163,7 @@ class Scheduler:
                 if victim is None or victim.priority <= seq.priority:
                     break
                 self._preempt(victim)
-                budget += scheduled.pop(victim, 0)
+                budget += unschedule(victim)
             if self.blocks.blocks_needed(seq, n):
                 self.blocks.free(seq)  # give back the prefix blocks until it fits
                 break
@@ -145,8 +173,12 @@ class Scheduler:
             scheduled[seq] = n
             budget -= n
 
-        # Decodes first: the runner sends them to the decode kernel, the rest to extend.
-        order = sorted(scheduled, key=lambda s: not (scheduled[s] == 1 and s.is_decode))
+        # Decodes first (speculating ones leading): the runner sends them to the decode
+        # kernel (or the tree-verify forward), the rest to extend.
+        order = sorted(scheduled, key=lambda s: 0 if s in speculating else 1 if scheduled[s] == 1 and s.is_decode
+                       else 2)
         batch = Batch(seqs=order, num_tokens=[scheduled[s] for s in order])
         batch.num_decodes = sum(1 for s in order if scheduled[s] == 1 and s.is_decode)
+        if speculating:
+            batch.spec, batch.num_spec = spec, len(speculating)
         return batch

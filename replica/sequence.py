@@ -26,7 +26,7 @@ class Sequence:
         "id", "token_ids", "num_prompt_tokens", "sampling", "priority", "cache_salt",
         "seed", "arrival", "deadline", "status", "block_table", "block_hashes",
         "num_computed", "num_cached_prompt", "first_token_time", "finish_reason",
-        "eos_ids", "num_preemptions", "num_unresolved",
+        "eos_ids", "num_preemptions", "num_unresolved", "draft_state", "num_accepted_drafts",
     )
 
     def __init__(self, id: str, prompt_ids: list[int], sampling: SamplingParams, *,
@@ -51,6 +51,8 @@ class Sequence:
         self.eos_ids = eos_ids if not sampling.ignore_eos else frozenset()
         self.num_preemptions = 0
         self.num_unresolved = 0  # overlap scheduling: placeholder tokens not yet read back
+        self.draft_state = None  # EAGLE-3: the head's view of this sequence (speculative.drafting.HeadState)
+        self.num_accepted_drafts = 0  # draft tokens accepted and emitted (usage)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,219 @@
+"""Speculative decoding inside the engine's continuous batching: with speculation
+on, output is token for token the output with it off (greedy, and seeded
+sampling), through chunked prefill, preemption, abort and stops, at batch 1 and 8;
+rejected drafts' blocks go back; accepted drafts are reported in usage."""
+
+import random
+
+import pytest
+
+from replica import protocol as P
+from replica.block_manager import BlockManager
+from replica.config import EngineConfig
+from replica.engine import LLMEngine
+from replica.sequence import Sequence
+from speculative.head import save_head
+from tests.replica.tiny import tiny_config, tiny_weights
+from tests.speculative.util import OracleDrafter, random_head, tiny_target
+
+CFG = tiny_config(num_layers=4)  # four layers: the head's three feature layers are distinct
+W = tiny_weights(CFG)
+DRAFTERS = {
+    "ngram": dict(speculative="ngram", spec_depth=4),
+    "eagle3-chain": dict(speculative="eagle3", spec_depth=3),
+    "eagle3-tree": dict(speculative="eagle3", spec_depth=4, spec_top_k=3, spec_budget=10),
+}
+
+
+@pytest.fixture(scope="module")
+def head_path(tmp_path_factory):
+    return str(save_head(random_head(tiny_target()), tmp_path_factory.mktemp("eagle3") / "tiny"))
+
+
+def engine(spec=None, head=None, **kw):
+    ecfg = dict(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=40, spec_max_batch=16)
+    ecfg.update(DRAFTERS[spec] if spec else {})
+    if spec and spec.startswith("eagle3"):
+        ecfg["spec_head"] = head
+    ecfg.update(kw)
+    return LLMEngine(EngineConfig(**ecfg), CFG, W)
+
+
+def greedy(max_tokens=16, **kw):
+    return P.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def prompts(lengths, seed=0):
+    rng = random.Random(seed)
+    out = {}
+    for i, n in enumerate(lengths):
+        if i % 2:  # a repetitive prompt: n-gram lookup has something to find
+            unit = [rng.randrange(1, 97) for _ in range(5)]
+            out[f"s{i}"] = (unit * n)[:n]
+        else:
+            out[f"s{i}"] = [rng.randrange(1, 97) for _ in range(n)]
+    return out
+
+
+def run(eng, reqs: dict, sampling, abort_after: dict | None = None):
+    """Add reqs, step until idle; {id: generated ids}, {id: Finished}. abort_after: {id: step}."""
+    for k, ids in reqs.items():
+        assert eng.add(P.Generate(id=k, prompt_ids=ids, sampling=sampling(k) if callable(sampling) else sampling)) \
+            is None
+    toks, fins, step = {}, {}, 0
+    while eng.has_work():
+        for m in eng.step():
+            toks.setdefault(m.id, []).extend(m.ids)
+            if isinstance(m, P.Finished):
+                fins[m.id] = m
+        step += 1
+        for k, s in (abort_after or {}).items():
+            if s == step:
+                fins[k] = eng.abort(k)
+    eng.blocks.check_invariants()
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.seqs
+    return toks, fins
+
+
+BATCH8 = prompts([5, 20, 37, 60, 9, 14, 3, 45])  # 60 and 45 tokens: prefill in chunks
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return run(engine(), BATCH8, greedy())[0]
+
+
+@pytest.mark.parametrize("spec", list(DRAFTERS))
+def test_greedy_identical_at_batch_8_with_chunked_prefill(spec, head_path, baseline):
+    eng = engine(spec, head_path)
+    toks, fins = run(eng, BATCH8, greedy())
+    assert toks == baseline
+    assert all(f.usage.completion_tokens == 16 for f in fins.values())
+    if spec == "ngram":
+        assert sum(f.usage.accepted_draft_tokens for f in fins.values()) > 0
+
+
+@pytest.mark.parametrize("spec", list(DRAFTERS))
+def test_greedy_identical_at_batch_1(spec, head_path, baseline):
+    for k in ("s1", "s3"):
+        toks, _ = run(engine(spec, head_path), {k: BATCH8[k]}, greedy())
+        assert toks[k] == baseline[k]
+
+
+def test_ngram_accepts_drafts_on_a_repetitive_prompt():
+    reqs = {"r": [11, 12, 13, 14, 15, 16] * 6}
+    plain = engine()
+    base, _ = run(plain, reqs, greedy(40))
+    spec = engine("ngram")
+    toks, fins = run(spec, reqs, greedy(40))
+    assert toks == base
+    assert fins["r"].usage.accepted_draft_tokens > 0
+    assert spec.num_steps < plain.num_steps  # several tokens per target forward
+
+
+@pytest.mark.parametrize("spec", ["ngram", "eagle3-tree"])
+def test_preemption_gives_the_same_tokens(spec, head_path):
+    reqs = prompts([30, 31, 30, 29], seed=3)
+    base, _ = run(engine(), reqs, greedy(18))
+    eng = engine(spec, head_path, num_blocks=11)  # cannot hold four 48-token sequences plus lookahead
+    toks, _ = run(eng, reqs, greedy(18))
+    assert eng.scheduler.num_preemptions > 0
+    assert toks == base
+
+
+@pytest.mark.parametrize("spec", ["ngram", "eagle3-tree"])
+def test_abort_mid_speculation_frees_blocks(spec, head_path, baseline):
+    toks, fins = run(engine(spec, head_path), BATCH8, greedy(), abort_after={"s1": 6, "s4": 2})
+    assert fins["s1"].finish_reason == "abort" and fins["s4"].finish_reason == "abort"
+    for k in BATCH8:
+        if k in ("s1", "s4"):
+            assert toks.get(k, []) == baseline[k][: len(toks.get(k, []))]
+        else:
+            assert toks[k] == baseline[k]
+
+
+def test_stops_and_max_tokens_cut_accepted_runs():
+    reqs = {"r": [21, 22, 23, 24] * 8, "q": [40, 41, 42] * 9}
+    base, _ = run(engine(), reqs, greedy(40))
+    stop = base["r"][9]
+
+    def sp(k):
+        return greedy(13, stop_token_ids=[stop]) if k == "r" else greedy(13)
+
+    want, want_fins = run(engine(), reqs, sp)
+    toks, fins = run(engine("ngram"), reqs, sp)
+    assert toks == want
+    assert toks["r"] == base["r"][: base["r"].index(stop) + 1] and len(toks["q"]) == 13
+    assert {k: f.finish_reason for k, f in fins.items()} == {k: f.finish_reason for k, f in want_fins.items()}
+    assert fins["q"].usage.completion_tokens == 13 and fins["q"].usage.accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize("spec", ["ngram", "eagle3-tree"])
+def test_seeded_sampling_identical_and_batch_independent(spec, head_path):
+    def sp(k):
+        return P.SamplingParams(max_tokens=20, temperature=0.4, top_p=0.95, seed=int(k[1:]), ignore_eos=True)
+
+    base, _ = run(engine(), BATCH8, sp)
+    toks, fins = run(engine(spec, head_path), BATCH8, sp)
+    assert toks == base
+    assert sum(f.usage.accepted_draft_tokens for f in fins.values()) > 0
+    alone, _ = run(engine(spec, head_path), {"s3": BATCH8["s3"]}, sp)  # batch 1: deeper drafts
+    assert alone["s3"] == base["s3"]
+
+
+class _Oracle(OracleDrafter):
+    @property
+    def k(self) -> int:  # draft tokens per tree, for the scheduler's budget
+        return 2 * self.depth
+
+
+def test_oracle_trees_accept_long_paths_off_the_first_branch(baseline):
+    """Accepted nodes sit on second branches: their KV moves down before the next step reads it."""
+    eng = engine("ngram")
+    eng.speculator._specs = [None] + [_Oracle([p + baseline[k] for k, p in BATCH8.items()], depth=3)] * 16
+    toks, fins = run(eng, BATCH8, greedy())
+    assert toks == baseline
+    assert sum(f.usage.accepted_draft_tokens for f in fins.values()) > 40
+
+
+def test_depth_tapers_with_batch_and_turns_off():
+    eng = engine("ngram", spec_max_batch=8, spec_depth=6, max_num_batched_tokens=64)
+    ks = [eng.speculator.spec_for(b).k for b in range(1, 9)]
+    assert ks[0] == 6 and ks == sorted(ks, reverse=True) and ks[-1] == 1
+    assert eng.speculator.spec_for(9) is None and eng.speculator.spec_for(0) is None
+    tight = engine("ngram", spec_depth=6, max_num_batched_tokens=16)  # 8 decodes x (1 + k) must fit 16 tokens
+    assert tight.speculator.spec_for(8).k == 1
+
+
+def test_truncate_releases_draft_blocks_and_keeps_hashes_verified():
+    bm = BlockManager(8, 4)
+    seq = Sequence("x", list(range(1, 10)), greedy(), seed=0, eos_ids=frozenset())
+    assert bm.allocate(seq, 9 + 6)  # prompt + 6 slots of drafts: 4 blocks
+    seq.num_computed = 9
+    bm.commit(seq)
+    assert len(bm.stored) == 2  # only blocks full of computed tokens are registered
+    bm.truncate(seq, 10)
+    assert len(seq.block_table) == 3 and bm.num_free == 5
+    bm.free(seq)
+    bm.check_invariants()
+    assert bm.num_free == 8
+
+
+def test_missing_head_is_named():
+    with pytest.raises(FileNotFoundError, match="speculative.train"):
+        engine("eagle3-chain", "/nonexistent/head")
+
+
+def test_default_model_ngram_same_greedy_text():
+    from replica.loader import load_checkpoint
+
+    ckpt = load_checkpoint("default")
+    ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": "Repeat after me: one two three, one two three."}])
+    out = {}
+    for spec in ("off", "ngram"):
+        eng = LLMEngine(EngineConfig(num_blocks=32, max_num_batched_tokens=32, max_num_seqs=4, speculative=spec),
+                        ckpt.config, ckpt.weights)
+        toks, fins = run(eng, {"g": ids}, P.SamplingParams(max_tokens=16, temperature=0.0))
+        out[spec] = (ckpt.tokenizer.decode(toks["g"]), fins["g"].usage.accepted_draft_tokens)
+    assert out["ngram"][0] == out["off"][0]
+    assert out["off"][1] == 0
