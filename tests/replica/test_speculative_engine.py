@@ -39,7 +39,7 @@ def engine(spec=None, head=None, **kw):
     return LLMEngine(EngineConfig(**ecfg), CFG, W)
 
 
-def greedy(max_tokens=16, **kw):
+def greedy(max_tokens=14, **kw):
     return P.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
@@ -88,16 +88,15 @@ def test_greedy_identical_at_batch_8_with_chunked_prefill(spec, head_path, basel
     eng = engine(spec, head_path)
     toks, fins = run(eng, BATCH8, greedy())
     assert toks == baseline
-    assert all(f.usage.completion_tokens == 16 for f in fins.values())
+    assert all(f.usage.completion_tokens == 14 for f in fins.values())
     if spec == "ngram":
         assert sum(f.usage.accepted_draft_tokens for f in fins.values()) > 0
 
 
 @pytest.mark.parametrize("spec", list(DRAFTERS))
 def test_greedy_identical_at_batch_1(spec, head_path, baseline):
-    for k in ("s1", "s3"):
-        toks, _ = run(engine(spec, head_path), {k: BATCH8[k]}, greedy())
-        assert toks[k] == baseline[k]
+    toks, _ = run(engine(spec, head_path), {"s3": BATCH8["s3"]}, greedy())  # 60-token prompt: chunked
+    assert toks["s3"] == baseline["s3"]
 
 
 def test_ngram_accepts_drafts_on_a_repetitive_prompt():
@@ -151,7 +150,7 @@ def test_stops_and_max_tokens_cut_accepted_runs():
 @pytest.mark.parametrize("spec", ["ngram", "eagle3-tree"])
 def test_seeded_sampling_identical_and_batch_independent(spec, head_path):
     def sp(k):
-        return P.SamplingParams(max_tokens=20, temperature=0.4, top_p=0.95, seed=int(k[1:]), ignore_eos=True)
+        return P.SamplingParams(max_tokens=16, temperature=0.4, top_p=0.95, seed=int(k[1:]), ignore_eos=True)
 
     base, _ = run(engine(), BATCH8, sp)
     toks, fins = run(engine(spec, head_path), BATCH8, sp)
@@ -205,15 +204,18 @@ def test_missing_head_is_named():
 
 
 def test_default_model_ngram_same_greedy_text():
+    import kernels
     from replica.loader import load_checkpoint
+    from replica.runner import build_model
 
     ckpt = load_checkpoint("default")
+    model = build_model(ckpt.config, EngineConfig(), ckpt.weights, kernels.ops("cpu"), 512)  # one copy for both
     ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": "Repeat after me: one two three, one two three."}])
     out = {}
     for spec in ("off", "ngram"):
         eng = LLMEngine(EngineConfig(num_blocks=32, max_num_batched_tokens=32, max_num_seqs=4, speculative=spec),
-                        ckpt.config, ckpt.weights)
+                        ckpt.config, model=model, ops=model.ops)
         toks, fins = run(eng, {"g": ids}, P.SamplingParams(max_tokens=16, temperature=0.0))
         out[spec] = (ckpt.tokenizer.decode(toks["g"]), fins["g"].usage.accepted_draft_tokens)
-    assert out["ngram"][0] == out["off"][0]
-    assert out["off"][1] == 0
+    assert out["ngram"][0] == out["off"][0] == "One two three, one two three."
+    assert out["off"][1] == 0 and out["ngram"][1] > 0  # the answer quotes the prompt: lookup drafts it
