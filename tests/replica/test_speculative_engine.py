@@ -219,3 +219,12 @@ def test_default_model_ngram_same_greedy_text():
         out[spec] = (ckpt.tokenizer.decode(toks["g"]), fins["g"].usage.accepted_draft_tokens)
     assert out["ngram"][0] == out["off"][0] == "One two three, one two three."
     assert out["off"][1] == 0 and out["ngram"][1] > 0  # the answer quotes the prompt: lookup drafts it
+
+
+def test_decodes_near_the_context_end_fall_back_to_plain():
+    """A lookahead past max_model_len would draft positions the replica cannot hold."""
+    reqs = {"r": [31, 32, 33] * 10, "q": [5, 6, 7, 8] * 5}
+    base, want = run(engine(max_model_len=40), reqs, greedy(30))
+    toks, fins = run(engine("ngram", max_model_len=40), reqs, greedy(30))
+    assert toks == base and len(toks["r"]) == 10
+    assert fins["r"].finish_reason == want["r"].finish_reason == "length"
