@@ -94,6 +94,7 @@ class Done(msgspec.Struct, tag="done"):
     region: str
     replica: str  # replica that produced the last token
     failovers: int = 0  # times the stream moved to another replica
+    forwarded_from: str = ""  # region whose proxy forwarded the request here (it had no replica ready); "" if none
 
 
 class Error(msgspec.Struct, tag="error", omit_defaults=True):

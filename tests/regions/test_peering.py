@@ -6,7 +6,7 @@ import pytest
 
 from edge_proxy import protocol as pp
 from edge_proxy.client import EdgeClient
-from regions.peering import Peer, PeerLink, next_peer, peer_order
+from edge_proxy.peering import Peer, PeerLink, next_peer, peer_order
 from regions.relay import Relay
 
 from tests.regions.inproc import region

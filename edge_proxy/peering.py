@@ -1,8 +1,10 @@
 """Cross-region failover at the proxy: with no healthy replica in its own region, a
-proxy forwards the request to the nearest other region's proxy instead of failing.
+proxy forwards the request to the nearest other region's proxy instead of failing
+(`Proxy.submit`; peers from `--peer REGION=URL@RTT_MS`, `ProxyConfig.peers`).
 
-Pure part: `peer_order` (nearest first, from the topology's links) and
-`next_peer` (skip peers known down or already tried). Socket part: `PeerLink`,
+Pure part: `parse_peer` (the `--peer` syntax), `peer_order` (nearest first, from a
+topology's links) and `next_peer` (skip peers known down or already tried).
+Socket part: `PeerLink`,
 which keeps one multiplexed public-protocol WebSocket per peer proxy (through
 the inter-region relay, so the forwarded request really pays the RTT between
 regions) and relays a forwarded request's deltas and end to a sink with the
@@ -15,7 +17,7 @@ Rules that keep forwarding safe:
 - a peer that answers `unavailable` or `shutting_down`, or cannot be reached, is
   marked down for `down_s` and the next peer in RTT order is tried;
 - the final `done` keeps the serving region in `region` and names the
-  forwarding region in `forwarded_from` (`Forwarded.done`), so users see it.
+  forwarding region in `forwarded_from` (`Forwarded.mark`), so users see it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from edge_proxy import protocol as pp
 
@@ -35,6 +38,21 @@ class Peer:
     region: str
     url: str  # ws://host:port/v1/stream of the peer proxy (or the relay in front of it)
     rtt_ms: float
+
+
+def parse_peer(spec: str) -> Peer:
+    """`REGION=ws://host:port/v1/stream@RTT_MS` -> Peer."""
+    region, eq, rest = spec.partition("=")
+    url, at, rtt = rest.rpartition("@")
+    if not (eq and at and region.strip() and url.startswith(("ws://", "wss://"))):
+        raise ValueError(f"peer {spec!r}: expected REGION=ws://host:port/v1/stream@RTT_MS")
+    try:
+        rtt_ms = float(rtt)
+    except ValueError:
+        raise ValueError(f"peer {spec!r}: RTT {rtt!r} is not a number of milliseconds") from None
+    if not rtt_ms >= 0:
+        raise ValueError(f"peer {spec!r}: RTT must be >= 0 ms")
+    return Peer(region.strip(), url, rtt_ms)
 
 
 def peer_order(own: str, links: dict[frozenset, float], urls: dict[str, str]) -> list[Peer]:
@@ -56,7 +74,7 @@ def next_peer(peers: list[Peer], down_until: dict[str, float], tried: set[str], 
     return None
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity, like Stream: sinks key their outboxes by it
 class Forwarded:
     """A forwarded request, duck-typed like `edge_proxy.stream.Stream` for the sink."""
 
@@ -69,24 +87,32 @@ class Forwarded:
     done: bool = False
     tried: set = field(default_factory=set)
     task: asyncio.Task | None = None
+    t0: float = field(default_factory=perf_counter)  # arrival here: timings include the trip to the peer
+    t_first: float = 0.0
 
     def cancel(self, notify: bool) -> None:
-        """Client cancel (`notify`: answer done/abort, which the peer sends) or disconnect."""
+        """Client cancel (`notify`: answer done/abort) or disconnect (answer nothing)."""
         if self.done:
             return
         if self.req is not None and self.req.id in self.req.client.requests:
-            asyncio.get_running_loop().create_task(self.req.cancel())
-        if not notify:
-            self.done = True
-            if self.task is not None:
-                self.task.cancel()
+            self.link._spawn(self.req.cancel())
+            if notify:
+                return  # the peer answers done/abort, relayed by `_run`
+        self.done = True  # not started at a peer yet (or a disconnect): stop here
+        if self.task is not None:
+            self.task.cancel()
+        if notify:
+            self.sink.finish(self, self.mark(pp.Done(self.cid, "abort", pp.Usage(), pp.Timing(),
+                                                             self.peer.region if self.peer else self.own_region, "")))
 
     def mark(self, d: pp.Done) -> pp.Done:
         """The peer's done under the client's id; `region` already names the serving region,
-        and `forwarded_from` (once pp.Done has that field) names this one."""
+        `forwarded_from` names this one, and the timings run from the arrival here."""
+        now = perf_counter()
         d.id = self.cid
-        if "forwarded_from" in pp.Done.__struct_fields__:
-            d.forwarded_from = self.own_region
+        d.forwarded_from = self.own_region
+        d.timing.ttft_ms = round((self.t_first - self.t0) * 1e3, 3) if self.t_first else 0.0
+        d.timing.total_ms = round((now - self.t0) * 1e3, 3)
         return d
 
 
@@ -101,8 +127,17 @@ class PeerLink:
         self.down_until: dict[str, float] = {}
         self.forwarded = 0
         self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
 
     async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
         for c in list(self.clients.values()):
             await c.close()
         self.clients.clear()
@@ -130,7 +165,7 @@ class PeerLink:
     def forward(self, cid: str, sink, generate_kw: dict) -> Forwarded:
         """Start forwarding; the sink hears every delta and one final done or error."""
         f = Forwarded(cid, self.own_region, sink, self)
-        f.task = asyncio.get_running_loop().create_task(self._run(f, generate_kw))
+        f.task = self._spawn(self._run(f, generate_kw))
         self.forwarded += 1
         return f
 
@@ -154,6 +189,8 @@ class PeerLink:
                 continue
             async for m in _frames(f.req):
                 if type(m) is pp.Delta:
+                    if not f.t_first:
+                        f.t_first = perf_counter()
                     f.sink.delta(f, m.text, m.tokens)
                 elif type(m) is pp.Done:
                     f.done = True
