@@ -3,6 +3,7 @@
 Secrets come from the environment, never the command line:
   EDGECHAT_API_KEYS       key=tenant[:tier[:rate_per_s[:burst]]],...   (or --api-keys FILE)
   EDGECHAT_REPLICA_SECRET shared secret for the replicas' /v1/replica endpoint
+  EDGECHAT_PEER_KEY       API key this proxy presents to --peer proxies that require keys
 """
 
 from __future__ import annotations
@@ -14,10 +15,19 @@ import sys
 from edge_proxy.admission import AdmissionConfig
 from edge_proxy.config import ProxyConfig
 from edge_proxy.pool import PoolConfig
-from edge_proxy.routing import RouterConfig
+from edge_proxy.peering import parse_peer
+from edge_proxy.routing import MODES, RouterConfig
 from edge_proxy.server import serve_workers
 
 SECRET_ENV = "EDGECHAT_REPLICA_SECRET"
+PEER_KEY_ENV = "EDGECHAT_PEER_KEY"
+
+
+def _peer(spec: str):
+    try:
+        return parse_peer(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> ProxyConfig:
@@ -44,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     p.add_argument("--ping-interval", type=float, default=1.0, metavar="S")
     p.add_argument("--healthz-interval", type=float, default=2.0, metavar="S", help="0 disables /healthz polling")
     p.add_argument("--max-inflight", type=int, default=10_000)
+    p.add_argument("--routing", default="auto", choices=MODES,
+                   help="replica choice: auto (session -> prefix -> load), or a reduction for comparisons")
+    p.add_argument("--peer", action="append", default=[], type=_peer, metavar="REGION=URL@RTT_MS",
+                   help="another region's proxy (ws://host:port/v1/stream) to forward to when no replica here "
+                        "is ready; repeat for each region (nearest first by RTT)")
     p.add_argument("--otel-console", action="store_true", help="print finished spans to stdout")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -52,10 +67,11 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
         api_keys_file=a.api_keys, allow_anonymous=a.allow_anonymous, allowed_origins=tuple(a.allowed_origin),
         max_frame_bytes=a.max_frame_bytes, max_prompt_tokens=a.max_prompt_tokens,
         failover_attempts=a.failover_attempts, drain_timeout_s=a.drain_timeout, otel_console=a.otel_console,
-        log_level=a.log_level,
+        log_level=a.log_level, peers=tuple(sorted(a.peer, key=lambda q: (q.rtt_ms, q.region))),
+        peer_key=os.environ.get(PEER_KEY_ENV, ""),
         pool=PoolConfig(secret=os.environ.get(SECRET_ENV, ""), stall_timeout_s=a.stall_timeout,
                         ping_interval_s=a.ping_interval, healthz_interval_s=a.healthz_interval),
-        router=RouterConfig(), admission=AdmissionConfig(max_inflight=a.max_inflight))
+        router=RouterConfig(mode=a.routing), admission=AdmissionConfig(max_inflight=a.max_inflight))
 
 
 def main(argv: list[str] | None = None) -> int:

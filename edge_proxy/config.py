@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge_proxy.admission import AdmissionConfig
+from edge_proxy.peering import Peer
 from edge_proxy.pool import PoolConfig
 from edge_proxy.routing import RouterConfig
 
@@ -34,6 +35,8 @@ class ProxyConfig:
     drain_timeout_s: float = 60.0
     otel_console: bool = False
     log_level: str = "info"
+    peers: tuple[Peer, ...] = ()  # other regions' proxies, nearest first: forwarded to with no replica ready here
+    peer_key: str = ""  # API key presented to peers (EDGECHAT_PEER_KEY); "" when they allow anonymous access
     pool: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -45,5 +48,7 @@ class ProxyConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.port == 0:
             raise ValueError("several workers need a fixed --port to share")
+        if len({p.region for p in self.peers} | {self.region}) != len(self.peers) + 1:
+            raise ValueError(f"peers must be other regions than {self.region!r}, each given once")
         if self.max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")

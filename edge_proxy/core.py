@@ -6,6 +6,8 @@ the decisions themselves are the pure functions of `routing` and `admission`.
     submit: draining? -> in-flight cap -> rate limit -> sampling (seed assigned) ->
             session ownership -> tokenize -> length limits -> block hashes ->
             route (sticky | prefix | load) -> admission (deadline) -> Generate
+    no replica ready here (and the request was not itself forwarded): forward it to the
+            nearest peer region's proxy (`peering.PeerLink`), whose done names both regions
     replica lost / dropped / overloaded: resume on another replica with the tokens
             so far (`failover`), or park the stream until one is ready again
     finish / fail / end: answer the sink (not on disconnect), release the replica
@@ -24,9 +26,10 @@ from time import perf_counter
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
 from edge_proxy.metrics import ProxyMetrics
+from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
 from edge_proxy.prompt import encode_prompt
-from edge_proxy.routing import LOAD, Candidate, Decision, Router
+from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.stream import Stream
 from edge_proxy.tracing import console_processor, make_tracer, start_request_span, traceparent_of
@@ -37,6 +40,7 @@ log = logging.getLogger("edge_proxy")
 
 MAX_SESSION_CHARS = 256
 _REPLICA_CODES = {rp.BAD_REQUEST, rp.PROMPT_TOO_LONG, rp.OVERLOADED, rp.INTERNAL, rp.NOT_FOUND}
+_PRIORITY_NAMES = {v: k for k, v in pp.PRIORITIES.items()}
 
 
 @dataclass(slots=True)
@@ -51,6 +55,7 @@ class SubmitRequest:
     priority: str | None = None
     deadline_ms: float = 0.0
     traceparent: str | None = None
+    forwarded_by: str | None = None  # X-Edgechat-Forwarded-By: a peer region's proxy sent it; never forward it on
 
 
 class Proxy:
@@ -60,7 +65,7 @@ class Proxy:
         self.keys = keys
         self.metrics = metrics or ProxyMetrics()
         self.tracer = tracer or make_tracer(cfg.region, [console_processor()] if cfg.otel_console else [])
-        self.router = Router(cfg.router)
+        self.router = make_router(cfg.router)
         self.sessions = SessionTable()
         self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost)
         self.pool.state_listeners.append(self._on_pool_change)
@@ -70,6 +75,7 @@ class Proxy:
         self._idle.set()
         self._parked: dict[Stream, tuple[str, asyncio.TimerHandle]] = {}
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.peers = PeerLink(cfg.region, list(cfg.peers), cfg.peer_key or None) if cfg.peers else None
 
     async def start(self) -> None:
         await self.pool.start()
@@ -77,6 +83,8 @@ class Proxy:
     async def stop(self) -> None:
         for s in list(self.streams):
             self.fail(s, pp.SHUTTING_DOWN, "the proxy is shutting down")
+        if self.peers is not None:
+            await self.peers.close()
         await self.pool.stop()
 
     async def drain(self, timeout: float) -> bool:
@@ -116,8 +124,9 @@ class Proxy:
             raise pp.ProtocolError(pp.BAD_REQUEST, f"priority must be one of {sorted(pp.PRIORITIES)}, got {requested!r}")
         return max(p, key.priority)  # a key never gets above its tier
 
-    async def submit(self, key, req: SubmitRequest, sink) -> Stream:
-        """Admit, route and start a request; raises `ProtocolError` when refused."""
+    async def submit(self, key, req: SubmitRequest, sink) -> Stream | Forwarded:
+        """Admit, route and start a request (or forward it to a peer region); raises
+        `ProtocolError` when refused."""
         t0 = perf_counter()
         try:
             self._check_open()
@@ -136,6 +145,8 @@ class Proxy:
                     raise pp.ProtocolError(pp.FORBIDDEN, "this session belongs to another API key")
             if (req.messages is None) == (req.prompt is None):
                 raise pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages and prompt")
+            if self._forwardable(req):
+                return self._forward(req, sampling, priority, sink, t0)
             ids = await encode_prompt(self.tokenizer, req.messages, req.prompt)
             self._check_lengths(len(ids), sampling.max_tokens)
             self._check_open()  # draining may have begun while tokenizing
@@ -155,6 +166,9 @@ class Proxy:
         try:
             self._place_new(s, req.deadline_ms)
         except pp.ProtocolError as e:
+            if e.code == pp.UNAVAILABLE and self._forwardable(req):  # the replicas went while tokenizing
+                span.end()
+                return self._forward(req, sampling, priority, sink, t0)
             self.metrics.rejected.inc(e.code)
             span.set_attribute("edgechat.rejected", e.code)
             span.end()
@@ -162,6 +176,23 @@ class Proxy:
         self.streams.add(s)
         self._idle.clear()
         return s
+
+    def _forwardable(self, req: SubmitRequest) -> bool:
+        return (self.peers is not None and not req.forwarded_by and not self.pool.ready()
+                and not isinstance(req.prompt, list))  # token ids are this model's; the public protocol takes text
+
+    def _forward(self, req: SubmitRequest, sampling: rp.SamplingParams, priority: int, sink, t0: float) -> Forwarded:
+        s = req.sampling or pp.Sampling()
+        kw = dict(messages=req.messages, prompt=req.prompt, session=req.session,
+                  priority=_PRIORITY_NAMES.get(priority), traceparent=req.traceparent, max_tokens=s.max_tokens,
+                  temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=sampling.seed, stop=list(s.stop),
+                  stop_token_ids=list(s.stop_token_ids))
+        if req.deadline_ms > 0:
+            kw["deadline_ms"] = max(req.deadline_ms - (perf_counter() - t0) * 1e3, 1.0)
+        self.metrics.routing.inc("forwarded")
+        f = self.peers.forward(req.cid, sink, kw)
+        f.t0 = t0
+        return f
 
     def _check_lengths(self, n: int, max_tokens: int) -> None:
         if n == 0:

@@ -2,8 +2,10 @@
 
 Extensions beyond OpenAI's schema (all optional): body fields `session`,
 `priority`, `deadline_ms`, `top_k`; headers `X-Session-ID`, `X-Priority`,
-`X-Deadline-Ms`, `traceparent`; query parameter `session_id`. Responses carry an
-`edgechat` object (timing, region, replica, failovers) and `usage` includes
+`X-Deadline-Ms`, `traceparent`, `X-Edgechat-Forwarded-By` (set by a peer region's
+proxy: never forwarded again); query parameter `session_id`. Responses carry an
+`edgechat` object (timing, region, replica, failovers, and `forwarded_from` when
+another region's proxy forwarded the request to the region that served it) and `usage` includes
 `prompt_tokens_details.cached_tokens`.
 
 Streaming responses are Server-Sent Events written by `SseResponse`, a plain
@@ -26,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from edge_proxy import protocol as pp
 from edge_proxy.auth import bearer
 from edge_proxy.core import SubmitRequest
+from edge_proxy.peering import FORWARDED_HEADER
 
 STATUS = {pp.BAD_REQUEST: 400, pp.UNAUTHORIZED: 401, pp.FORBIDDEN: 403, pp.NOT_FOUND: 404, pp.TOO_LARGE: 413,
           pp.PROMPT_TOO_LONG: 400, pp.RATE_LIMITED: 429, pp.OVERLOADED: 503, pp.UNAVAILABLE: 503,
@@ -221,8 +224,11 @@ def _usage(d: pp.Done) -> dict:
 
 
 def _ext(d: pp.Done) -> dict:
-    return {"timing": msgspec.to_builtins(d.timing), "region": d.region, "replica": d.replica,
-            "failovers": d.failovers}
+    ext = {"timing": msgspec.to_builtins(d.timing), "region": d.region, "replica": d.replica,
+           "failovers": d.failovers}
+    if d.forwarded_from:
+        ext["forwarded_from"] = d.forwarded_from
+    return ext
 
 
 def _sse(obj) -> bytes:
@@ -275,7 +281,7 @@ class OpenAIRoutes:
                 prompt=None if chat else r.prompt,
                 session=r.session or h.get("x-session-id") or request.query_params.get("session_id"),
                 sampling=_sampling(r), priority=r.priority or h.get("x-priority"), deadline_ms=deadline,
-                traceparent=h.get("traceparent"))
+                traceparent=h.get("traceparent"), forwarded_by=h.get(FORWARDED_HEADER))
             sink = _Sink()
             stream = await self.proxy.submit(key, req, sink)
         except pp.ProtocolError as e:

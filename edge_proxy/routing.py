@@ -19,10 +19,20 @@ Order of preference (DESIGN.md: session -> prefix overlap -> load):
 
 `load` is the effective number of outstanding requests (running + waiting) as
 the proxy best knows it; see `effective_load`.
+
+`RouterConfig.mode` (`python -m edge_proxy --routing MODE`) picks the policy;
+all but "auto" are reductions for comparisons (`loadtest --compare-routing`):
+
+    auto          the order above: sticky when a session is given, else prefix-aware
+    prefix        prefix-aware for every request (sessions ignored for placement)
+    sticky        session stickiness only; no prefix knowledge: requests without a
+                  session go to the least loaded replica
+    round_robin   the next replica in turn, nothing else
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -30,6 +40,7 @@ import xxhash
 
 STICKY, PREFIX, LOAD, FAILOVER = "sticky", "prefix", "load", "failover"
 REASONS = (STICKY, PREFIX, LOAD, FAILOVER)
+MODES = ("auto", "prefix", "sticky", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -39,8 +50,11 @@ class RouterConfig:
     balance_abs_threshold: float = 16.0
     balance_rel_threshold: float = 1.5
     load_cost_tokens: float = 256.0  # one outstanding request weighs like this many prefill tokens
+    mode: str = "auto"  # one of MODES
 
     def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"routing mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.session_load_factor < 1.0:
             raise ValueError(f"session_load_factor must be >= 1, got {self.session_load_factor}")
         if self.balance_rel_threshold < 1.0:
@@ -126,3 +140,50 @@ class Router:
             return Decision(c.id, STICKY, c.cached_blocks)
         d = pick_prefix(prompt_tokens, block_size, cands, self.cfg)
         return Decision(d.replica, FAILOVER, d.cached_blocks) if failover else d
+
+
+class PrefixRouter(Router):
+    """mode "prefix": prefix-aware (with load balancing) for every request."""
+
+    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, session_key=None,
+              session_current=None, failover: bool = False) -> Decision | None:
+        return super().route(cands, prompt_tokens, block_size, failover=failover)
+
+
+class StickyRouter(Router):
+    """mode "sticky": sessions by bounded-load rendezvous, everything else by least load."""
+
+    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, session_key=None,
+              session_current=None, failover: bool = False) -> Decision | None:
+        if not cands:
+            return None
+        if session_key is not None and not failover:
+            c = pick_sticky(session_key, session_current, cands, self.cfg)
+            return Decision(c.id, STICKY, c.cached_blocks)
+        c = min(cands, key=lambda c: (c.load, c.id))
+        return Decision(c.id, FAILOVER if failover else LOAD, c.cached_blocks)
+
+
+class RoundRobinRouter(Router):
+    """mode "round_robin": the next replica in a stable ring (by id), whatever the pool's order."""
+
+    def __init__(self, cfg: RouterConfig | None = None):
+        super().__init__(cfg)
+        self._turn = itertools.count()
+
+    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, session_key=None,
+              session_current=None, failover: bool = False) -> Decision | None:
+        if not cands:
+            return None
+        ordered = sorted(cands, key=lambda c: c.id)
+        c = ordered[next(self._turn) % len(ordered)]
+        return Decision(c.id, FAILOVER if failover else LOAD, c.cached_blocks)
+
+
+_ROUTERS = {"auto": Router, "prefix": PrefixRouter, "sticky": StickyRouter, "round_robin": RoundRobinRouter}
+
+
+def make_router(cfg: RouterConfig | None = None) -> Router:
+    """The router for `cfg.mode` (the config is validated when built)."""
+    cfg = cfg or RouterConfig()
+    return _ROUTERS[cfg.mode](cfg)

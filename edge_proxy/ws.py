@@ -29,6 +29,7 @@ from starlette.websockets import WebSocket
 from edge_proxy import protocol as pp
 from edge_proxy.auth import bearer
 from edge_proxy.core import SubmitRequest
+from edge_proxy.peering import FORWARDED_HEADER
 
 log = logging.getLogger("edge_proxy.ws")
 
@@ -69,16 +70,17 @@ class StreamEndpoint:
             await ws.send_denial_response(_deny(503, pp.SHUTTING_DOWN, "the proxy is draining"))
             return
         await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
-        await ClientConnection(receive, send, proxy, key).run()
+        await ClientConnection(receive, send, proxy, key, ws.headers.get(FORWARDED_HEADER)).run()
 
 
 class ClientConnection:
     """Sink for the streams of one client socket, and its reader."""
 
-    def __init__(self, receive, send, proxy, key):
+    def __init__(self, receive, send, proxy, key, forwarded_by: str | None = None):
         self.receive, self.send = receive, send  # raw ASGI
         self.proxy = proxy
         self.key = key
+        self.forwarded_by = forwarded_by  # a peer region's proxy: its requests are never forwarded again
         self.codec = pp.ClientCodec()
         self.active: dict[str, object] = {}  # client id -> Stream, or None while being admitted
         self._pending: dict = {}  # Stream (or None for connection errors) -> [text, tokens, merged, final]
@@ -202,7 +204,7 @@ class ClientConnection:
         self.active[m.id] = None
         messages = [{"role": x.role, "content": x.content} for x in m.messages] if m.messages is not None else None
         req = SubmitRequest(m.id, messages, m.prompt, m.session, m.sampling, m.priority, m.deadline_ms,
-                            m.traceparent)
+                            m.traceparent, self.forwarded_by)
         t = asyncio.get_running_loop().create_task(self._start(req))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)

@@ -37,6 +37,7 @@ from regions.topology import ROUTING_MODES, Topology
 
 SECRET_ENV = "EDGECHAT_REPLICA_SECRET"
 API_KEYS_ENV = "EDGECHAT_API_KEYS"
+PEER_KEY_ENV = "EDGECHAT_PEER_KEY"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -87,6 +88,9 @@ class Stack:
         self.env.setdefault(SECRET_ENV, secrets.token_hex(16))  # the replicas refuse any proxy without it
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.anonymous = not self.env.get(API_KEYS_ENV)
+        if not self.anonymous and not self.env.get(PEER_KEY_ENV):  # proxies forward to each other with a key
+            first = next(filter(None, (x.strip() for x in self.env[API_KEYS_ENV].split(","))), "")
+            self.env[PEER_KEY_ENV] = first.partition("=")[0].strip()
         self._stopping = False
 
     # -- URLs ------------------------------------------------------------------
@@ -122,11 +126,14 @@ class Stack:
 
     def _proxy_argv(self, region) -> list[str]:
         t = self.topo
-        mod = ["-m", "edge_proxy"] if self.routing == "auto" else ["-m", "regions.proxy", "--routing", self.routing]
-        argv = [self.python, *mod, "--host", t.host, "--port", str(region.proxy_port), "--region", region.name,
-                "--workers", str(region.proxy_workers), "--drain-timeout", "5", "--log-level", "warning"]
+        argv = [self.python, "-m", "edge_proxy", "--routing", self.routing, "--host", t.host,
+                "--port", str(region.proxy_port), "--region", region.name, "--workers", str(region.proxy_workers),
+                "--drain-timeout", "5", "--log-level", "warning"]
         for rep in region.replicas:
             argv += ["--replica", f"ws://{t.host}:{rep.port}/v1/replica"]
+        for peer in t.peers(region.name):  # cross-region failover, through the inter-region link relay
+            port = t.relay_ports[("link", region.name, peer)] if self.with_relays else t.region(peer).proxy_port
+            argv += ["--peer", f"{peer}=ws://{t.host}:{port}/v1/stream@{t.rtt(region.name, peer):g}"]
         if t.replica_kind == "stub":
             argv += ["--tokenizer", "bytes"]
         if self.anonymous:

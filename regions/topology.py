@@ -31,8 +31,10 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from edge_proxy.routing import MODES
+
 REPLICA_KINDS = ("model", "stub")
-ROUTING_MODES = ("auto", "prefix", "sticky", "round_robin")
+ROUTING_MODES = MODES  # edge_proxy --routing
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 BUILTIN = Path(__file__).with_name("builtin.toml")
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
@@ -51,6 +52,19 @@ async def test_stack_up_serve_down(tmp_path):
         assert ttft["eu"].region == "eu" and ttft["us"].region == "us"
         assert ttft["eu"].replica.startswith("eu-") and ttft["us"].replica == "us-0"
         pids = [c.proc.pid for c in stack.replicas + stack.proxies]
+
+        # us loses its only replica: its proxy forwards to eu through the us>eu link relay
+        us0 = next(c for c in stack.replicas if c.name == "us-0")
+        os.killpg(us0.proc.pid, signal.SIGKILL)
+        await us0.proc.wait()
+        async with httpx.AsyncClient(trust_env=False) as h:
+            for _ in range(100):  # another process's state: poll its /healthz
+                if (await h.get(stack.proxy_url("us") + "/healthz")).status_code == 503:
+                    break
+                await asyncio.sleep(0.05)
+        async with await EdgeClient.connect(ws_url(t["clients"]["eu"]["us"])) as c:
+            _, done = await c.complete(messages=HI, max_tokens=2)
+        assert done.region == "eu" and done.forwarded_from == "us" and done.replica.startswith("eu-")
     finally:
         await stack.stop()
     assert not any(alive(p) for p in pids)
@@ -71,6 +85,16 @@ async def test_restart_proxies_switches_routing(tmp_path):
             await stack.restart_proxies("nope")
     finally:
         await stack.stop()
+
+
+def test_proxies_get_routing_and_peers(tmp_path):
+    topo = parse(stub_topology(free_block(12)), "stub.toml")
+    argv = Stack(topo, routing="sticky", log_dir=tmp_path, out=io.StringIO())._proxy_argv(topo.region("eu"))
+    assert argv[1:5] == ["-m", "edge_proxy", "--routing", "sticky"]
+    link = topo.relay_ports[("link", "eu", "us")]
+    assert argv[argv.index("--peer") + 1] == f"us=ws://{topo.host}:{link}/v1/stream@{topo.rtt('eu', 'us'):g}"
+    argv = Stack(topo, log_dir=tmp_path, out=io.StringIO(), relays=False)._proxy_argv(topo.region("eu"))
+    assert argv[argv.index("--peer") + 1].startswith(f"us=ws://{topo.host}:{topo.region('us').proxy_port}/")
 
 
 def _run_cli(path, tmp_path):
