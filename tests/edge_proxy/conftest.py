@@ -25,8 +25,8 @@ KEYS = [
     {"key": "sk-batch", "tenant": "crunch", "tier": "batch"},
     {"key": "sk-slow", "tenant": "slowpoke", "rate_per_s": 1, "burst": 2},
 ]
-FAST_POOL = PoolConfig(secret=SECRET, ping_interval_s=0.5, ping_timeout_s=1.0, stall_timeout_s=0.5,
-                       healthz_interval_s=0.1, healthz_failures=2, backoff_min_s=0.02, backoff_max_s=0.2)
+FAST_POOL = PoolConfig(secret=SECRET, ping_interval_s=0.5, ping_timeout_s=1.0, stall_timeout_s=1.0,
+                       healthz_interval_s=0.1, healthz_failures=3, backoff_min_s=0.02, backoff_max_s=0.2)
 
 
 @pytest.fixture
