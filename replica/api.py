@@ -131,7 +131,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
         await ws.accept()
         c = client()
         conn = ReplicaConnection(ws, c)
-        conn.sink(c.hello)
+        conn.sink(msgspec.structs.replace(c.hello, model=model_name))  # the served name, not the spec
         conn.sink(P.KvEvents(stored=list(c.cached_blocks), cleared=True))
         if c.load is not None:
             conn.sink(c.load)
