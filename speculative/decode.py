@@ -9,8 +9,8 @@ sequence's length, its newest token x_{n-1} (the root) not yet in the target KV:
   1. pool.reserve(n + spec.lookahead)           slots for the tree and the head's drafts
   2. trees = drafter.propose(tokens, states, block_tables, spec[, temps, seeds])
                                                 commits the head's pending entries, drafts
-  3. target forward over the packed trees       node i of a tree: token tree.tokens[i],
-     with aux_layers (verify_forward)           position n-1 + depth(i), KV slot n-1 + i,
+  3. model(ids, positions, tree_context(...),  node i of a tree: token tree.tokens[i],
+           kv_cache, aux_layers)                position n-1 + depth(i), KV slot n-1 + i,
                                                 attends to the prefix + ancestor_mask()[i]
   4. verdicts = verify(trees, logits, temps, top_ks, top_ps, seeds, roots)
   5. per sequence: pool.move(verdict.kv_moves(n-1))     accepted KV made contiguous
@@ -33,19 +33,13 @@ Engine interface (replica/engine.py, runner.py, scheduler.py; not wired yet):
   and needs blocks for positions [0, len + spec.lookahead); spec = None (plain
   decode) above the measured batch-size crossover (bench/speculative.py).
 - Runner, speculating sequences: (2) `drafter.propose(...)` on the decode rows;
-  (3) the verify forward: the `Context` hook below makes it `model(ids,
-  positions, ctx, kv_cache, aux_layers)`; (4) `verify(...)`; (5) copy the KV of
-  `kv_moves` (all layers; `KVPool.move` shows the indexing), append the tokens,
-  count `verdict.num_accepted` into usage, and free the blocks past the new
-  length (BlockManager needs a `truncate(seq, length)`).
-- The Context hook (replica/model.py): add `tree_mask: Tensor | None = None`
-  ((T, max_n) bool) and `tree_prefix_lens: Tensor | None = None` ((B,) int32) to
-  Context, and in Attention.forward, before the decode/extend dispatch:
-      if ctx.tree_mask is not None:
-          o = ops.paged_tree_attention(q, k_cache, v_cache, ctx.extend_block_tables,
-                                       ctx.extend_cu_seqlens_q, ctx.tree_prefix_lens,
-                                       ctx.tree_mask, self.scale)
-  `verify_forward` below is exactly that forward, written out until the hook lands.
+  (3) one target forward whose Context carries the trees (`tree_context` below:
+  tree_mask, tree_prefix_lens, extend block tables and cu_seqlens); a step
+  either verifies trees or runs plain decode/extend rows, since the tree
+  Context covers every token of the forward; (4) `verify(...)`; (5) copy the KV
+  of `kv_moves` (all layers; `KVPool.move` shows the indexing), append the
+  tokens, count `verdict.num_accepted` into usage, and free the blocks past the
+  new length (BlockManager needs a `truncate(seq, length)`).
 """
 
 from __future__ import annotations
@@ -62,42 +56,6 @@ from speculative.head import Eagle3Head
 from speculative.ngram import NgramDrafter
 from speculative.pool import KVPool
 from speculative.verify import verify
-
-
-@dataclass
-class TreeBatch:
-    """Attention metadata of a tree-verify forward (what the Context hook carries)."""
-
-    slot_mapping: torch.Tensor  # (T,) int64
-    block_tables: torch.Tensor  # (B, max_blocks) int32
-    cu_seqlens_q: torch.Tensor  # (B + 1,) int32: tree b is rows [cu[b], cu[b+1])
-    prefix_lens: torch.Tensor  # (B,) int32: tokens in the KV before the root (= root position)
-    tree_mask: torch.Tensor  # (T, max_n) bool: row i may see node j of its own tree
-
-
-def verify_forward(model: LlamaModel, input_ids, positions, tb: TreeBatch, kv_cache, aux_layers=()):
-    """LlamaModel.forward with tree attention in every layer -> (hidden (T, h), aux list)."""
-    cfg, ops = model.cfg, model.ops
-    T = input_ids.shape[0]
-    x, residual, aux = model.tp.embed(input_ids, model.embed_tokens.weight), None, []
-    for i, layer in enumerate(model.layers):
-        x, residual = (layer.input_layernorm(x), x) if residual is None else layer.input_layernorm(x, residual)
-        attn = layer.self_attn
-        q, k, v = attn.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # (T, H, D)
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.apply_rotary(q, k, positions, model.cos_sin)
-        ops.store_kvcache(k, v, kv_cache[i, 0], kv_cache[i, 1], tb.slot_mapping)
-        o = ops.paged_tree_attention(q, kv_cache[i, 0], kv_cache[i, 1], tb.block_tables, tb.cu_seqlens_q,
-                                     tb.prefix_lens, tb.tree_mask, attn.scale)
-        x = attn.tp.all_reduce(attn.o_proj(o.reshape(T, cfg.q_size)))  # row-parallel
-        x, residual = layer.post_attention_layernorm(x, residual)
-        x = layer.mlp(x)
-        if i in aux_layers:
-            aux.append(x + residual)
-    x, _ = model.norm(x, residual)
-    return x, aux
 
 
 @dataclass
@@ -251,14 +209,15 @@ class SpeculativeGenerator:
                                          temps, seeds)
         else:
             trees = [spec.propose(s.tokens) for s in act]
-        tb, ids, pos = self._tree_batch(act, trees, block_tables)
-        hidden, aux = verify_forward(self.model, ids, pos, tb, self.pool.kv_cache, aux_layers)
+        ctx, ids, pos = self._tree_batch(act, trees, block_tables)
+        out = self.model(ids, pos, ctx, self.pool.kv_cache, aux_layers)
+        hidden, aux = out if aux_layers else (out, [])
         logits = self.model.compute_logits(hidden).float()
         roots = [len(s.tokens) - 1 for s in act]
         verdicts = verify(trees, logits, temps, [s.params.top_k for s in act], [s.params.top_p for s in act],
                           seeds, roots)
         aux = torch.cat(aux, -1) if aux_layers else None
-        cu = tb.cu_seqlens_q.tolist()
+        cu = ctx.extend_cu_seqlens_q.tolist()
         for b, (s, tree, v) in enumerate(zip(act, trees, verdicts)):
             self.pool.move(s.sid, v.kv_moves(roots[b]))
             if aux is not None:
@@ -272,18 +231,24 @@ class SpeculativeGenerator:
         stats.seq_rounds += len(act)
 
     def _tree_batch(self, act: list[_Seq], trees: list[DraftTree], block_tables):
-        max_n = max(len(t) for t in trees)
-        ids, pos, slots, masks, cu = [], [], [], [], [0]
+        ids, pos, slots, masks = [], [], [], []
         for s, tree in zip(act, trees):
             root = len(s.tokens) - 1
             ids += tree.tokens
             pos += [root + d for d in tree.depths]
             slots += self.pool.slots(s.sid, range(root, root + len(tree)))
-            m = tree.ancestor_mask()
-            masks.append(torch.nn.functional.pad(m, (0, max_n - m.shape[1])))
-            cu.append(cu[-1] + len(tree))
-        tb = TreeBatch(slot_mapping=self._tensor(slots), block_tables=block_tables,
-                       cu_seqlens_q=self._tensor(cu, torch.int32),
-                       prefix_lens=self._tensor([len(s.tokens) - 1 for s in act], torch.int32),
-                       tree_mask=torch.cat(masks).to(self.pool.device))
-        return tb, self._tensor(ids), self._tensor(pos)
+        ctx = tree_context(trees, [len(s.tokens) - 1 for s in act], self._tensor(slots), block_tables)
+        return ctx, self._tensor(ids), self._tensor(pos)
+
+
+def tree_context(trees: list[DraftTree], roots: list[int], slot_mapping, block_tables) -> Context:
+    """The Context of a tree-verify forward: tree b's node i at KV slot of position
+    roots[b] + i sees the roots[b] cached tokens and tree_mask[row, :len(tree b)]."""
+    dev = slot_mapping.device
+    max_n = max(len(t) for t in trees)
+    mask = torch.cat([torch.nn.functional.pad(t.ancestor_mask(), (0, max_n - len(t))) for t in trees]).to(dev)
+    cu = torch.tensor([0] + [len(t) for t in trees], device=dev).cumsum(0).to(torch.int32)
+    roots_t = torch.tensor(roots, dtype=torch.int32, device=dev)
+    return Context(slot_mapping=slot_mapping, num_decode_tokens=0, decode_block_tables=None, decode_seq_lens=None,
+                   extend_block_tables=block_tables, extend_cu_seqlens_q=cu,
+                   extend_seq_lens=roots_t + (cu[1:] - cu[:-1]), tree_mask=mask, tree_prefix_lens=roots_t)

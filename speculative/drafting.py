@@ -235,7 +235,8 @@ class Drafter:
             tok_all, score_all = torch.cat(c_tok, 1), torch.cat(c_score, 1)
             pe_all = torch.cat(c_parent_e, 1)
             e0 = (level - 1) * K
-            f_tok, f_score, f_pe = tok_all.gather(1, frontier), score_all.gather(1, frontier), pe_all.gather(1, frontier)
+            f_tok, f_score = tok_all.gather(1, frontier), score_all.gather(1, frontier)
+            f_pe = pe_all.gather(1, frontier)
             for r in range(K):  # scratch entry e0 + r sees its parent's ancestors and itself
                 parent_rows = anc[torch.arange(B), f_pe[:, r].clamp_min(0)] & (f_pe[:, r] >= 0)[:, None]
                 anc[:, e0 + r] = parent_rows
@@ -278,7 +279,8 @@ class Drafter:
         for level in range(1, spec.depth + 1):
             t = torch.where(temps > 0, temps, 1.0)[:, None]
             q = torch.softmax(logits / t, dim=-1)
-            q = torch.where((temps > 0)[:, None], q, torch.nn.functional.one_hot(logits.argmax(-1), q.shape[-1]).float())
+            greedy = torch.nn.functional.one_hot(logits.argmax(-1), q.shape[-1]).float()
+            q = torch.where((temps > 0)[:, None], q, greedy)
             x = gumbel_draw(q, seeds, lens - 1 + level, DRAFT_STREAM)  # (B,) draft ids
             qs.append(torch.zeros(B, V, device=dev).index_copy_(1, d2t, q))
             drafts.append(d2t[x])

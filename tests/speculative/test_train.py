@@ -11,7 +11,7 @@ from speculative.decode import SpeculativeGenerator
 from speculative.drafting import Drafter, TreeSpec
 from speculative.head import HeadConfig, aux_layers_for, head_dir, load_head, save_head
 from speculative.pool import KVPool
-from speculative.train import (STATE_FILE, batches, draft_vocab, init_head, load_prompts, record_features, train,
+from speculative.train import (STATE_FILE, batches, draft_vocab, init_head, load_prompts, self_distill, train,
                                ttt_unroll)
 from tests.speculative.util import random_head, tiny_target
 
@@ -19,15 +19,25 @@ from tests.speculative.util import random_head, tiny_target
 @pytest.fixture(scope="module")
 def data():
     """Self-distillation data from the tiny target: its own greedy answers."""
-    model = tiny_target()
+    model = tiny_target(eos_token_ids=())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 97, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (12,), generator=g)]
+    convs = self_distill(model, prompts, aux_layers_for(4), max_tokens=24, temperature=0.0, seed=0, batch_size=5)
+    return model, {k: [c[k] for c in convs] for k in ("ids", "n_prompt", "aux", "hidden", "top1")}
+
+
+def test_self_distillation_records_what_the_target_computes(data):
+    """Answers are the plain loop's greedy tokens; recorded features are those of a fresh forward."""
+    model, d = data
+    prompts = [ids[:n].tolist() for ids, n in zip(d["ids"], d["n_prompt"])]
     answers, _ = SpeculativeGenerator(model, num_blocks=64).generate(
         prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    seqs = [p + a for p, a in zip(prompts, answers)]
-    feats = record_features(model, seqs, aux_layers_for(4))
-    return model, {"ids": [torch.tensor(s, dtype=torch.int32) for s in seqs], "n_prompt": [len(p) for p in prompts],
-                   "aux": [f[0] for f in feats], "hidden": [f[1] for f in feats], "top1": [f[2] for f in feats]}
+    for i, (ids, a) in enumerate(zip(d["ids"], answers)):
+        assert ids.tolist() + [int(d["top1"][i][-1])] == prompts[i] + a  # the last token is never processed
+        assert d["aux"][i].shape == (len(ids), 3 * model.cfg.hidden_size) and d["hidden"][i].shape == (len(ids), 48)
+    ref = self_distill(model, [d["ids"][0].tolist()], aux_layers_for(4), max_tokens=1, temperature=0.0, seed=0)[0]
+    torch.testing.assert_close(ref["aux"], d["aux"][0], atol=2e-3, rtol=2e-3)  # prefill == decode-step features
+    torch.testing.assert_close(ref["hidden"], d["hidden"][0], atol=2e-3, rtol=2e-3)
 
 
 def test_ttt_unroll_matches_chain_drafting(data):

@@ -115,7 +115,8 @@ def no_residual(tree, seed, root):
             return Verdict(path, tokens + [int(gumbel_draw(p[i - 1][None], torch.tensor([seed]), pos)[0])])
         path.append(i)
         tokens.append(x)
-    return Verdict(path, tokens + [int(gumbel_draw(p[-1][None], torch.tensor([seed]), torch.tensor([root + len(tree)]))[0])])
+    bonus = gumbel_draw(p[-1][None], torch.tensor([seed]), torch.tensor([root + len(tree)]))
+    return Verdict(path, tokens + [int(bonus[0])])
 
 
 def emitted_counts(draft, rule, n_samples):

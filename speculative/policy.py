@@ -1,0 +1,56 @@
+"""Speculation by batch size, from measurements.
+
+A verify forward costs (batch x tree tokens) target tokens where plain decoding
+costs batch tokens: once the step is compute-bound (a large batch, or any batch
+on a CPU) the extra tokens stop being free and speculation loses. Where the
+crossover lies depends on the device, the model and the head, so the policy is
+built from bench/speculative.py's measured tokens/s: at each measured batch size
+the fastest configuration (or none), and between measured sizes the choice of
+the next smaller one. `bench/speculative.py --write-policy` saves it as
+policy.json beside the head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from speculative.drafting import TreeSpec
+
+POLICY_FILE = "policy.json"
+
+
+@dataclass(frozen=True)
+class SpecPolicy:
+    rules: tuple[tuple[int, TreeSpec | None], ...]  # (smallest batch size, spec from there on), ascending
+
+    def for_batch(self, batch_size: int) -> TreeSpec | None:
+        """The speculation a decode step of `batch_size` sequences runs (None: plain decoding)."""
+        chosen = None
+        for start, spec in self.rules:
+            if batch_size >= start:
+                chosen = spec
+        return chosen
+
+    @classmethod
+    def from_rates(cls, rates: dict[int, dict[TreeSpec | None, float]]) -> SpecPolicy:
+        """rates[batch][spec] = measured decode tokens/s (spec None: no speculation)."""
+        rules = tuple((b, max(r, key=r.get)) for b, r in sorted(rates.items()))
+        return cls(rules)
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        rows = [{"from_batch": b, "spec": None if s is None else vars(s)} for b, s in self.rules]
+        path = Path(folder) / POLICY_FILE
+        path.write_text(json.dumps(rows, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike) -> SpecPolicy | None:
+        """The policy saved beside a head, or None when none was measured."""
+        path = Path(folder) / POLICY_FILE
+        if not path.is_file():
+            return None
+        rows = json.loads(path.read_text())
+        return cls(tuple((r["from_batch"], None if r["spec"] is None else TreeSpec(**r["spec"])) for r in rows))
