@@ -98,7 +98,12 @@ def probs_ref(logits, temperature, top_k, top_p):
     """(B, V) fp32: the distribution `sample` draws from (one-hot argmax where T == 0)."""
     x = logits.float()
     t = torch.where(temperature > 0, temperature, 1.0).float()[:, None]
-    _, _, thr = _kept(x, t, top_k, top_p)
+    v = x.shape[1]
+    filtered = ((top_k > 0) & (top_k < v)) | (top_p < 1)
+    thr = torch.full_like(x[:, :1], float("-inf"))  # unfiltered rows keep the whole vocabulary
+    rows = filtered.nonzero()[:, 0]
+    if rows.numel():
+        thr[rows] = _kept(x[rows], t[rows], top_k[rows], top_p[rows])[2]
     p = torch.softmax(torch.where(x >= thr, x / t, float("-inf")), dim=-1)
     greedy = torch.nn.functional.one_hot(x.argmax(-1), x.shape[1]).float()
     return torch.where((temperature > 0)[:, None], p, greedy)
