@@ -13,15 +13,27 @@ Handshake checks, in order: Origin allowlist (403), API key from
 `Authorization: Bearer` or the subprotocol `bearer.<key>` (401), draining (503).
 
 `StreamEndpoint` is a plain ASGI callable mounted in front of Starlette (see
-`app.py`): frames go to uvicorn's `send` directly, without Starlette's per-message
-state checks and exception wrappers. Starlette's `WebSocket` still does the
-handshake.
+`app.py`); Starlette's `WebSocket` does the handshake only.
+
+Frames: under uvicorn's sans-I/O websockets protocol (what `server.py` runs) the
+connection writes its frames itself, straight into the socket's transport: a
+server frame is a 2-10 byte header and the JSON payload, and the websockets state
+machine behind ASGI `send` (a Frame object, extension hooks, an output queue and
+a task switch per message) cost more than the rest of the proxy's per-token
+work. Pings, pongs and the close handshake stay with uvicorn; both sides write
+whole frames from the event loop's thread, so they never interleave inside one.
+Deltas that arrive in one event-loop turn are flushed together at its end, one
+write per client (`Flusher`), without waking any task; only a client whose
+transport is over its high-water mark gets the writer task, which waits for the
+transport to drain while new tokens merge into the pending entries. With any
+other ASGI server the writer task sends through ASGI `send`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
@@ -35,6 +47,56 @@ log = logging.getLogger("edge_proxy.ws")
 
 SUBPROTOCOL = "edgechat.v1"
 KEY_SUBPROTOCOL_PREFIX = "bearer."
+
+
+try:  # the protocol uvicorn runs for ws="websockets-sansio" (server.uvicorn_config)
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+except ImportError:  # pragma: no cover - another uvicorn: frames go through ASGI send
+    WebSocketsSansIOProtocol = None
+
+_U16, _U64 = struct.Struct("!BBH"), struct.Struct("!BBQ")
+
+
+def text_frame(payload: bytes) -> bytes:
+    """A final, unmasked server text frame (RFC 6455 5.2) carrying UTF-8 `payload`."""
+    n = len(payload)
+    if n < 126:
+        return bytes((0x81, n)) + payload
+    if n < 1 << 16:
+        return _U16.pack(0x81, 126, n) + payload
+    return _U64.pack(0x81, 127, n) + payload
+
+
+def direct_protocol(send):
+    """uvicorn's protocol object behind an ASGI `send`, when frames may be written to its transport."""
+    proto = getattr(send, "__self__", None)
+    if WebSocketsSansIOProtocol is None or not isinstance(proto, WebSocketsSansIOProtocol):
+        return None
+    if not all(hasattr(proto, a) for a in ("transport", "writable", "disconnected", "close_sent")):
+        return None  # pragma: no cover - a uvicorn whose protocol keeps its state elsewhere
+    return proto
+
+
+class Flusher:
+    """Writes the pending frames of every client touched in this event-loop turn, once, at its end."""
+
+    __slots__ = ("dirty", "scheduled")
+
+    def __init__(self):
+        self.dirty: list[ClientConnection] = []
+        self.scheduled = False
+
+    def mark(self, conn: ClientConnection) -> None:
+        self.dirty.append(conn)
+        if not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        dirty, self.dirty, self.scheduled = self.dirty, [], False
+        for conn in dirty:
+            conn._dirty = False
+            conn._flush_direct()
 
 
 def origin_allowed(origin: str | None, allowed: tuple[str, ...]) -> bool:
@@ -51,6 +113,7 @@ class StreamEndpoint:
 
     def __init__(self, proxy):
         self.proxy = proxy
+        self.flusher = Flusher()
 
     async def __call__(self, scope, receive, send) -> None:
         proxy, ws = self.proxy, WebSocket(scope, receive, send)
@@ -70,14 +133,17 @@ class StreamEndpoint:
             await ws.send_denial_response(_deny(503, pp.SHUTTING_DOWN, "the proxy is draining"))
             return
         await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
-        await ClientConnection(receive, send, proxy, key, ws.headers.get(FORWARDED_HEADER)).run()
+        await ClientConnection(receive, send, proxy, key, ws.headers.get(FORWARDED_HEADER), self.flusher).run()
 
 
 class ClientConnection:
     """Sink for the streams of one client socket, and its reader."""
 
-    def __init__(self, receive, send, proxy, key, forwarded_by: str | None = None):
+    def __init__(self, receive, send, proxy, key, forwarded_by: str | None = None, flusher: Flusher | None = None):
         self.receive, self.send = receive, send  # raw ASGI
+        self._proto = direct_protocol(send) if flusher is not None else None  # frames straight to its transport
+        self._flusher = flusher
+        self._dirty = False  # queued on the flusher for this loop turn
         self.proxy = proxy
         self.key = key
         self.forwarded_by = forwarded_by  # a peer region's proxy: its requests are never forwarded again
@@ -123,14 +189,51 @@ class ClientConnection:
         self._wake()
 
     def _wake(self) -> None:
+        if self._proto is not None and self._proto.writable.is_set():
+            if not self._dirty:
+                self._dirty = True
+                self._flusher.mark(self)
+            return
         w = self._waiter
         if w is not None:
             self._waiter = None
             w.set_result(None)
 
+    def _take_frames(self) -> bytes:
+        """Everything pending, as consecutive WebSocket frames."""
+        enc, frames = self.codec.encode, []
+        for err in self._conn_errors:
+            frames.append(text_frame(enc(err)))
+        self._conn_errors = []
+        batch, self._pending = self._pending, {}
+        self._pending_bytes = 0
+        coalesced = 0
+        for s, (text, ntok, merged, final) in batch.items():
+            if merged:
+                frames.append(text_frame(enc(pp.Delta(s.cid, text, ntok))))
+                coalesced += merged > 1
+            if final is not None:
+                frames.append(text_frame(enc(final)))
+        if coalesced:
+            self.proxy.metrics.coalesced.inc(by=coalesced)
+        return b"".join(frames)
+
+    def _flush_direct(self) -> None:
+        """End of a loop turn: write what is pending, unless the transport is full (then the writer waits)."""
+        proto = self._proto
+        if self._closing or proto.disconnected or proto.close_sent or proto.transport.is_closing():
+            return
+        if not proto.writable.is_set():
+            self._wake()
+            return
+        if self._pending or self._conn_errors:
+            proto.transport.write(self._take_frames())
+
     # -- writer ----------------------------------------------------------------
 
     async def _write_loop(self) -> None:
+        if self._proto is not None:
+            return await self._write_loop_direct()
         send, enc = self.send, self.codec.encode
         coalesced = self.proxy.metrics.coalesced
         loop = asyncio.get_running_loop()
@@ -151,6 +254,15 @@ class ClientConnection:
                         coalesced.inc()
                 if final is not None:
                     await send({"type": "websocket.send", "text": enc(final).decode()})
+
+    async def _write_loop_direct(self) -> None:
+        """Only for a client whose transport is full: wait until it drains, then flush."""
+        proto, loop = self._proto, asyncio.get_running_loop()
+        while True:
+            self._waiter = loop.create_future()
+            await self._waiter
+            await proto.writable.wait()
+            self._flush_direct()
 
     def _too_slow(self) -> None:
         if self._closing:

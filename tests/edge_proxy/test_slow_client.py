@@ -78,3 +78,32 @@ async def test_a_client_too_far_behind_is_cut_off():
     assert s.cancelled and ws.closed_with == (1008, pp.TOO_SLOW)
     assert c._pending_bytes == 0 and not c._pending
     writer.cancel()
+
+
+async def test_direct_frames_merge_while_the_transport_is_full():
+    """Under uvicorn the connection writes frames into the socket itself; while the
+    transport is over its high-water mark (uvicorn's pause_writing) tokens merge, and
+    once it drains the client gets them in one frame, in order, nothing lost."""
+    from conftest import proxy_for, stubs
+    from edge_proxy.client import EdgeClient
+
+    async with stubs("a", step_s=0.005) as reps, proxy_for(reps) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            req = await c.generate(prompt="abc", max_tokens=60, temperature=0.0)
+            async for _ in req:
+                break
+            (stream,) = p.proxy.streams
+            conn = stream.sink
+            assert conn._proto is not None  # frames bypass ASGI send
+            conn._proto.pause_writing()
+            n = len(stream.ids)
+            while len(stream.ids) < n + 10:  # the replica keeps producing; nothing reaches the client
+                reps[0].token_event.clear()
+                await asyncio.wait_for(reps[0].token_event.wait(), 5)
+            frames = req.frames
+            assert conn._pending[stream][1] >= 10  # ten tokens or more merged into one entry
+            conn._proto.resume_writing()
+            text, done = await req.result()
+    assert done.finish_reason == "length" and req.tokens == 60 == done.usage.completion_tokens
+    assert req.frames < frames + 60 - n  # the paused tokens arrived merged
+    assert p.proxy.metrics.coalesced.get() >= 1
