@@ -110,7 +110,7 @@ def main() -> None:
             rates[b][spec] = rate
             row.append(f"{rate:.1f}" + (f" (tau {st.tau:.2f})" if spec is not None else ""))
         print(f"| {label} | " + " | ".join(row) + " |", flush=True)
-    policy = SpecPolicy.from_rates(rates)
+    policy = SpecPolicy.from_rates(rates, torch.device(dev).type, name)
     names = {id(s): lab for lab, s in zip(labels, speed)}
     print("\npolicy: " + "; ".join(f"batch >= {b}: {names[id(s)]}" for b, s in policy.rules))
     if args.write_policy:

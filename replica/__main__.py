@@ -42,7 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-top-k", type=int, default=1, help="EAGLE-3 tree: children per expanded node (1: chains)")
     ap.add_argument("--spec-budget", type=int, default=0, help="EAGLE-3 tree: draft tokens kept (0: --spec-depth)")
     ap.add_argument("--spec-max-batch", type=int, default=SPEC_MAX_BATCH,
-                    help="speculation off while more sequences decode (depth tapers to 1 up to it)")
+                    help="without a measured policy: speculation off while more sequences decode (depth tapers "
+                         "to 1 up to it)")
+    ap.add_argument("--spec-policy", default="auto",
+                    help="draft shape per batch size: auto (policy.json beside the head when measured on this "
+                         "device type by bench/speculative.py --write-policy, else the taper), taper, or a folder")
     ap.add_argument("--random-weights", action="store_true", help="random weights of the model's shape (timing)")
     ap.add_argument("--secret-env", default="EDGECHAT_REPLICA_SECRET",
                     help="env var holding the shared secret proxies must present (unset: no auth)")
@@ -62,7 +66,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         random_weights=args.random_weights, tp=args.tp,
                         gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode,
                         speculative=args.speculative, spec_head=args.spec_head, spec_depth=args.spec_depth,
-                        spec_top_k=args.spec_top_k, spec_budget=args.spec_budget, spec_max_batch=args.spec_max_batch)
+                        spec_top_k=args.spec_top_k, spec_budget=args.spec_budget, spec_max_batch=args.spec_max_batch,
+                        spec_policy=args.spec_policy)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -85,7 +85,8 @@ class EngineConfig:
     spec_depth: int = 4  # draft tokens on the longest path (n-gram: tokens per lookup) at batch 1
     spec_top_k: int = 1  # EAGLE-3: children per expanded node (1: chains)
     spec_budget: int = 0  # EAGLE-3: draft tokens kept per tree (0: spec_depth, a chain)
-    spec_max_batch: int = SPEC_MAX_BATCH  # speculation off while more sequences decode
+    spec_max_batch: int = SPEC_MAX_BATCH  # taper: speculation off while more sequences decode
+    spec_policy: str = "auto"  # "auto": policy.json beside the head when measured on this device; "taper"; a folder
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

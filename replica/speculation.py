@@ -30,13 +30,19 @@ rejection sampling with a point-mass proposal does, and the output is token for
 token the non-speculative output: a seeded request does not depend on the batch
 it ran in nor on the draft depth that batch got.
 
-Depth policy: full depth at batch 1, tapering linearly to one draft token at
-cfg.spec_max_batch decoding sequences, off above (replica.config.SPEC_MAX_BATCH),
-and never more than the step's token budget allows for every decode.
+Policy (what a step of b decoding sequences drafts), in order:
+  * EAGLE-3 with cfg.spec_policy "auto" and a policy.json beside the head measured
+    on this device type (`bench/speculative.py --write-policy`): the fastest
+    measured configuration for b, none where plain decoding measured faster;
+  * otherwise the taper: full depth (cfg.spec_depth) at batch 1, tapering
+    linearly to one draft token at cfg.spec_max_batch, off above.
+Either way, never more draft tokens than the step's token budget allows for every
+decode (the depth shrinks until b x (1 + drafts) fits, else plain decoding).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -47,17 +53,21 @@ from replica.scheduler import Batch
 from speculative.drafting import Drafter, TreeSpec
 from speculative.head import head_dir, load_head
 from speculative.ngram import NgramDrafter
+from speculative.policy import SpecPolicy
 from speculative.verify import accept_greedy
+
+log = logging.getLogger("replica.speculation")
 
 
 class Speculator:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model, ops, num_blocks: int):
         self.kind, self.ops = cfg.speculative, ops
         self.max_batch = cfg.spec_max_batch
-        self.head = self.drafter = None
+        self.head = self.drafter = self.policy = None
         self.aux_layers: tuple[int, ...] = ()
         if self.kind == "eagle3":
             path = cfg.spec_head or head_dir(model_cfg.name)
+            self.policy = self._measured_policy(cfg, path)
             self.head = load_head(path, model_cfg, model.embed_tokens.weight)
             # The head rotates q/k with the table as given: in its own dtype, so a bf16 head stays bf16
             # (drafts only; the target keeps its fp32 table).
@@ -66,7 +76,29 @@ class Speculator:
             self.aux_layers = tuple(self.head.cfg.aux_layers)
         if self.kind == "eagle3":  # raises ValueError, naming the bounds, on an impossible tree shape
             TreeSpec(depth=cfg.spec_depth, top_k=cfg.spec_top_k, budget=cfg.spec_budget)
+        if self.policy is not None:  # measured: it says where speculation stops paying
+            self.max_batch = cfg.max_num_seqs
         self._specs = [None] + [self._for_batch(cfg, b) for b in range(1, self.max_batch + 1)]
+
+    @staticmethod
+    def _measured_policy(cfg: EngineConfig, head_path) -> SpecPolicy | None:
+        if cfg.spec_policy == "taper":
+            return None
+        folder = head_path if cfg.spec_policy == "auto" else cfg.spec_policy
+        policy = SpecPolicy.load(folder)
+        if policy is None:
+            if cfg.spec_policy != "auto":
+                raise FileNotFoundError(f"no speculation policy in {folder}: write one with "
+                                        f"`python bench/speculative.py --write-policy --head {folder}`")
+            return None
+        device = torch.device(cfg.device).type
+        if policy.device != device:
+            if cfg.spec_policy != "auto":
+                raise ValueError(f"the policy in {folder} was measured on {policy.device}, not {device}")
+            log.info("ignoring %s: measured on %s, serving on %s; using the taper", folder, policy.device, device)
+            return None
+        log.info("speculation policy from %s (%s): %s", folder, policy.measured_on, policy.rules)
+        return policy
 
     # -- draft shape per batch size -----------------------------------------------------------
     def _shape(self, cfg: EngineConfig, depth: int):
@@ -78,6 +110,8 @@ class Speculator:
         return TreeSpec(depth=depth, top_k=k, budget=budget)
 
     def _for_batch(self, cfg: EngineConfig, batch: int):
+        if self.policy is not None:
+            return self._fit(cfg, batch, self.policy.for_batch(batch))
         depth = math.ceil(cfg.spec_depth * (self.max_batch + 1 - batch) / self.max_batch)
         while depth >= 1:
             spec = self._shape(cfg, depth)
@@ -85,6 +119,16 @@ class Speculator:
                 return spec
             depth -= 1
         return None
+
+    def _fit(self, cfg: EngineConfig, batch: int, spec: TreeSpec | None) -> TreeSpec | None:
+        """`spec`, made shallower (and its budget smaller) until `batch` trees fit the step's token budget."""
+        while spec is not None and batch * (1 + spec.budget) > cfg.max_num_batched_tokens:
+            if spec.depth == 1:
+                return None
+            depth = spec.depth - 1
+            budget = min(spec.budget - 1, spec.top_k + (depth - 1) * spec.top_k ** 2)
+            spec = TreeSpec(depth=depth, top_k=spec.top_k, budget=max(depth, budget), sample=spec.sample)
+        return spec
 
     def spec_for(self, num_decodes: int):
         """The draft shape when num_decodes sequences decode; None: decode plainly."""
@@ -102,8 +146,6 @@ class Speculator:
         st = seq.draft_state
         if st is None or st.length + st.pending != start + 1:
             seq.draft_state = st = self.drafter.new_state(cached=start)
-            # new_state's stand-in feature is fp32; the target's are in the model dtype (bf16 on CUDA).
-            st.feats = [f.to(self.head.fc.weight.dtype) for f in st.feats]
         return st
 
     def feed(self, batch: Batch, aux: torch.Tensor) -> None:

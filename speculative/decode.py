@@ -1,7 +1,7 @@
 """Standalone speculative generation: the target LlamaModel over a paged KV pool,
 batch >= 1, drafts from the EAGLE-3 head (chains, EAGLE-2 trees) or the n-gram
 drafter, one tree-verify forward per round, KV rollback of rejected drafts.
-Tests and bench/speculative.py run it; the engine integration follows it.
+Tests and bench/speculative.py run it; the engine's side follows it.
 
 One round for a batch of sequences (`SpeculativeGenerator._spec_step`), n = a
 sequence's length, its newest token x_{n-1} (the root) not yet in the target KV:
@@ -18,28 +18,9 @@ sequence's length, its newest token x_{n-1} (the root) not yet in the target KV:
                    append verdict.tokens (stop checks), pool.truncate(new length)
                                                 rejected drafts' blocks released
 
-Engine interface (replica/engine.py, runner.py, scheduler.py; not wired yet):
-
-- At start-up, when `head_dir(model_cfg.name)` holds a head:
-  `head = load_head(path, model_cfg, model.embed_tokens.weight)` and
-  `drafter = Drafter(head, model.cos_sin, num_blocks, block_size, ops)` (a
-  one-layer KV pool indexed by the engine's own block ids).
-- Per Sequence: `state = drafter.new_state(cached=num_cached_prefix_tokens)`.
-  Every target forward that computes a sequence's tokens runs with
-  `aux_layers=head.cfg.aux_layers` and calls `state.add_features(torch.cat(aux,
-  -1)[rows of that sequence])` -- prefill chunks and plain decode steps too, so
-  the head stays in step even when speculation is off for a while.
-- Scheduler: a speculating decode takes 1 + spec.budget tokens of the step budget
-  and needs blocks for positions [0, len + spec.lookahead); spec = None (plain
-  decode) above the measured batch-size crossover (bench/speculative.py).
-- Runner, speculating sequences: (2) `drafter.propose(...)` on the decode rows;
-  (3) one target forward whose Context carries the trees (`tree_context` below:
-  tree_mask, tree_prefix_lens, extend block tables and cu_seqlens); a step
-  either verifies trees or runs plain decode/extend rows, since the tree
-  Context covers every token of the forward; (4) `verify(...)`; (5) copy the KV
-  of `kv_moves` (all layers; `KVPool.move` shows the indexing), append the
-  tokens, count `verdict.num_accepted` into usage, and free the blocks past the
-  new length (BlockManager needs a `truncate(seq, length)`).
+The engine serves the same round inside continuous batching (replica/speculation.py:
+plain rows and trees in one forward, per-request acceptance, the batch-size policy
+of speculative/policy.py); tests check the two agree token for token.
 """
 
 from __future__ import annotations

@@ -147,6 +147,7 @@ class Drafter:
         new entry is zeros: exact at position 0; after a hit it stands in for a
         feature the target did not recompute (drafts stay lossless either way)."""
         return HeadState(length=cached, feats=[torch.zeros(1, 3 * self.head.cfg.hidden_size,
+                                                           dtype=self.head.fc.weight.dtype,
                                                            device=self.k_cache.device)])
 
     def _slots(self, block_tables, rows, positions):

@@ -131,7 +131,7 @@ class Attention(nn.Module):
         q = self.q_proj(z).unflatten(-1, (c.num_heads, c.head_dim))  # (..., H, D)
         k = self.k_proj(z).unflatten(-1, (c.num_kv_heads, c.head_dim))  # (..., Hkv, D)
         v = self.v_proj(z).unflatten(-1, (c.num_kv_heads, c.head_dim))
-        cs = cos_sin[positions].unsqueeze(-2)  # (..., 1, D): [cos | sin]
+        cs = cos_sin[positions].unsqueeze(-2).to(q.dtype)  # (..., 1, D): [cos | sin], in the head's dtype
         cos, sin = cs.chunk(2, dim=-1)
         o = attend(rotate(q, cos, sin), rotate(k, cos, sin), v)  # (..., H, D)
         return self.o_proj(o.flatten(-2))

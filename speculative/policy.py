@@ -7,7 +7,8 @@ crossover lies depends on the device, the model and the head, so the policy is
 built from bench/speculative.py's measured tokens/s: at each measured batch size
 the fastest configuration (or none), and between measured sizes the choice of
 the next smaller one. `bench/speculative.py --write-policy` saves it as
-policy.json beside the head.
+policy.json beside the head, tagged with the device type it was measured on; the
+engine (replica/speculation.py) follows it on that device type only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ POLICY_FILE = "policy.json"
 @dataclass(frozen=True)
 class SpecPolicy:
     rules: tuple[tuple[int, TreeSpec | None], ...]  # (smallest batch size, spec from there on), ascending
+    device: str = "cpu"  # device type measured on: "cpu" | "cuda"
+    measured_on: str = ""  # the device's name, for people
 
     def for_batch(self, batch_size: int) -> TreeSpec | None:
         """The speculation a decode step of `batch_size` sequences runs (None: plain decoding)."""
@@ -35,15 +38,17 @@ class SpecPolicy:
         return chosen
 
     @classmethod
-    def from_rates(cls, rates: dict[int, dict[TreeSpec | None, float]]) -> SpecPolicy:
+    def from_rates(cls, rates: dict[int, dict[TreeSpec | None, float]], device: str = "cpu",
+                   measured_on: str = "") -> SpecPolicy:
         """rates[batch][spec] = measured decode tokens/s (spec None: no speculation)."""
         rules = tuple((b, max(r, key=r.get)) for b, r in sorted(rates.items()))
-        return cls(rules)
+        return cls(rules, device, measured_on)
 
     def save(self, folder: str | os.PathLike) -> Path:
         rows = [{"from_batch": b, "spec": None if s is None else vars(s)} for b, s in self.rules]
         path = Path(folder) / POLICY_FILE
-        path.write_text(json.dumps(rows, indent=1) + "\n")
+        doc = {"device": self.device, "measured_on": self.measured_on, "rules": rows}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
         return path
 
     @classmethod
@@ -52,5 +57,6 @@ class SpecPolicy:
         path = Path(folder) / POLICY_FILE
         if not path.is_file():
             return None
-        rows = json.loads(path.read_text())
-        return cls(tuple((r["from_batch"], None if r["spec"] is None else TreeSpec(**r["spec"])) for r in rows))
+        doc = json.loads(path.read_text())
+        rules = tuple((r["from_batch"], None if r["spec"] is None else TreeSpec(**r["spec"])) for r in doc["rules"])
+        return cls(rules, doc["device"], doc.get("measured_on", ""))

@@ -12,7 +12,9 @@ from replica.block_manager import BlockManager
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.sequence import Sequence
+from speculative.drafting import TreeSpec
 from speculative.head import save_head
+from speculative.policy import SpecPolicy
 from tests.replica.tiny import tiny_config, tiny_weights
 from tests.speculative.util import OracleDrafter, random_head, tiny_target
 
@@ -182,6 +184,30 @@ def test_depth_tapers_with_batch_and_turns_off():
     assert eng.speculator.spec_for(9) is None and eng.speculator.spec_for(0) is None
     tight = engine("ngram", spec_depth=6, max_num_batched_tokens=16)  # 8 decodes x (1 + k) must fit 16 tokens
     assert tight.speculator.spec_for(8).k == 1
+
+
+def test_measured_policy_beside_the_head_decides_per_batch(tmp_path):
+    """A policy.json measured on this device type replaces the taper; it is cut to the token budget."""
+    folder = save_head(random_head(tiny_target()), tmp_path / "head")
+    tree, chain = TreeSpec(depth=3, top_k=2, budget=6), TreeSpec.chain(2)
+    SpecPolicy(((1, tree), (3, chain), (5, None)), device="cpu").save(folder)
+    eng = engine("eagle3-chain", str(folder), max_num_batched_tokens=40)
+    sp = eng.speculator.spec_for
+    assert [sp(b) for b in (1, 2, 3, 4, 5, 8)] == [tree, tree, chain, chain, None, None]
+    small = engine("eagle3-chain", str(folder), max_num_batched_tokens=12).speculator.spec_for
+    assert small(2) == TreeSpec(depth=2, top_k=2, budget=5) and small(3) == TreeSpec.chain(2)
+    assert engine("eagle3-chain", str(folder), spec_policy="taper").speculator.spec_for(5) == TreeSpec.chain(3)
+    SpecPolicy(((1, None),), device="cuda").save(folder)  # measured elsewhere: the taper
+    assert engine("eagle3-chain", str(folder)).speculator.spec_for(1) == TreeSpec.chain(3)
+    with pytest.raises(ValueError, match="measured on cuda"):
+        engine("eagle3-chain", str(folder), spec_policy=str(folder))
+
+
+def test_policy_engine_output_is_the_plain_output(tmp_path, baseline):
+    folder = save_head(random_head(tiny_target()), tmp_path / "head")
+    SpecPolicy(((1, TreeSpec(depth=3, top_k=2, budget=5)), (4, TreeSpec.chain(1)), (6, None)), "cpu").save(folder)
+    toks, _ = run(engine("eagle3-chain", str(folder)), BATCH8, greedy())
+    assert toks == baseline
 
 
 def test_truncate_releases_draft_blocks_and_keeps_hashes_verified():

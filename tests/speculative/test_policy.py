@@ -8,8 +8,8 @@ def test_policy_from_measured_rates_and_roundtrip(tmp_path):
     tree, chain = TreeSpec(depth=5, top_k=4, budget=16), TreeSpec.chain(3)
     rates = {1: {None: 10.0, chain: 17.0, tree: 21.0}, 4: {None: 30.0, chain: 36.0, tree: 29.0},
              16: {None: 90.0, chain: 60.0, tree: 41.0}}
-    policy = SpecPolicy.from_rates(rates)
+    policy = SpecPolicy.from_rates(rates, "cuda", "NVIDIA H100")
     assert [policy.for_batch(b) for b in (1, 2, 3, 4, 8, 15, 16, 64)] == [tree] * 3 + [chain] * 3 + [None] * 2
     assert policy.save(tmp_path).name == "policy.json"
-    assert SpecPolicy.load(tmp_path) == policy
+    assert SpecPolicy.load(tmp_path) == policy and policy.device == "cuda"
     assert SpecPolicy.load(tmp_path / "none") is None
