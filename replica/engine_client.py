@@ -199,9 +199,9 @@ class EngineClient:
     def _count_finish(self, msg) -> None:
         if self.metrics is not None and isinstance(msg, P.Finished):
             self.metrics.requests.inc(msg.finish_reason)
-            self.metrics.prompt_tokens.inc(value=msg.usage.prompt_tokens)
-            self.metrics.cached_tokens.inc(value=msg.usage.cached_tokens)
-            self.metrics.generation_tokens.inc(value=msg.usage.completion_tokens)
+            self.metrics.prompt_tokens.inc(by=msg.usage.prompt_tokens)
+            self.metrics.cached_tokens.inc(by=msg.usage.cached_tokens)
+            self.metrics.generation_tokens.inc(by=msg.usage.completion_tokens)
 
     def _publish(self, msg) -> None:
         for sink in list(self.subscribers):

@@ -5,7 +5,8 @@ import pytest
 from edge_proxy import protocol as pp
 from edge_proxy.admission import AdmissionConfig, LoadView, admit, predict_ttft_ms
 from edge_proxy.auth import KeyStore, TokenBucket, bearer, cache_salt, parse_env
-from edge_proxy.metrics import Histogram, ProxyMetrics
+from edge_proxy.metrics import ProxyMetrics
+from replica.metrics import Histogram
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.tracing import make_tracer, start_request_span, traceparent_of
 from replica import protocol as rp
