@@ -8,7 +8,8 @@
    final hidden state h_T of the tokens it processed; the target's output
    distribution over the draft vocabulary is softmax(h_T W_head[d2t]^T),
    recomputed exactly per batch, which keeps the data 8x smaller than storing
-   it. Cached as data.pt.
+   it. Cached as data.pt with a key of what it was built from (target, prompts,
+   feature layers, answer length, seed); any change rebuilds it.
 2. Draft vocabulary: the `--draft-vocab` most frequent tokens of the data; the
    head's final norm and lm head start from the target's rows for them.
 3. Training-time test (EAGLE-3, sec. 3.2). For every position r at once, step 0
@@ -30,6 +31,7 @@ else ~/.cache/edgechat/eagle3/<model> (speculative.head.head_dir).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -141,6 +143,21 @@ def build_data(model: LlamaModel, tokenizer, prompts: list[str], aux_layers, max
         convs += part
     convs.sort(key=lambda c: len(c["ids"]))  # similar lengths share a training batch
     return {k: [c[k] for c in convs] for k in ("ids", "n_prompt", "aux", "hidden", "top1")}
+
+
+def data_key(target: str, prompts: list[str], aux_layers, max_tokens: int, seed: int) -> str:
+    """What a cached data.pt was built from: reused only when all of it is unchanged."""
+    doc = json.dumps([target, prompts, list(aux_layers), max_tokens, seed])
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def load_data(folder: Path, key: str) -> dict | None:
+    """The cached self-distillation data in `folder` if it was built for `key`, else None."""
+    path = folder / DATA_FILE
+    if not path.exists():
+        return None
+    data = torch.load(path, weights_only=True)
+    return data if data.get("key") == key else None
 
 
 def draft_vocab(data: dict, size: int, vocab_size: int) -> torch.Tensor:
@@ -382,15 +399,17 @@ def main(argv=None) -> None:
         for f in (DATA_FILE, STATE_FILE):
             (out / f).unlink(missing_ok=True)
     cfg = HeadConfig.for_target(ck.config, args.draft_vocab)
-    data_file = out / DATA_FILE
-    if data_file.exists():
-        data = torch.load(data_file, weights_only=True)
-        print(f"data: {len(data['ids'])} conversations from {data_file}")
+    prompts = load_prompts("train", args.prompts)
+    prompts = prompts[: args.limit_prompts] if args.limit_prompts else prompts
+    key = data_key(ck.config.name, prompts, cfg.aux_layers, args.max_new_tokens, args.seed)
+    data = load_data(out, key)
+    if data is not None:
+        print(f"data: {len(data['ids'])} conversations from {out / DATA_FILE}")
     else:
-        prompts = load_prompts("train", args.prompts)
-        prompts = prompts[: args.limit_prompts] if args.limit_prompts else prompts
+        for f in (DATA_FILE, STATE_FILE):  # new data: a checkpoint trained on the old one must not resume
+            (out / f).unlink(missing_ok=True)
         data = build_data(model, ck.tokenizer, prompts, cfg.aux_layers, args.max_new_tokens, seed=args.seed)
-        torch.save(data, data_file)
+        torch.save({**data, "key": key}, out / DATA_FILE)
     n_answer = sum(len(i) - n for i, n in zip(data["ids"], data["n_prompt"]))
     d2t = draft_vocab(data, cfg.draft_vocab_size, cfg.target_vocab_size)
     covered = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)

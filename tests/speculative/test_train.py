@@ -11,8 +11,8 @@ from speculative.decode import SpeculativeGenerator
 from speculative.drafting import Drafter, TreeSpec
 from speculative.head import HeadConfig, aux_layers_for, head_dir, load_head, save_head
 from speculative.pool import KVPool
-from speculative.train import (STATE_FILE, batches, draft_vocab, init_head, load_prompts, self_distill, train,
-                               ttt_unroll)
+from speculative.train import (DATA_FILE, STATE_FILE, batches, data_key, draft_vocab, init_head, load_data,
+                               load_prompts, self_distill, train, ttt_unroll)
 from tests.speculative.util import random_head, tiny_target
 
 
@@ -108,3 +108,12 @@ def test_paths_and_prompts(monkeypatch, tmp_path):
     assert len(train_p) >= 200 and held and not set(train_p) & set(held)
     spec = TreeSpec.chain(2)
     assert spec.lookahead == 2
+
+
+def test_cached_data_is_reused_only_for_what_it_was_built_from(tmp_path):
+    key = data_key("m", ["a", "b"], (1, 2, 3), 128, 0)
+    assert load_data(tmp_path, key) is None
+    torch.save({"ids": [torch.tensor([1, 2])], "key": key}, tmp_path / DATA_FILE)
+    assert load_data(tmp_path, key)["ids"][0].tolist() == [1, 2]
+    for other in (data_key("m", ["a", "b", "c"], (1, 2, 3), 128, 0), data_key("m", ["a", "b"], (1, 2, 3), 64, 0)):
+        assert other != key and load_data(tmp_path, other) is None
