@@ -3,7 +3,8 @@
 Secrets come from the environment, never the command line:
   EDGECHAT_API_KEYS       key=tenant[:tier[:rate_per_s[:burst]]],...   (or --api-keys FILE)
   EDGECHAT_REPLICA_SECRET shared secret for the replicas' /v1/replica endpoint
-  EDGECHAT_PEER_KEY       API key this proxy presents to --peer proxies that require keys
+  EDGECHAT_PEER_KEY       API key this proxy presents to --peer proxies that require keys; a key of tier
+                          "peer" there, so forwarded requests keep their tenant (cache salt)
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ depends on how many leading characters of a guess are right.
 Each tenant's cache salt is a keyed BLAKE2b of its name (key: the replica secret),
 the same on every proxy of a region, so prefixes are shared within a tenant and
 never across tenants.
+
+Tier `peer` marks the key other regions' proxies present when they forward a
+request (`--peer`): only such a key may name the tenant a request runs for
+(`generate.tenant`), so a forwarded request keeps its tenant's cache salt, and
+no client key can borrow another tenant's salt.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 from replica import protocol as rp
 
 ENV_VAR = "EDGECHAT_API_KEYS"
-TIERS = {"interactive": rp.INTERACTIVE, "batch": rp.BATCH}
+TIERS = {"interactive": rp.INTERACTIVE, "batch": rp.BATCH, "peer": rp.INTERACTIVE}
 
 
 class TokenBucket:
@@ -55,6 +60,7 @@ class ApiKey:
     priority: int = rp.INTERACTIVE  # best priority this key may ask for
     cache_salt: str = ""
     bucket: TokenBucket | None = field(default=None, repr=False)
+    peer: bool = False  # another region's proxy: may run requests for the tenant they name
 
 
 def cache_salt(tenant: str, secret: str) -> str:
@@ -71,6 +77,8 @@ class KeyStore:
     def __init__(self, entries: list[dict], salt_secret: str = "", anonymous: bool = False,
                  default_rate: float = 50.0, default_burst: float = 100.0):
         self._by_digest: dict[bytes, tuple[bytes, ApiKey]] = {}
+        self._salt_secret = salt_secret
+        self._delegated: dict[tuple[str, str], ApiKey] = {}
         for e in entries:
             key, tenant = e.get("key"), e.get("tenant")
             if not key or not tenant:
@@ -81,7 +89,7 @@ class KeyStore:
             d = _digest(key)
             rate, burst = float(e.get("rate_per_s", default_rate)), float(e.get("burst", default_burst))
             self._by_digest[d] = (d, ApiKey(d.hex()[:12], tenant, TIERS[tier], cache_salt(tenant, salt_secret),
-                                            TokenBucket(rate, burst)))
+                                            TokenBucket(rate, burst), peer=tier == "peer"))
         self.anonymous = (ApiKey("anonymous", "anonymous", rp.INTERACTIVE, cache_salt("anonymous", salt_secret),
                                  TokenBucket(default_rate, default_burst)) if anonymous else None)
         if not self._by_digest and not anonymous:
@@ -99,6 +107,18 @@ class KeyStore:
         if hit is None or not hmac.compare_digest(hit[0], d):
             return None
         return hit[1]
+
+
+    def on_behalf_of(self, peer: ApiKey, tenant: str) -> ApiKey:
+        """The principal a peer region's request runs as: the named tenant's salt, the
+        peer key's tier and rate limit, its own session namespace."""
+        if not peer.peer:
+            raise PermissionError(f"API key {peer.key_id} is not a peer key: it cannot act for a tenant")
+        k = self._delegated.get((peer.key_id, tenant))
+        if k is None:
+            k = self._delegated[(peer.key_id, tenant)] = ApiKey(
+                f"{peer.key_id}/{tenant}", tenant, peer.priority, cache_salt(tenant, self._salt_secret), peer.bucket)
+        return k
 
 
 def parse_env(value: str) -> list[dict]:

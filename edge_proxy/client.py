@@ -105,12 +105,12 @@ class EdgeClient:
 
     async def generate(self, messages: list[dict] | None = None, prompt: str | None = None, *, id: str | None = None,
                        session: str | None = None, priority: str | None = None, deadline_ms: float = 0.0,
-                       traceparent: str | None = None, **sampling) -> Request:
+                       traceparent: str | None = None, tenant: str | None = None, **sampling) -> Request:
         rid = id or f"r{next(self._ids)}"
         req = self.requests[rid] = Request(self, rid)
         msgs = [pp.ChatMessage(m["role"], m["content"]) for m in messages] if messages is not None else None
         await self._send(pp.Generate(rid, msgs, prompt, session, pp.Sampling(**sampling), priority, deadline_ms,
-                                     traceparent))
+                                     traceparent, tenant))
         return req
 
     async def complete(self, *args, **kw) -> tuple[str, pp.Done]:

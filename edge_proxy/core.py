@@ -56,6 +56,7 @@ class SubmitRequest:
     deadline_ms: float = 0.0
     traceparent: str | None = None
     forwarded_by: str | None = None  # X-Edgechat-Forwarded-By: a peer region's proxy sent it; never forward it on
+    tenant: str | None = None  # set by a peer region's proxy (peer keys only): run as this tenant
 
 
 class Proxy:
@@ -129,6 +130,11 @@ class Proxy:
         `ProtocolError` when refused."""
         t0 = perf_counter()
         try:
+            if req.tenant is not None:
+                try:
+                    key = self.keys.on_behalf_of(key, req.tenant)
+                except PermissionError as e:
+                    raise pp.ProtocolError(pp.FORBIDDEN, str(e)) from None
             self._check_open()
             wait = key.bucket.take() if key.bucket is not None else 0.0
             if wait > 0:
@@ -146,7 +152,7 @@ class Proxy:
             if (req.messages is None) == (req.prompt is None):
                 raise pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages and prompt")
             if self._forwardable(req):
-                return self._forward(req, sampling, priority, sink, t0)
+                return self._forward(key, req, sampling, priority, sink, t0)
             ids = await encode_prompt(self.tokenizer, req.messages, req.prompt)
             self._check_lengths(len(ids), sampling.max_tokens)
             self._check_open()  # draining may have begun while tokenizing
@@ -168,7 +174,7 @@ class Proxy:
         except pp.ProtocolError as e:
             if e.code == pp.UNAVAILABLE and self._forwardable(req):  # the replicas went while tokenizing
                 span.end()
-                return self._forward(req, sampling, priority, sink, t0)
+                return self._forward(key, req, sampling, priority, sink, t0)
             self.metrics.rejected.inc(e.code)
             span.set_attribute("edgechat.rejected", e.code)
             span.end()
@@ -181,12 +187,15 @@ class Proxy:
         return (self.peers is not None and not req.forwarded_by and not self.pool.ready()
                 and not isinstance(req.prompt, list))  # token ids are this model's; the public protocol takes text
 
-    def _forward(self, req: SubmitRequest, sampling: rp.SamplingParams, priority: int, sink, t0: float) -> Forwarded:
+    def _forward(self, key, req: SubmitRequest, sampling: rp.SamplingParams, priority: int, sink,
+                 t0: float) -> Forwarded:
         s = req.sampling or pp.Sampling()
         kw = dict(messages=req.messages, prompt=req.prompt, session=req.session,
                   priority=_PRIORITY_NAMES.get(priority), traceparent=req.traceparent, max_tokens=s.max_tokens,
                   temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=sampling.seed, stop=list(s.stop),
                   stop_token_ids=list(s.stop_token_ids))
+        if self.cfg.peer_key:  # the peer runs it as this tenant (our key there is a peer key)
+            kw["tenant"] = key.tenant
         if req.deadline_ms > 0:
             kw["deadline_ms"] = max(req.deadline_ms - (perf_counter() - t0) * 1e3, 1.0)
         self.metrics.routing.inc("forwarded")

@@ -61,6 +61,7 @@ class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True, omit_
     priority: str | None = None  # "interactive" | "batch"; never above the API key's tier
     deadline_ms: float = 0.0  # 0 -> none; reject with `overloaded` when the first token cannot come in time
     traceparent: str | None = None  # W3C trace context to continue
+    tenant: str | None = None  # peer keys only: the tenant a forwarded request runs for
 
 
 class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):

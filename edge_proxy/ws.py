@@ -316,7 +316,7 @@ class ClientConnection:
         self.active[m.id] = None
         messages = [{"role": x.role, "content": x.content} for x in m.messages] if m.messages is not None else None
         req = SubmitRequest(m.id, messages, m.prompt, m.session, m.sampling, m.priority, m.deadline_ms,
-                            m.traceparent, self.forwarded_by)
+                            m.traceparent, self.forwarded_by, m.tenant)
         t = asyncio.get_running_loop().create_task(self._start(req))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)

@@ -88,9 +88,12 @@ class Stack:
         self.env.setdefault(SECRET_ENV, secrets.token_hex(16))  # the replicas refuse any proxy without it
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.anonymous = not self.env.get(API_KEYS_ENV)
-        if not self.anonymous and not self.env.get(PEER_KEY_ENV):  # proxies forward to each other with a key
-            first = next(filter(None, (x.strip() for x in self.env[API_KEYS_ENV].split(","))), "")
-            self.env[PEER_KEY_ENV] = first.partition("=")[0].strip()
+        if not self.anonymous and not self.env.get(PEER_KEY_ENV):
+            # Proxies forward to each other with a key of tier "peer", which may name the tenant a
+            # forwarded request runs for (its cache salt): one generated for this launch.
+            key = "sk-peer-" + secrets.token_urlsafe(18)
+            self.env[API_KEYS_ENV] += f",{key}=regions-peer:peer"
+            self.env[PEER_KEY_ENV] = key
         self._stopping = False
 
     # -- URLs ------------------------------------------------------------------

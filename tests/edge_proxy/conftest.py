@@ -24,6 +24,7 @@ KEYS = [
     {"key": "sk-bob", "tenant": "bob"},
     {"key": "sk-batch", "tenant": "crunch", "tier": "batch"},
     {"key": "sk-slow", "tenant": "slowpoke", "rate_per_s": 1, "burst": 2},
+    {"key": "sk-peer", "tenant": "eu-proxy", "tier": "peer"},  # what other regions' proxies present
 ]
 FAST_POOL = PoolConfig(secret=SECRET, ping_interval_s=0.5, ping_timeout_s=1.0, stall_timeout_s=1.0,
                        healthz_interval_s=0.1, healthz_failures=3, backoff_min_s=0.02, backoff_max_s=0.2)

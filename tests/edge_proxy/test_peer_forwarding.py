@@ -26,7 +26,7 @@ def peer(region: str, running, rtt: float = 20.0) -> Peer:
 
 async def test_no_replica_here_forwards_to_the_peer_region():
     async with stubs("us-0") as reps, proxy_for(reps, region="us") as us, \
-            proxy_for(NOWHERE, wait_ready=0, region="eu", peers=(peer("us", us),), peer_key="sk-bob") as eu:
+            proxy_for(NOWHERE, wait_ready=0, region="eu", peers=(peer("us", us),), peer_key="sk-peer") as eu:
         kw = dict(messages=HI, max_tokens=6, temperature=0.0)
         async with await EdgeClient.connect(eu.ws_url, api_key="sk-alice") as c:
             text, done = await c.complete(**kw)
@@ -53,10 +53,31 @@ async def test_no_replica_here_forwards_to_the_peer_region():
         await asyncio.wait_for(reps[0].abort_event.wait(), 5)
 
 
+async def test_a_forwarded_request_keeps_its_tenant_and_only_peer_keys_may_name_one():
+    """At the peer, each forwarded request runs under its own tenant's cache salt (the
+    peer key names the tenant); a client key naming a tenant is refused."""
+    from edge_proxy.auth import cache_salt
+
+    from tests.edge_proxy.conftest import SECRET
+
+    async with stubs("us-0") as reps, proxy_for(reps, region="us") as us, \
+            proxy_for(NOWHERE, wait_ready=0, region="eu", peers=(peer("us", us),), peer_key="sk-peer") as eu:
+        for key in ("sk-alice", "sk-bob"):
+            async with await EdgeClient.connect(eu.ws_url, api_key=key) as c:
+                _, done = await c.complete(messages=HI, max_tokens=2)
+            assert done.forwarded_from == "eu"
+        assert [g.cache_salt for g in reps[0].generates] == [cache_salt("alice", SECRET), cache_salt("bob", SECRET)]
+        async with await EdgeClient.connect(us.ws_url, api_key="sk-alice") as c:
+            with pytest.raises(EdgeError) as ei:
+                await c.complete(messages=HI, max_tokens=2, tenant="bob")
+        assert ei.value.code == pp.FORBIDDEN and "not a peer key" in str(ei.value)
+        assert len(reps[0].generates) == 2
+
+
 async def test_a_forwarded_request_is_never_forwarded_again():
     async with proxy_for(NOWHERE, wait_ready=0, region="us") as us, \
-            proxy_for(NOWHERE, wait_ready=0, region="eu", peers=(peer("us", us),), peer_key="sk-bob") as eu:
-        us.proxy.peers = type(eu.proxy.peers)("us", [peer("eu", eu)], "sk-bob")  # each the other's peer
+            proxy_for(NOWHERE, wait_ready=0, region="eu", peers=(peer("us", us),), peer_key="sk-peer") as eu:
+        us.proxy.peers = type(eu.proxy.peers)("us", [peer("eu", eu)], "sk-peer")  # each the other's peer
         try:
             async with await EdgeClient.connect(eu.ws_url, api_key="sk-alice") as c:
                 with pytest.raises(EdgeError) as ei:

@@ -176,3 +176,16 @@ async def test_a_replica_that_fails_to_start_is_reported(tmp_path):
     finally:
         blocker.close()
         await blocker.wait_closed()
+
+
+def test_with_api_keys_the_proxies_get_a_generated_peer_key(tmp_path, monkeypatch):
+    """Forwarded requests must keep their tenant: the launch adds a key of tier "peer" for the proxies."""
+    from edge_proxy.auth import KeyStore, parse_env
+
+    monkeypatch.setenv("EDGECHAT_API_KEYS", "sk-a=alice")
+    monkeypatch.delenv("EDGECHAT_PEER_KEY", raising=False)
+    stack = Stack(parse(stub_topology(free_block(12)), "stub.toml"), log_dir=tmp_path, out=io.StringIO())
+    peer_key = stack.env["EDGECHAT_PEER_KEY"]
+    keys = KeyStore(parse_env(stack.env["EDGECHAT_API_KEYS"]))
+    assert keys.check(peer_key).peer and not keys.check("sk-a").peer
+    assert keys.on_behalf_of(keys.check(peer_key), "alice").cache_salt == keys.check("sk-a").cache_salt
