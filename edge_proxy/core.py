@@ -71,6 +71,7 @@ class Proxy:
         self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost)
         self.pool.state_listeners.append(self._on_pool_change)
         self.streams: set[Stream] = set()
+        self.forwarding: set[Forwarded] = set()  # requests relayed to a peer region, until their end
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -102,7 +103,7 @@ class Proxy:
     def _check_open(self) -> None:
         if self.draining:
             raise pp.ProtocolError(pp.SHUTTING_DOWN, "the proxy is draining; retry on another proxy", 1.0)
-        if len(self.streams) >= self.cfg.admission.max_inflight:
+        if len(self.streams) + len(self.forwarding) >= self.cfg.admission.max_inflight:
             raise pp.ProtocolError(pp.OVERLOADED, f"proxy at its limit of {self.cfg.admission.max_inflight} "
                                                   "requests in flight", 1.0)
 
@@ -201,7 +202,15 @@ class Proxy:
         self.metrics.routing.inc("forwarded")
         f = self.peers.forward(req.cid, sink, kw)
         f.t0 = t0
+        self.forwarding.add(f)  # in flight here too: counted against max_inflight, waited for by drain
+        self._idle.clear()
+        f.task.add_done_callback(lambda _: self._forward_ended(f))
         return f
+
+    def _forward_ended(self, f: Forwarded) -> None:
+        self.forwarding.discard(f)
+        if not self.streams and not self.forwarding:
+            self._idle.set()
 
     def _check_lengths(self, n: int, max_tokens: int) -> None:
         if n == 0:
@@ -337,7 +346,7 @@ class Proxy:
         if parked is not None:
             parked[1].cancel()
         self.streams.discard(s)
-        if not self.streams:
+        if not self.streams and not self.forwarding:
             self._idle.set()
 
     def finish(self, s: Stream, finish_reason: str, usage: rp.Usage) -> None:
@@ -379,7 +388,7 @@ class Proxy:
 
     def render_metrics(self) -> str:
         m = self.metrics
-        m.inflight.set(len(self.streams))
+        m.inflight.set(len(self.streams) + len(self.forwarding))
         m.replicas_ready.set(len(self.pool.ready()))
         for c in self.pool.conns:
             m.replica_load.set(c.effective_load(), c.id)

@@ -117,3 +117,23 @@ def test_peer_flag_and_done_json():
     assert pp.ServerCodec().decode(old).forwarded_from == ""  # frames from an older proxy still decode
     d = pp.Done("r", "stop", pp.Usage(), pp.Timing(), "us", "a", forwarded_from="eu")
     assert msgspec.json.decode(pp.ClientCodec().encode(d))["forwarded_from"] == "eu"
+
+
+async def test_forwarded_requests_count_against_max_inflight_and_drain_waits_for_them():
+    from edge_proxy.admission import AdmissionConfig
+
+    async with stubs("us-0", step_s=0.02) as reps, proxy_for(reps, region="us") as us, \
+            proxy_for(NOWHERE, wait_ready=0, region="eu", peers=(peer("us", us),), peer_key="sk-peer",
+                      admission=AdmissionConfig(max_inflight=1)) as eu:
+        async with await EdgeClient.connect(eu.ws_url, api_key="sk-alice") as c:
+            req = await c.generate(messages=HI, max_tokens=15)
+            async for _ in req:
+                break
+            assert len(eu.proxy.forwarding) == 1
+            with pytest.raises(EdgeError) as ei:
+                await c.complete(messages=HI, max_tokens=2)
+            assert ei.value.code == pp.OVERLOADED
+            assert not await eu.proxy.drain(0.01)  # the forwarded stream is still open
+            assert await eu.proxy.drain(10)
+            text, done = await req.result()
+        assert done.finish_reason == "length" and done.usage.completion_tokens == 15 and not eu.proxy.forwarding
