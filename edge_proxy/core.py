@@ -68,7 +68,7 @@ class Proxy:
         self.tracer = tracer or make_tracer(cfg.region, [console_processor()] if cfg.otel_console else [])
         self.router = make_router(cfg.router)
         self.sessions = SessionTable()
-        self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost)
+        self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost, getattr(tokenizer, "fingerprint", ""))
         self.pool.state_listeners.append(self._on_pool_change)
         self.streams: set[Stream] = set()
         self.forwarding: set[Forwarded] = set()  # requests relayed to a peer region, until their end

@@ -81,6 +81,7 @@ class ReplicaConn:
         self.connected = False
         self.healthy = True  # /healthz verdict
         self.refused = False  # the replica refused our secret (4401)
+        self.mismatch = ""  # why its last Hello was refused (tokenizer, block size); "" once accepted
         self.streams: dict[str, object] = {}  # internal id -> Stream
         self.index = BlockIndex()
         self.load: Load | None = None
@@ -339,10 +340,11 @@ class ReplicaConn:
 
 
 class ReplicaPool:
-    def __init__(self, urls: list[str], cfg: PoolConfig, on_lost):
+    def __init__(self, urls: list[str], cfg: PoolConfig, on_lost, tokenizer: str = ""):
         if not urls:
             raise ValueError("at least one replica URL is needed (--replica ws://host:port/v1/replica)")
         self.cfg = cfg
+        self.tokenizer = tokenizer  # our tokenizer's fingerprint; a replica announcing another is refused
         self.on_lost = on_lost  # (conn, streams, cause) -> None
         self.conns = [ReplicaConn(u, self) for u in urls]
         self.block_size = 0
@@ -363,9 +365,15 @@ class ReplicaPool:
             log.error("replica at %s claims id %r, already used by another connected replica", conn.url,
                       hello.replica_id)
             return False
-        if self.block_size and hello.block_size != self.block_size:
-            log.error("replica %s has block size %d, the pool uses %d: not routing to it", hello.replica_id,
-                      hello.block_size, self.block_size)
+        mismatch = ""
+        if self.tokenizer and hello.tokenizer and hello.tokenizer != self.tokenizer:
+            mismatch = f"tokenizer {hello.tokenizer}, this proxy's is {self.tokenizer}"
+        elif self.block_size and hello.block_size != self.block_size:
+            mismatch = f"block size {hello.block_size}, the pool uses {self.block_size}"
+        conn.mismatch = mismatch
+        if mismatch:
+            log.error("replica %s at %s has %s: not routing to it", hello.replica_id, conn.url, mismatch)
+            self.on_state_change()
             return False
         self.block_size = hello.block_size
         self.max_model_len = (min(self.max_model_len, hello.max_model_len) if self.max_model_len

@@ -21,6 +21,7 @@ class ByteTokenizer:
     """UTF-8 bytes as token ids and a ChatML-like template. Id 0 is EOS."""
 
     eos_token_ids = (0,)
+    fingerprint = "bytes-v1"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())

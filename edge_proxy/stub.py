@@ -83,6 +83,7 @@ class StubConfig:
     jitter: bool = False
     load_override: dict = field(default_factory=dict)  # Load fields to report instead of the real ones
     kv_events: bool = True  # False: a replica that never reports its cache (the proxy must guess)
+    tokenizer: str = "bytes-v1"  # fingerprint in Hello (edge_proxy.prompt.ByteTokenizer's)
 
 
 class _Req:
@@ -197,7 +198,7 @@ class StubReplica:
         c = _Conn(ws)
         cfg = self.cfg
         # Like the replica: Hello, then the whole cache state, in the first frame.
-        first = [rp.Hello(cfg.replica_id, cfg.model, cfg.block_size, cfg.max_model_len)]
+        first = [rp.Hello(cfg.replica_id, cfg.model, cfg.block_size, cfg.max_model_len, tokenizer=cfg.tokenizer)]
         if cfg.kv_events:
             first.append(rp.KvEvents(stored=list(self._cache), cleared=True))
         await ws.send(self._codec.encode(first))

@@ -131,7 +131,8 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
         await ws.accept()
         c = client()
         conn = ReplicaConnection(ws, c)
-        conn.sink(msgspec.structs.replace(c.hello, model=model_name))  # the served name, not the spec
+        # The served name (not the spec), and the fingerprint of the tokenizer the proxy must use.
+        conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=tokenizer.fingerprint))
         conn.sink(P.KvEvents(stored=list(c.cached_blocks), cleared=True))
         if c.load is not None:
             conn.sink(c.load)

@@ -139,6 +139,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
     block_size: int
     max_model_len: int
     version: int = PROTOCOL_VERSION
+    tokenizer: str = ""  # Tokenizer.fingerprint: the proxy routes token ids only to replicas that match it
 
 
 Message = Union[Generate, Abort, Tokens, Finished, Error, Load, KvEvents, Hello]

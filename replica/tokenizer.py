@@ -9,6 +9,8 @@ constructors that need it.
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import json
 from pathlib import Path
 
@@ -70,6 +72,15 @@ class Tokenizer:
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
         self._template = compile_chat_template(chat_template) if chat_template else None
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Digest of everything that maps text to ids (vocabulary, merges, special tokens,
+        pre-tokenizer, chat template, BOS/EOS): the proxy tokenizes for the replicas and
+        routes only to replicas whose Hello carries the same one."""
+        h = hashlib.sha256(self.backend.to_str().encode())
+        h.update(json.dumps([self.chat_template, self.eos_token_ids, self.bos_token_id]).encode())
+        return h.hexdigest()[:16]
 
     # -- text <-> ids -------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

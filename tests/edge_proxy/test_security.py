@@ -93,6 +93,20 @@ async def test_replicas_refuse_a_wrong_secret():
                 assert not p.proxy.pool.conns[0].refused
 
 
+async def test_a_replica_with_another_tokenizer_gets_no_traffic():
+    """The proxy sends token ids: a replica whose Hello names another tokenizer is refused."""
+    async with stubs("good") as good, stubs("other", tokenizer="another-model") as other, \
+            proxy_for(good + other, wait_ready=1) as p:
+        conn = next(c for c in p.proxy.pool.conns if c.url == other[0].url)
+        assert await p.proxy.pool.wait_for(lambda: conn.mismatch, timeout=5)
+        assert "tokenizer another-model" in conn.mismatch and [c.id for c in p.proxy.pool.ready()] == ["good"]
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            for i in range(4):
+                _, done = await c.complete(prompt=f"request {i}", max_tokens=2)
+                assert done.replica == "good"
+        assert not other[0].generates
+
+
 async def test_per_key_rate_limit():
     async with stubs("a") as reps, proxy_for(reps) as p:
         async with await EdgeClient.connect(p.ws_url, api_key="sk-slow") as c:

@@ -242,3 +242,16 @@ def test_prefix_ids_with_stop_strings(tok):
         rest = resumed.add(ids[n:]) + resumed.flush()
         assert emitted + rest == "alpha beta ", n
         assert resumed.stopped
+
+
+def test_fingerprint_names_what_maps_text_to_ids(tok):
+    """Same file, same fingerprint (the proxy and the replica load it separately); any change
+    to the vocabulary, the template or the special ids gives another."""
+    assert Tokenizer.from_gguf(default_model_path()).fingerprint == tok.fingerprint
+    kw = dict(eos_token_ids=tok.eos_token_ids, bos_token_id=tok.bos_token_id, chat_template=tok.chat_template)
+    assert Tokenizer(tok.backend, **kw).fingerprint == tok.fingerprint
+    assert Tokenizer(tok.backend, **{**kw, "chat_template": tok.chat_template + " "}).fingerprint != tok.fingerprint
+    assert Tokenizer(tok.backend, **{**kw, "eos_token_ids": (7,)}).fingerprint != tok.fingerprint
+    other = Tokenizer.from_gguf(default_model_path())
+    other.backend.add_tokens(["<|edgechat-extra|>"])
+    assert Tokenizer(other.backend, **kw).fingerprint != tok.fingerprint
