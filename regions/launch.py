@@ -68,6 +68,19 @@ class Component:
         return "\n".join("    | " + x for x in lines)
 
 
+def speculation_note(model: str) -> str:
+    """What the replicas (`--speculative auto`) do about EAGLE-3 for `model`, and how to change it."""
+    from speculative.cache import TRAIN_HINT, has_head, head_dir, model_name
+
+    try:
+        folder = head_dir(model_name(model))
+    except Exception as e:  # noqa: BLE001 - a note, never a reason not to serve
+        return f"speculative decoding: unknown ({e})"
+    if has_head(folder):
+        return f"speculative decoding: EAGLE-3 head in {folder} (used where its measured policy speculates)"
+    return f"speculative decoding: off, no EAGLE-3 head for this model yet; train one with {TRAIN_HINT}"
+
+
 class Stack:
     def __init__(self, topo: Topology, routing: str = "auto", log_dir: str | Path | None = None,
                  out=None, python: str = sys.executable, ready_timeout_s: float | None = None,
@@ -156,6 +169,8 @@ class Stack:
         keys = "anonymous access (set EDGECHAT_API_KEYS to require keys)" if self.anonymous else "API keys required"
         self._say(f"ready: {len(self.replicas)} replicas, {len(self.proxies)} proxies, {len(self.relays)} relays; "
                   f"{keys}; routing {self.routing}; logs in {self.log_dir}")
+        if self.topo.replica_kind != "stub":
+            self._say(speculation_note(self.topo.model))
 
     async def _start_replicas(self) -> None:
         t0 = perf_counter()

@@ -33,8 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU; gloo on CPU)")
-    ap.add_argument("--speculative", default="off", choices=["off", "eagle3", "ngram"],
-                    help="speculative decoding: eagle3 (a trained head, see --spec-head) or ngram (prompt lookup)")
+    ap.add_argument("--speculative", default="auto", choices=["auto", "off", "eagle3", "ngram"],
+                    help="speculative decoding: eagle3 (a trained head, see --spec-head), ngram (prompt lookup), "
+                         "or auto: eagle3 when a head for the model is there and its measured policy speculates "
+                         "on this device type, else off")
     ap.add_argument("--spec-head", default="",
                     help="EAGLE-3 head folder (default: $EDGECHAT_EAGLE3_DIR or ~/.cache/edgechat/eagle3/<model>; "
                          "train one with `python -m speculative.train`)")

@@ -80,7 +80,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (one process per device)
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 -> cores - 1 (the API process needs one)
     load_report_interval_s: float = 0.5
-    speculative: str = "off"  # "off" | "eagle3" (trained head) | "ngram" (prompt lookup)
+    speculative: str = "off"  # "off" | "eagle3" (trained head) | "ngram" (prompt lookup) | "auto" (see engine)
     spec_head: str = ""  # EAGLE-3 head folder; "" -> speculative.head.head_dir(model name)
     spec_depth: int = 4  # draft tokens on the longest path (n-gram: tokens per lookup) at batch 1
     spec_top_k: int = 1  # EAGLE-3: children per expanded node (1: chains)
@@ -98,9 +98,9 @@ class EngineConfig:
             raise ValueError(f"graph_mode must be auto, off or buffers, got {self.graph_mode!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.speculative not in ("off", "eagle3", "ngram"):
-            raise ValueError(f"speculative must be off, eagle3 or ngram, got {self.speculative!r}")
+        if self.speculative not in ("off", "eagle3", "ngram", "auto"):
+            raise ValueError(f"speculative must be off, eagle3, ngram or auto, got {self.speculative!r}")
         if self.spec_depth < 1 or self.spec_top_k < 1 or self.spec_budget < 0 or self.spec_max_batch < 0:
             raise ValueError("spec_depth and spec_top_k must be >= 1, spec_budget and spec_max_batch >= 0")
-        if self.speculative != "off" and self.tp > 1:
+        if self.speculative not in ("off", "auto") and self.tp > 1:
             raise ValueError("speculative decoding runs on a single rank for now: use tp=1")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import torch
@@ -85,7 +85,14 @@ class LLMEngine:
         self.max_model_len = min(max_len, num_blocks * cfg.block_size)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.speculator = None
-        if cfg.speculative != "off":
+        kind = cfg.speculative
+        if kind == "auto":
+            from replica.speculation import auto_kind
+
+            kind = auto_kind(cfg, model_cfg) if self.tp.world == 1 else "off"
+            cfg = replace(cfg, speculative=kind)
+            self.cfg = cfg
+        if kind != "off":
             from replica.speculation import Speculator
 
             self.speculator = Speculator(cfg, model_cfg, model, self.ops, num_blocks)

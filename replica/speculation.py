@@ -59,6 +59,24 @@ from speculative.verify import accept_greedy
 log = logging.getLogger("replica.speculation")
 
 
+def auto_kind(cfg: EngineConfig, model_cfg: ModelConfig) -> str:
+    """`speculative="auto"`: EAGLE-3 when a head for the model is there, unless the policy
+    measured on this device type says plain decoding wins at every batch size."""
+    from speculative.cache import TRAIN_HINT, has_head
+
+    path = cfg.spec_head or head_dir(model_cfg.name)
+    if not has_head(path):
+        log.info("speculative decoding off: no EAGLE-3 head in %s (train one: %s)", path, TRAIN_HINT)
+        return "off"
+    policy = SpecPolicy.load(path)
+    if policy is not None and policy.device == torch.device(cfg.device).type \
+            and all(spec is None for _, spec in policy.rules):
+        log.info("speculative decoding off: the policy in %s (measured on %s) never speculates", path,
+                 policy.measured_on or policy.device)
+        return "off"
+    return "eagle3"
+
+
 class Speculator:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model, ops, num_blocks: int):
         self.kind, self.ops = cfg.speculative, ops

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica.config import ModelConfig
+from speculative.cache import head_dir  # noqa: F401 - re-exported: heads are filed by target name
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -194,13 +194,6 @@ class Eagle3Head(nn.Module):
 
 
 # -- files ---------------------------------------------------------------------------------
-
-
-def head_dir(model_name: str, root: str | os.PathLike | None = None) -> Path:
-    """Where the head for `model_name` lives: root, else $EDGECHAT_EAGLE3_DIR, else
-    ~/.cache/edgechat/eagle3, then one folder per target model."""
-    base = root or os.environ.get("EDGECHAT_EAGLE3_DIR") or Path.home() / ".cache" / "edgechat" / "eagle3"
-    return Path(base) / re.sub(r"[^A-Za-z0-9._-]", "_", model_name)
 
 
 def save_head(head: Eagle3Head, path: str | os.PathLike) -> Path:

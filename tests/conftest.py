@@ -11,3 +11,10 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
     _has_cuda = False
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Trained EAGLE-3 heads in the user's cache must not change what the suite runs
+# (`--speculative auto` picks one up): every test, and every server it starts,
+# sees an empty head cache unless it sets its own.
+import tempfile  # noqa: E402
+
+os.environ["EDGECHAT_EAGLE3_DIR"] = tempfile.mkdtemp(prefix="edgechat-eagle3-test-")

@@ -19,9 +19,13 @@ async def test_default_model_region_up_and_down(tmp_path):
     base = free_block(4)
     topo = parse(f'base_port = {base}\n[regions.local]\nreplicas = [{{}}]\n[clients.here]\nrtt_ms = {{ local = 20 }}\n',
                  "one.toml")
-    stack = Stack(topo, log_dir=tmp_path, out=io.StringIO())
+    out = io.StringIO()
+    stack = Stack(topo, log_dir=tmp_path, out=out)
     await stack.start()
     try:
+        # The suite's head cache is empty (tests/conftest.py): the launcher says how to train one.
+        assert "speculative decoding: off, no EAGLE-3 head" in out.getvalue()
+        assert "python -m speculative.train" in out.getvalue()
         url = stack.targets()["clients"]["here"]["local"]
         async with await EdgeClient.connect(ws_url(url)) as c:
             text, done = await c.complete(messages=[{"role": "user", "content": "Say hello."}], max_tokens=8,

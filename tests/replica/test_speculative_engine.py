@@ -254,3 +254,16 @@ def test_decodes_near_the_context_end_fall_back_to_plain():
     toks, fins = run(engine("ngram", max_model_len=40), reqs, greedy(30))
     assert toks == base and len(toks["r"]) == 10
     assert fins["r"].finish_reason == want["r"].finish_reason == "length"
+
+
+def test_auto_uses_a_head_when_there_is_one_unless_its_policy_never_speculates(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGECHAT_EAGLE3_DIR", str(tmp_path))
+    auto = dict(speculative="auto", num_blocks=64, max_num_seqs=8, max_num_batched_tokens=40)
+    assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is None  # no head: off
+    folder = save_head(random_head(tiny_target()), tmp_path / CFG.name)
+    eng = LLMEngine(EngineConfig(**auto), CFG, W)
+    assert eng.speculator is not None and eng.speculator.kind == "eagle3" and eng.cfg.speculative == "eagle3"
+    SpecPolicy(((1, None),), device="cpu").save(folder)  # measured here: plain decoding always wins
+    assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is None
+    SpecPolicy(((1, None),), device="cuda").save(folder)  # measured elsewhere: says nothing about this device
+    assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is not None
