@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Speculation runs while at most this many sequences decode at once; its depth
-# tapers linearly down to 1 draft token as the batch approaches it. A placeholder
-# until bench/speculative.py measures the crossover (tokens/s with vs without
-# speculation at batch 1/4/16) on the target device: set it from that table.
+# Without a measured policy (speculative/policy.py: `bench/speculative.py
+# --write-policy` on the serving device type saves one beside the head), speculation
+# runs while at most this many sequences decode at once, its depth tapering
+# linearly down to 1 draft token as the batch approaches it. The measured policy
+# replaces this fallback; docs/perf.md has the crossover measured so far.
 SPEC_MAX_BATCH = 8
 
 
