@@ -196,9 +196,10 @@ def make_batch(data: dict, idx: list[int], head_weight: torch.Tensor, t2d: torch
         hid[b, :n] = data["hidden"][i].to(dtype)
         # Row j is the target's distribution of token j + 1: learn it where j + 1 is in the answer.
         mask[b, data["n_prompt"][i] - 1 : n] = t2d[data["top1"][i][data["n_prompt"][i] - 1 :].long()]
+    dev = head_weight.device  # the training device
     with torch.no_grad():
-        target_p = torch.softmax(hid @ head_weight.to(dtype).T, dim=-1)
-    return Batch(ids, aux, target_p, mask)
+        target_p = torch.softmax(hid.to(dev) @ head_weight.to(dtype).T, dim=-1)
+    return Batch(ids.to(dev), aux.to(dev), target_p, mask.to(dev))
 
 
 def ttt_attention(scale: float):
@@ -307,7 +308,7 @@ def init_head(cfg: HeadConfig, model: LlamaModel, d2t: torch.Tensor, seed: int =
         w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         head.lm_head.weight.copy_(w[d2t].float())  # start from the target's own output layer
         head.norm.weight.copy_(model.norm.weight.float())
-    return head
+    return head.to(model.embed_tokens.weight.device)
 
 
 def train(head: Eagle3Head, model: LlamaModel, data: dict, out: Path | None, *, epochs: float, ttt_steps: int,
@@ -384,6 +385,8 @@ def main(argv=None) -> None:
                     help="minutes for the whole run: training stops early rather than overrun it (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="ignore cached data and checkpoints")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the target answers and the head trains (default: cuda when there is one)")
     args = ap.parse_args(argv)
 
     import kernels
@@ -392,7 +395,10 @@ def main(argv=None) -> None:
 
     t_all = time.perf_counter()
     ck = load_checkpoint(args.model)
-    model = build_model(ck.config, EngineConfig(), ck.weights, kernels.ops("cpu"), ck.config.max_position_embeddings)
+    dev = torch.device(args.device)
+    model = build_model(ck.config, EngineConfig(device=str(dev)), ck.weights, kernels.ops(dev.type),
+                        ck.config.max_position_embeddings)
+    print(f"target {ck.config.name} on {dev}")
     out = Path(args.out) if args.out else head_dir(ck.config.name)
     out.mkdir(parents=True, exist_ok=True)
     if args.fresh:
