@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--head", help="head folder (default: speculative.head.head_dir(model))")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--min-seqs", type=int, default=8, help="sequences timed per batch size (at least)")
     ap.add_argument("--speed-specs", default="chain 3,chain 5,tree 16,tree 32",
                     help="speculation configs timed against plain decoding")
     ap.add_argument("--skip-tau", action="store_true")
@@ -101,14 +102,22 @@ def main() -> None:
     for label, spec in zip(labels, speed):
         row = []
         for b in batch_sizes:
-            batch = [prompts[i % len(prompts)] for i in range(b)]
-            gen.generate(batch[:1], SamplingParams(max_tokens=4, temperature=0.0), spec)  # warm-up
+            # At least --min-seqs sequences per batch size (batch 1: that many prompts one after
+            # another), so one prompt's easy or hard text does not decide the figure.
+            groups = [[prompts[(g * b + i) % len(prompts)] for i in range(b)]
+                      for g in range(max(1, -(-args.min_seqs // b)))]
+            gen.generate(groups[0][:1], SamplingParams(max_tokens=4, temperature=0.0), spec)  # warm-up
             if dev.startswith("cuda"):
                 torch.cuda.synchronize()
-            _, st = gen.generate(batch, greedy, spec)
-            rate = (st.generated - b) / st.decode_s  # tokens after the first, which prefill makes
+            made, secs, fwd, emitted = 0, 0.0, 0, 0
+            for batch in groups:
+                _, st = gen.generate(batch, greedy, spec)
+                made += st.generated - b  # tokens after the first, which prefill makes
+                secs += st.decode_s
+                fwd, emitted = fwd + st.seq_rounds, emitted + st.emitted
+            rate = made / secs
             rates[b][spec] = rate
-            row.append(f"{rate:.1f}" + (f" (tau {st.tau:.2f})" if spec is not None else ""))
+            row.append(f"{rate:.1f}" + (f" (tau {emitted / max(1, fwd):.2f})" if spec is not None else ""))
         print(f"| {label} | " + " | ".join(row) + " |", flush=True)
     policy = SpecPolicy.from_rates(rates, torch.device(dev).type, name)
     names = {id(s): lab for lab, s in zip(labels, speed)}

@@ -5,8 +5,9 @@ costs batch tokens: once the step is compute-bound (a large batch, or any batch
 on a CPU) the extra tokens stop being free and speculation loses. Where the
 crossover lies depends on the device, the model and the head, so the policy is
 built from bench/speculative.py's measured tokens/s: at each measured batch size
-the fastest configuration (or none), and between measured sizes the choice of
-the next smaller one. `bench/speculative.py --write-policy` saves it as
+the fastest configuration, if it beats plain decoding by at least MIN_GAIN (a
+draft head, extra KV and a verify step are not worth a gain inside the noise),
+else none; between measured sizes the choice of the next smaller one. `bench/speculative.py --write-policy` saves it as
 policy.json beside the head, tagged with the device type it was measured on; the
 engine (replica/speculation.py) follows it on that device type only.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from speculative.drafting import TreeSpec
 
 POLICY_FILE = "policy.json"
+MIN_GAIN = 1.05  # speculation must be this much faster than plain decoding to be chosen
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,14 @@ class SpecPolicy:
 
     @classmethod
     def from_rates(cls, rates: dict[int, dict[TreeSpec | None, float]], device: str = "cpu",
-                   measured_on: str = "") -> SpecPolicy:
+                   measured_on: str = "", min_gain: float = MIN_GAIN) -> SpecPolicy:
         """rates[batch][spec] = measured decode tokens/s (spec None: no speculation)."""
-        rules = tuple((b, max(r, key=r.get)) for b, r in sorted(rates.items()))
-        return cls(rules, device, measured_on)
+        rules = []
+        for b, r in sorted(rates.items()):
+            best = max((s for s in r if s is not None), key=r.get, default=None)
+            plain = r.get(None, 0.0)
+            rules.append((b, best if best is not None and r[best] >= min_gain * plain else None))
+        return cls(tuple(rules), device, measured_on)
 
     def save(self, folder: str | os.PathLike) -> Path:
         rows = [{"from_batch": b, "spec": None if s is None else vars(s)} for b, s in self.rules]

@@ -13,3 +13,5 @@ def test_policy_from_measured_rates_and_roundtrip(tmp_path):
     assert policy.save(tmp_path).name == "policy.json"
     assert SpecPolicy.load(tmp_path) == policy and policy.device == "cuda"
     assert SpecPolicy.load(tmp_path / "none") is None
+    close = SpecPolicy.from_rates({1: {None: 34.6, chain: 34.8}, 4: {None: 30.0, chain: 31.6}})
+    assert close.rules == ((1, None), (4, chain))  # +0.6 %: noise, plain decoding; +5.3 %: speculate
