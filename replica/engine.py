@@ -98,7 +98,8 @@ class LLMEngine:
             self.speculator = Speculator(cfg, model_cfg, model, self.ops, num_blocks)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    speculation=self.speculator)
-        self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks, self.max_model_len)
+        self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks, self.max_model_len,
+                             self.speculator.aux_layers if self.speculator is not None else ())
         self._plan_encoder = msgspec.msgpack.Encoder()
         # Overlap needs the step's tokens on the device of every rank: off with TP for now.
         # Off with speculation too: how many tokens a verify step emits (and so the next

@@ -8,6 +8,10 @@ padded up to the next bucket, and replays: one launch instead of hundreds.
 Padding rows are inert: slot -1 writes no KV and seq_len 0 attends to nothing
 (the decode kernel returns zeros for them); their logits are never read.
 
+With `aux_layers` (an EAGLE-3 head drafts from the residual streams after those
+layers), the graphs also write those features, (b, 3h), so plain decode steps of
+a speculating engine replay too: the head sees every token the target computes.
+
 On CPU (or with graphs disabled) the same padded-buffer path runs eagerly, which
 is how the padding logic is tested without a GPU.
 """
@@ -39,8 +43,9 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int, max_model_len: int, capture: bool):
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, capture: bool, aux_layers: tuple = ()):
         self.runner = runner
+        self.aux_layers = tuple(aux_layers)
         self.buckets = default_buckets(max_num_seqs)
         dev, n = runner.device, self.buckets[-1]
         self.max_blocks = -(-max_model_len // runner.block_size)
@@ -50,7 +55,7 @@ class DecodeGraphs:
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}  # logits (b, V) [, aux (b, 3h)] per bucket
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_bytes = 0
@@ -63,13 +68,16 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> tuple[torch.Tensor, ...]:
         ctx = Context(slot_mapping=self.slots[:b], num_decode_tokens=b, decode_block_tables=self.block_tables[:b],
                       decode_seq_lens=self.seq_lens[:b], extend_block_tables=None, extend_cu_seqlens_q=None,
                       extend_seq_lens=None)
         model = self.runner.model
-        hidden = model(self.input_ids[:b], self.positions[:b], ctx, self.runner.kv_cache)
-        return model.compute_logits(hidden).float()
+        if not self.aux_layers:
+            hidden = model(self.input_ids[:b], self.positions[:b], ctx, self.runner.kv_cache)
+            return (model.compute_logits(hidden).float(),)
+        hidden, aux = model(self.input_ids[:b], self.positions[:b], ctx, self.runner.kv_cache, self.aux_layers)
+        return model.compute_logits(hidden).float(), torch.cat(aux, -1)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -80,7 +88,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.logits[b] = self._forward(b)
+                self.outputs[b] = self._forward(b)
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[b] = g
@@ -92,8 +100,9 @@ class DecodeGraphs:
               f"{self.capture_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
 
     @torch.inference_mode()
-    def run(self, plan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, V) of a pure-decode plan with B <= the largest bucket."""
+    def run(self, plan, prev_tokens: torch.Tensor | None = None):
+        """Logits (B, V) of a pure-decode plan with B <= the largest bucket; with
+        aux_layers, (logits, aux (B, 3h))."""
         n = len(plan.starts)
         b = self.bucket_for(n)
         bs = self.runner.block_size
@@ -112,5 +121,7 @@ class DecodeGraphs:
         self.block_tables[:b].copy_(torch.tensor(table, dtype=torch.int32).to(dev, non_blocking=True))
         if b in self.graphs:
             self.graphs[b].replay()
-            return self.logits[b][:n]
-        return self._forward(b)[:n]
+            out = self.outputs[b]
+        else:
+            out = self._forward(b)
+        return out[0][:n] if len(out) == 1 else (out[0][:n], out[1][:n])

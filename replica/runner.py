@@ -36,7 +36,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class Runner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: torch.nn.Module, ops, num_blocks: int,
-                 max_model_len: int):
+                 max_model_len: int, aux_layers: tuple = ()):
         self.model_cfg, self.cfg, self.model, self.ops = model_cfg, cfg, model, ops
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
@@ -45,7 +45,8 @@ class Runner:
                                     model_cfg.head_dim, dtype=self.dtype, device=self.device)
         on_cuda = self.device.type == "cuda"
         use_graphs = (cfg.graph_mode == "auto" and on_cuda) or cfg.graph_mode == "buffers"
-        self.graphs = DecodeGraphs(self, cfg.max_num_seqs, max_model_len, capture=on_cuda and cfg.graph_mode == "auto") \
+        capture = on_cuda and cfg.graph_mode == "auto"
+        self.graphs = DecodeGraphs(self, cfg.max_num_seqs, max_model_len, capture, aux_layers) \
             if use_graphs and isinstance(model, LlamaModel) else None
 
     def _tensor(self, data, dtype):
@@ -105,10 +106,10 @@ class Runner:
         still on the device: it is resolved there, without waiting for the host.
 
         With aux_layers (an EAGLE-3 head drafts), returns (logits, aux): aux (T, 3h)
-        holds the residual streams after those layers for every token of the step,
-        and the step runs eagerly (the decode graphs do not capture them yet)."""
-        if self.graphs is not None and not aux_layers and plan.num_decodes == len(plan.starts) \
-                and self.graphs.bucket_for(plan.num_decodes) is not None:
+        holds the residual streams after those layers for every token of the step
+        (the decode graphs capture them when built with the same aux_layers)."""
+        if self.graphs is not None and tuple(aux_layers) == self.graphs.aux_layers \
+                and plan.num_decodes == len(plan.starts) and self.graphs.bucket_for(plan.num_decodes) is not None:
             return self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
         input_ids, positions, ctx, sample_idx = self.prepare(plan)
         input_ids = resolve_placeholders(input_ids, prev_tokens)

@@ -267,3 +267,24 @@ def test_auto_uses_a_head_when_there_is_one_unless_its_policy_never_speculates(t
     assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is None
     SpecPolicy(((1, None),), device="cuda").save(folder)  # measured elsewhere: says nothing about this device
     assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is not None
+
+
+def test_plain_decodes_of_a_speculating_engine_run_through_the_decode_graphs(head_path, baseline, monkeypatch):
+    """Above spec_max_batch the steps are plain decodes: they replay the graphs (padded
+    buffers, eagerly on CPU), which also hand the head its features; output unchanged."""
+    from replica.graphs import DecodeGraphs
+
+    calls = []
+    graph_run = DecodeGraphs.run
+
+    def spy(self, plan, prev_tokens=None):
+        out = graph_run(self, plan, prev_tokens)
+        calls.append(len(plan.starts))
+        assert isinstance(out, tuple) and out[1].shape == (len(plan.starts), 3 * CFG.hidden_size)
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "run", spy)
+    eng = engine("eagle3-chain", head_path, graph_mode="buffers", spec_max_batch=2)
+    assert eng.runner.graphs.aux_layers == eng.speculator.aux_layers
+    toks, _ = run(eng, BATCH8, greedy())
+    assert toks == baseline and calls and max(calls) > 2
