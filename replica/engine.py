@@ -102,10 +102,11 @@ class LLMEngine:
                              self.speculator.aux_layers if self.speculator is not None else ())
         self._plan_encoder = msgspec.msgpack.Encoder()
         # Overlap needs the step's tokens on the device of every rank: off with TP for now.
-        # Off with speculation too: how many tokens a verify step emits (and so the next
-        # step's inputs and blocks) is only known once its verdicts are read back.
+        # With speculation it covers the plain steps; a verify step drains the pipeline
+        # first (drafting needs the tokens, and how many a verify emits is known only
+        # once its verdicts are read back).
         self.overlap = (cfg.overlap if cfg.overlap is not None else self.runner.device.type == "cuda") \
-            and self.tp.world == 1 and self.speculator is None
+            and self.tp.world == 1
         self._inflight: _Launched | None = None
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
@@ -181,10 +182,17 @@ class LLMEngine:
         return out
 
     def _step_overlap(self) -> list:
+        out = []
+        if self._inflight is not None and self.scheduler.speculates_next():
+            out, self._inflight = self._resolve(self._inflight), None  # drafting needs real tokens
+        batch = self.scheduler.schedule()
+        if batch.spec is not None:  # nothing in flight: see above
+            return out + self._step_speculative(batch)
         # Sequences with unread tokens hold placeholders: the plan refers to the
         # in-flight step's token tensor, resolved on the device.
-        launched = self._launch(self.scheduler.schedule(), self._inflight)
-        out = self._resolve(self._inflight) if self._inflight is not None else []
+        launched = self._launch(batch, self._inflight)
+        if self._inflight is not None:
+            out = self._resolve(self._inflight)
         self._inflight = launched
         return out
 
@@ -198,7 +206,8 @@ class LLMEngine:
         if self.tp.world > 1:
             self.tp.broadcast_bytes(self._plan_encoder.encode(plan))
         if self.speculator is not None and self.speculator.aux_layers:  # the head sees every token computed
-            logits, aux = self.runner.forward_logits(plan, None, self.speculator.aux_layers)
+            logits, aux = self.runner.forward_logits(plan, prev.tokens if prev is not None else None,
+                                                     self.speculator.aux_layers)
             self.speculator.feed(batch, aux)
         else:
             logits = self.runner.forward_logits(plan, prev.tokens if prev is not None else None)

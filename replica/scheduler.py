@@ -102,6 +102,11 @@ class Scheduler:
         self.waiting.setdefault(seq.priority, deque()).appendleft(seq)
 
     # -- the step -------------------------------------------------------------------
+    def speculates_next(self) -> bool:
+        """Whether the next schedule() would draft (the batch size's policy says so)."""
+        return self.speculation is not None and \
+            self.speculation.spec_for(sum(1 for s in self.running if s.is_decode)) is not None
+
     def schedule(self) -> Batch:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}  # seq -> tokens this step, in order

@@ -288,3 +288,19 @@ def test_plain_decodes_of_a_speculating_engine_run_through_the_decode_graphs(hea
     assert eng.runner.graphs.aux_layers == eng.speculator.aux_layers
     toks, _ = run(eng, BATCH8, greedy())
     assert toks == baseline and calls and max(calls) > 2
+
+
+@pytest.mark.parametrize("spec", ["ngram", "eagle3-chain"])
+@pytest.mark.parametrize("graph_mode", ["off", "buffers"])
+def test_overlap_with_speculation_gives_the_same_tokens(spec, graph_mode, head_path, baseline):
+    """Plain steps overlap (placeholders resolved on the device); a step that drafts first
+    drains the pipeline. spec_max_batch 3 with 8 requests: both kinds of step, and switches."""
+    eng = engine(spec, head_path, overlap=True, graph_mode=graph_mode, spec_max_batch=3)
+    assert eng.overlap and eng.speculator is not None
+    toks, fins = run(eng, BATCH8, greedy())
+    assert toks == baseline and all(f.usage.completion_tokens == 14 for f in fins.values())
+    seeded = run(engine(spec, head_path, overlap=True, spec_max_batch=3), BATCH8,
+                 lambda k: P.SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True))[0]
+    plain = run(engine(), BATCH8,
+                lambda k: P.SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True))[0]
+    assert seeded == plain
