@@ -101,12 +101,11 @@ class LLMEngine:
         self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks, self.max_model_len,
                              self.speculator.aux_layers if self.speculator is not None else ())
         self._plan_encoder = msgspec.msgpack.Encoder()
-        # Overlap needs the step's tokens on the device of every rank: off with TP for now.
-        # With speculation it covers the plain steps; a verify step drains the pipeline
-        # first (drafting needs the tokens, and how many a verify emits is known only
-        # once its verdicts are read back).
-        self.overlap = (cfg.overlap if cfg.overlap is not None else self.runner.device.type == "cuda") \
-            and self.tp.world == 1
+        # Overlap: with TP every rank samples each step itself (StepPlan.sampling), so the
+        # next step's placeholders resolve on every rank's device. With speculation it
+        # covers the plain steps; a verify step drains the pipeline first (drafting needs
+        # the tokens, and how many a verify emits is known only once read back).
+        self.overlap = cfg.overlap if cfg.overlap is not None else self.runner.device.type == "cuda"
         self._inflight: _Launched | None = None
         self.seqs: dict[str, Sequence] = {}
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
@@ -203,7 +202,10 @@ class LLMEngine:
             return None
         t0 = time.perf_counter()
         plan = self.runner.plan(batch)
+        seqs = [batch.seqs[i] for i in plan.sample_rows]
         if self.tp.world > 1:
+            if self.overlap:
+                plan.sampling = self.runner.sampling_of(seqs)
             self.tp.broadcast_bytes(self._plan_encoder.encode(plan))
         if self.speculator is not None and self.speculator.aux_layers:  # the head sees every token computed
             logits, aux = self.runner.forward_logits(plan, prev.tokens if prev is not None else None,
@@ -211,7 +213,6 @@ class LLMEngine:
             self.speculator.feed(batch, aux)
         else:
             logits = self.runner.forward_logits(plan, prev.tokens if prev is not None else None)
-        seqs = [batch.seqs[i] for i in plan.sample_rows]
         tokens = self.runner.sample(logits, seqs)
         host, event = self.runner.to_host(tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):

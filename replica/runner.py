@@ -25,6 +25,10 @@ class StepPlan(msgspec.Struct, array_like=True):
     block_tables: list[list[int]]
     sample_rows: list[int]  # rows whose last token's logits are sampled
     num_decodes: int
+    # Tensor parallel with overlap: every rank samples the step itself (the logits are
+    # all-gathered, sampling is a pure function of them and of these), so each has the
+    # tokens its next step's placeholders stand for. Per sampled row:
+    sampling: list[tuple[float, int, float, int, int]] = []  # (temperature, top_k, top_p, seed, position)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,26 +133,28 @@ class Runner:
         flat = self.kv_cache.flatten(2, 3)  # (L, 2, slots, Hkv, D), a view
         flat[:, :, self._tensor(dst, torch.int64)] = flat[:, :, self._tensor(src, torch.int64)]
 
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs) -> torch.Tensor:
-        """Sample one token per row; randomness depends on (seed, position) only.
+    @staticmethod
+    def sampling_of(seqs) -> list[tuple[float, int, float, int, int]]:
+        """(temperature, top_k, top_p, seed, position of the sampled token) per sequence."""
+        return [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.seed, len(s)) for s in seqs]
 
-        Greedy rows take a plain argmax; only rows that sample pay for filtering
+    def sample(self, logits: torch.Tensor, seqs) -> torch.Tensor:
+        """Sample one token per row; randomness depends on (seed, position) only."""
+        return self.sample_params(logits, self.sampling_of(seqs))
+
+    @torch.inference_mode()
+    def sample_params(self, logits: torch.Tensor, params: list[tuple[float, int, float, int, int]]) -> torch.Tensor:
+        """Greedy rows take a plain argmax; only rows that sample pay for filtering
         and hashed noise (which rows is known on the host: no device sync)."""
-        hot = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
+        hot = [i for i, p in enumerate(params) if p[0] > 0]
         tokens = logits.argmax(-1)
         if hot:
-            sp = [seqs[i].sampling for i in hot]
-            rows = logits if len(hot) == len(seqs) else logits[self._tensor(hot, torch.int64)]
-            sampled = self.ops.sample(
-                rows,
-                self._tensor([p.temperature for p in sp], torch.float32),
-                self._tensor([p.top_k for p in sp], torch.int32),
-                self._tensor([p.top_p for p in sp], torch.float32),
-                self._tensor([seqs[i].seed for i in hot], torch.int64),
-                self._tensor([len(seqs[i]) for i in hot], torch.int64),  # position of the sampled token
-            )
-            if len(hot) == len(seqs):
+            temp, top_k, top_p, seed, pos = zip(*(params[i] for i in hot))
+            rows = logits if len(hot) == len(params) else logits[self._tensor(hot, torch.int64)]
+            sampled = self.ops.sample(rows, self._tensor(temp, torch.float32), self._tensor(top_k, torch.int32),
+                                      self._tensor(top_p, torch.float32), self._tensor(seed, torch.int64),
+                                      self._tensor(pos, torch.int64))
+            if len(hot) == len(params):
                 tokens = sampled
             else:
                 tokens[self._tensor(hot, torch.int64)] = sampled

@@ -116,8 +116,11 @@ def worker_loop(runner, tp: TensorParallel) -> None:
     from replica.runner import StepPlan
 
     decoder = msgspec.msgpack.Decoder(StepPlan)
+    prev = None  # with overlap: this rank's copy of the previous step's tokens
     while (payload := tp.broadcast_bytes(b"")) is not None:
-        runner.forward_logits(decoder.decode(payload))
+        plan = decoder.decode(payload)
+        logits = runner.forward_logits(plan, prev)
+        prev = runner.sample_params(logits, plan.sampling) if plan.sampling else None
 
 
 def main(argv: list[str] | None = None) -> None:

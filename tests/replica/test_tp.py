@@ -29,7 +29,8 @@ def run_workload(engine):
                               sampling=sp[i % 2]))
     logits, tokens = {}, {}
     while engine.has_work():
-        out, lg = engine.step(return_logits=True)
+        res = engine.step(return_logits=True)
+        out, lg = res if isinstance(res, tuple) else (res, {})  # with overlap: tokens only
         for k, v in lg.items():
             logits.setdefault(k, []).append(v.clone())
         for m in out:
@@ -53,16 +54,21 @@ def test_shards_cover_the_weights():
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_match_one_rank(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_two_ranks_match_one_rank(tmp_path, overlap):
+    """With overlap, each rank samples every step itself and resolves the next step's
+    placeholders from its own copy of the tokens."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
     cfg = EngineConfig(model=str(tmp_path), random_weights=True, num_blocks=32, max_num_batched_tokens=16,
                        max_num_seqs=4, cpu_threads=1)
     one = run_workload(build_engine(cfg))
-    cfg.tp = 2
+    cfg.tp, cfg.overlap = 2, overlap
     out = tmp_path / "tp2.pt"
     subprocess.run([sys.executable, "-m", "tests.replica.tp_job", "--config", msgspec.json.encode(cfg).decode(),
                     "--out", str(out)], check=True, timeout=200)
     two = torch.load(out)
-    assert two["tokens"] == one["tokens"]
+    assert two["tokens"] == one["tokens"] and len(one["tokens"]) == 4
+    if overlap:
+        return  # no logits from an overlapped step
     for k, v in one["logits"].items():
         assert torch.allclose(two["logits"][k], v, atol=1e-5), k
