@@ -7,7 +7,10 @@
 
 Rank 0 runs the scheduler and broadcasts each step's `StepPlan` (msgspec bytes
 over a gloo group, so NCCL only ever carries activations); ranks 1..N-1 run
-`worker_loop`. NCCL on GPUs, gloo on CPU (tests).
+`worker_loop`. With overlap scheduling every rank also samples each step (same
+all-gathered logits, same seeded sampler, parameters in the plan), so each holds
+the tokens the next plan's placeholders stand for: no token broadcast, no sync.
+NCCL on GPUs, gloo on CPU (tests).
 
     python -m replica.tp --rank R --world N --init-method tcp://H:P --config JSON   # a worker rank
 """
