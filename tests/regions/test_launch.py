@@ -2,6 +2,7 @@
 per component, latency relays in front, clean shutdown with no process left behind."""
 
 import asyncio
+import contextlib
 import io
 import os
 import re
@@ -97,28 +98,32 @@ def test_proxies_get_routing_and_peers(tmp_path):
     assert argv[argv.index("--peer") + 1].startswith(f"us=ws://{topo.host}:{topo.region('us').proxy_port}/")
 
 
-def _run_cli(path, tmp_path):
-    return subprocess.Popen([sys.executable, "-m", "regions", "up", str(path), "--log-dir", str(tmp_path / "logs")],
+@contextlib.contextmanager
+def _cli_up(tmp_path):
+    """`python -m regions up` on a stub topology, read until ready: (process, its lines
+    so far, the pids it printed); the process group is killed if the test leaves it up."""
+    path = tmp_path / "t.toml"
+    path.write_text(stub_topology(free_block(12)))
+    proc = subprocess.Popen([sys.executable, "-m", "regions", "up", str(path), "--log-dir", str(tmp_path / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _read_until_ready(proc) -> list[str]:
-    lines = []
-    for line in proc.stdout:
-        lines.append(line.rstrip())
-        if line.startswith("ready:"):
-            return lines
-    raise AssertionError("launcher ended before ready:\n" + "\n".join(lines))
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("ready:"):
+                break
+        else:
+            raise AssertionError("launcher ended before ready:\n" + "\n".join(lines))
+        yield proc, lines, [int(m.group(1)) for ln in lines if (m := re.search(r"\(pid (\d+)", ln))]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_stops_everything_on_signal(tmp_path, sig):
-    path = tmp_path / "t.toml"
-    path.write_text(stub_topology(free_block(12)))
-    proc = _run_cli(path, tmp_path)
-    try:
-        lines = _read_until_ready(proc)
-        pids = [int(m.group(1)) for ln in lines if (m := re.search(r"\(pid (\d+)", ln))]
+    with _cli_up(tmp_path) as (proc, lines, pids):
         assert len(pids) == 3 and all(alive(p) for p in pids)
         assert any("ws://127.0.0.1:" in ln and ln.startswith("proxy") for ln in lines)
         proc.send_signal(sig)
@@ -126,27 +131,14 @@ def test_cli_stops_everything_on_signal(tmp_path, sig):
         assert proc.returncode == 0, rest
         assert "regions: stopped" in rest
         assert not any(alive(p) for p in pids)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_cli_stops_everything_when_a_component_dies(tmp_path):
-    path = tmp_path / "t.toml"
-    path.write_text(stub_topology(free_block(12)))
-    proc = _run_cli(path, tmp_path)
-    try:
-        lines = _read_until_ready(proc)
-        pids = [int(m.group(1)) for ln in lines if (m := re.search(r"\(pid (\d+)", ln))]
+    with _cli_up(tmp_path) as (proc, _, pids):
         os.killpg(pids[0], signal.SIGKILL)  # a replica crashes
         rest, _ = proc.communicate(timeout=30)
         assert proc.returncode == 1 and "exited with code" in rest
         assert not any(alive(p) for p in pids)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_cli_reports_topology_errors_with_the_line(tmp_path):

@@ -2,6 +2,7 @@
 handshake cost, backpressure-free bulk transfer, clean stop."""
 
 import asyncio
+import contextlib
 import statistics
 from time import perf_counter
 
@@ -21,6 +22,18 @@ async def echo_server():
         await w.wait_closed()
 
     return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+@contextlib.asynccontextmanager
+async def relayed(srv, **kw):
+    """A started Relay in front of `srv`; relay and server are stopped after."""
+    relay = await Relay(0, "127.0.0.1", srv.sockets[0].getsockname()[1], **kw).start()
+    try:
+        yield relay
+    finally:
+        await relay.stop()
+        srv.close()
+        await srv.wait_closed()
 
 
 async def round_trips(port: int, n: int, size: int = 16) -> tuple[float, list[float]]:
@@ -44,8 +57,7 @@ async def test_relay_adds_the_configured_rtt():
     srv = await echo_server()
     port = srv.sockets[0].getsockname()[1]
     _, direct = await round_trips(port, 5)
-    relay = await Relay(0, "127.0.0.1", port, rtt_ms=40.0).start()
-    try:
+    async with relayed(srv, rtt_ms=40.0) as relay:
         first, rtts = await round_trips(relay.port, 8)
         med = statistics.median(rtts[1:])
         assert 40.0 <= med <= 40.0 + 15.0, rtts  # timer granularity and a busy 2-core machine
@@ -53,17 +65,10 @@ async def test_relay_adds_the_configured_rtt():
         # the first exchange also pays the emulated TCP handshake: ~2 RTT from connect
         assert 80.0 <= first <= 80.0 + 30.0, first
         assert statistics.median(direct) < 5.0
-    finally:
-        await relay.stop()
-        srv.close()
-        await srv.wait_closed()
 
 
 async def test_jitter_spreads_delays_but_keeps_order():
-    srv = await echo_server()
-    relay = await Relay(0, "127.0.0.1", srv.sockets[0].getsockname()[1], rtt_ms=20.0, jitter=0.5, seed=1,
-                        handshake=False).start()
-    try:
+    async with relayed(await echo_server(), rtt_ms=20.0, jitter=0.5, seed=1, handshake=False) as relay:
         r, w = await asyncio.open_connection("127.0.0.1", relay.port)
         payload = b"".join(i.to_bytes(4, "big") for i in range(2000))
         for i in range(0, len(payload), 40):  # many small writes, each delayed by its own jittered amount
@@ -78,17 +83,10 @@ async def test_jitter_spreads_delays_but_keeps_order():
         assert max(rtts) - min(rtts) > 2.0  # jitter is there
         w.close()
         await w.wait_closed()
-    finally:
-        await relay.stop()
-        srv.close()
-        await srv.wait_closed()
 
 
 async def test_bulk_transfer_through_a_small_buffer():
-    srv = await echo_server()
-    relay = Relay(0, "127.0.0.1", srv.sockets[0].getsockname()[1], rtt_ms=2.0, handshake=False)
-    await relay.start()
-    try:
+    async with relayed(await echo_server(), rtt_ms=2.0, handshake=False) as relay:
         r, w = await asyncio.open_connection("127.0.0.1", relay.port)
         blob = bytes(range(256)) * 16384  # 4 MiB, over the relay's 1 MiB per-direction buffer
 
@@ -104,10 +102,6 @@ async def test_bulk_transfer_through_a_small_buffer():
         assert await r.read() == b""  # EOF crosses the relay too
         w.close()
         await w.wait_closed()
-    finally:
-        await relay.stop()
-        srv.close()
-        await srv.wait_closed()
 
 
 async def test_upstream_down_resets_the_client_and_stop_is_clean():
