@@ -102,6 +102,7 @@ class ReplicaConnection:
 def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, replica_id: str = "replica",
                secret: str | None = None) -> Starlette:
     client_box: dict[str, EngineClient] = {}
+    fingerprint = tokenizer.fingerprint  # hashed once here, not on the event loop when a proxy connects
     metrics = ReplicaMetrics(lambda: client_box["c"].load if "c" in client_box else None)
 
     @contextlib.asynccontextmanager
@@ -132,7 +133,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
         c = client()
         conn = ReplicaConnection(ws, c)
         # The served name (not the spec), and the fingerprint of the tokenizer the proxy must use.
-        conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=tokenizer.fingerprint))
+        conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=fingerprint))
         conn.sink(P.KvEvents(stored=list(c.cached_blocks), cleared=True))
         if c.load is not None:
             conn.sink(c.load)

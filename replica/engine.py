@@ -203,9 +203,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.runner.plan(batch)
         seqs = [batch.seqs[i] for i in plan.sample_rows]
+        sampling = self.runner.sampling_of(seqs)
         if self.tp.world > 1:
             if self.overlap:
-                plan.sampling = self.runner.sampling_of(seqs)
+                plan.sampling = sampling  # the other ranks sample this step too
             self.tp.broadcast_bytes(self._plan_encoder.encode(plan))
         if self.speculator is not None and self.speculator.aux_layers:  # the head sees every token computed
             logits, aux = self.runner.forward_logits(plan, prev.tokens if prev is not None else None,
@@ -213,7 +214,7 @@ class LLMEngine:
             self.speculator.feed(batch, aux)
         else:
             logits = self.runner.forward_logits(plan, prev.tokens if prev is not None else None)
-        tokens = self.runner.sample(logits, seqs)
+        tokens = self.runner.sample_params(logits, sampling)
         host, event = self.runner.to_host(tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n

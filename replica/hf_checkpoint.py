@@ -2,7 +2,8 @@
 
 Stdlib only: the edge proxy resolves model specs and builds its tokenizer
 without torch. `resolve_model` turns a spec ("default", a .gguf file, a folder,
-a hub id) into a path; `config_from_hf` reads config.json into a ModelConfig;
+a hub id) into a path; `config_from_hf` reads config.json into a ModelConfig and
+`model_config` reads a spec's (GGUF metadata or config.json);
 the small readers below (chat template, BOS/EOS) are shared by the tokenizer
 and the loader, so both agree on them.
 """
@@ -64,6 +65,16 @@ def resolve_model(spec: str, *, config_only: bool = False) -> str:
     if spec.endswith(".gguf") or spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
         raise ModelNotFoundError(f"{spec} does not exist")
     return _snapshot_download(spec, _HUB_CONFIG_FILES if config_only else _HUB_CONFIG_FILES + _HUB_WEIGHT_FILES)
+
+
+def model_config(spec: str) -> ModelConfig:
+    """The ModelConfig of a model spec, from its GGUF metadata or config.json alone."""
+    path = resolve_model(spec, config_only=True)
+    if path.endswith(".gguf"):
+        from replica.gguf_file import GGUFFile  # gguf's numpy readers, still no torch
+
+        return GGUFFile(path).model_config()
+    return config_from_hf(path)
 
 
 def _snapshot_download(repo_id: str, patterns: list[str]) -> str:

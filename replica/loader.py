@@ -27,7 +27,7 @@ import torch
 
 from replica.config import ModelConfig, RopeScaling
 from replica.gguf_file import GGUFFile
-from replica.hf_checkpoint import ModelNotFoundError, config_from_hf, resolve_model, safetensors_files
+from replica.hf_checkpoint import ModelNotFoundError, config_from_hf, model_config, resolve_model, safetensors_files
 from replica.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "ModelNotFoundError", "PRESETS", "load_checkpoint", "load_config",
@@ -102,10 +102,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def load_config(spec: str) -> ModelConfig:
     """Config only, no tensors: a PRESETS name, "default", a .gguf, a folder or a hub id."""
-    if spec in PRESETS:
-        return PRESETS[spec]
-    path = resolve_model(spec, config_only=True)
-    return GGUFFile(path).model_config() if path.endswith(".gguf") else config_from_hf(path)
+    return PRESETS[spec] if spec in PRESETS else model_config(spec)
 
 
 def load_checkpoint(spec: str, dtype: torch.dtype = torch.float32) -> Checkpoint:

@@ -59,6 +59,28 @@ from speculative.verify import accept_greedy
 log = logging.getLogger("replica.speculation")
 
 
+def measured_policy(cfg: EngineConfig, head_path) -> SpecPolicy | None:
+    """The policy the engine follows: cfg.spec_policy "auto" -> policy.json beside the head
+    when measured on this device type, "taper" -> none, a folder -> the one there (it must fit)."""
+    if cfg.spec_policy == "taper":
+        return None
+    folder = head_path if cfg.spec_policy == "auto" else cfg.spec_policy
+    policy = SpecPolicy.load(folder)
+    if policy is None:
+        if cfg.spec_policy != "auto":
+            raise FileNotFoundError(f"no speculation policy in {folder}: write one with "
+                                    f"`python bench/speculative.py --write-policy --head {folder}`")
+        return None
+    device = torch.device(cfg.device).type
+    if policy.device != device:
+        if cfg.spec_policy != "auto":
+            raise ValueError(f"the policy in {folder} was measured on {policy.device}, not {device}")
+        log.info("ignoring %s: measured on %s, serving on %s; using the taper", folder, policy.device, device)
+        return None
+    log.info("speculation policy from %s (%s): %s", folder, policy.measured_on, policy.rules)
+    return policy
+
+
 def auto_kind(cfg: EngineConfig, model_cfg: ModelConfig) -> str:
     """`speculative="auto"`: EAGLE-3 when a head for the model is there, unless the policy
     measured on this device type says plain decoding wins at every batch size."""
@@ -68,9 +90,8 @@ def auto_kind(cfg: EngineConfig, model_cfg: ModelConfig) -> str:
     if not has_head(path):
         log.info("speculative decoding off: no EAGLE-3 head in %s (train one: %s)", path, TRAIN_HINT)
         return "off"
-    policy = SpecPolicy.load(path)
-    if policy is not None and policy.device == torch.device(cfg.device).type \
-            and all(spec is None for _, spec in policy.rules):
+    policy = measured_policy(cfg, path)
+    if policy is not None and all(spec is None for _, spec in policy.rules):
         log.info("speculative decoding off: the policy in %s (measured on %s) never speculates", path,
                  policy.measured_on or policy.device)
         return "off"
@@ -85,7 +106,7 @@ class Speculator:
         self.aux_layers: tuple[int, ...] = ()
         if self.kind == "eagle3":
             path = cfg.spec_head or head_dir(model_cfg.name)
-            self.policy = self._measured_policy(cfg, path)
+            self.policy = measured_policy(cfg, path)
             self.head = load_head(path, model_cfg, model.embed_tokens.weight)
             # The head rotates q/k with the table as given: in its own dtype, so a bf16 head stays bf16
             # (drafts only; the target keeps its fp32 table).
@@ -97,26 +118,6 @@ class Speculator:
         if self.policy is not None:  # measured: it says where speculation stops paying
             self.max_batch = cfg.max_num_seqs
         self._specs = [None] + [self._for_batch(cfg, b) for b in range(1, self.max_batch + 1)]
-
-    @staticmethod
-    def _measured_policy(cfg: EngineConfig, head_path) -> SpecPolicy | None:
-        if cfg.spec_policy == "taper":
-            return None
-        folder = head_path if cfg.spec_policy == "auto" else cfg.spec_policy
-        policy = SpecPolicy.load(folder)
-        if policy is None:
-            if cfg.spec_policy != "auto":
-                raise FileNotFoundError(f"no speculation policy in {folder}: write one with "
-                                        f"`python bench/speculative.py --write-policy --head {folder}`")
-            return None
-        device = torch.device(cfg.device).type
-        if policy.device != device:
-            if cfg.spec_policy != "auto":
-                raise ValueError(f"the policy in {folder} was measured on {policy.device}, not {device}")
-            log.info("ignoring %s: measured on %s, serving on %s; using the taper", folder, policy.device, device)
-            return None
-        log.info("speculation policy from %s (%s): %s", folder, policy.measured_on, policy.rules)
-        return policy
 
     # -- draft shape per batch size -----------------------------------------------------------
     def _shape(self, cfg: EngineConfig, depth: int):

@@ -26,13 +26,7 @@ def has_head(folder: str | os.PathLike) -> bool:
 
 
 def model_name(spec: str) -> str:
-    """The name heads are filed under for a model spec (what ModelConfig.name says), from
-    the GGUF metadata or config.json alone."""
-    from replica.hf_checkpoint import config_from_hf, resolve_model
+    """The name heads are filed under for a model spec (what ModelConfig.name says)."""
+    from replica.hf_checkpoint import model_config
 
-    path = resolve_model(spec, config_only=True)
-    if path.endswith(".gguf"):
-        from replica.gguf_file import GGUFFile
-
-        return GGUFFile(path).model_config().name
-    return config_from_hf(path).name
+    return model_config(spec).name
