@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replica import protocol as P  # noqa: E402
+from wire import protocol as P  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.engine import LLMEngine  # noqa: E402
 from replica.loader import PRESETS, load_checkpoint  # noqa: E402

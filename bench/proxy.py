@@ -3,7 +3,7 @@
     .venv/bin/python bench/proxy.py                          # 1, 100, 1000 streams x 20 tok/s
     .venv/bin/python bench/proxy.py --streams 100 --duration 20 --workers 2
 
-Processes (all on 127.0.0.1): the replica stub (`python -m edge_proxy.stub`,
+Processes (all on 127.0.0.1): the replica stub (`python -m stub_replica`,
 one token per stream every 50 ms, each stream at a random phase, every token's
 text = the stub's send time), the path under test, and one client process per
 run. Latency of a token = the client's receive time (taken in `data_received`,
@@ -176,7 +176,7 @@ class Recorder:
 async def run_clients(a) -> dict:
     import msgspec
 
-    from replica import protocol as rp
+    from wire import protocol as rp
 
     loop = asyncio.get_running_loop()
     now = time.perf_counter_ns()
@@ -370,7 +370,7 @@ def orchestrate(a) -> None:
     procs: list[subprocess.Popen] = []
     try:
         stub_port = free_port()
-        procs.append(start([PY, "-m", "edge_proxy.stub", "--port", str(stub_port), "--id", "stub", "--step-ms",
+        procs.append(start([PY, "-m", "stub_replica", "--port", str(stub_port), "--id", "stub", "--step-ms",
                             str(STEP_MS), "--stamp", "--jitter"], "READY"))
         stub_url = f"ws://127.0.0.1:{stub_port}/v1/replica"
         urls = {"direct": stub_url}

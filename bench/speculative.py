@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.loader import load_checkpoint  # noqa: E402
-from replica.protocol import SamplingParams  # noqa: E402
+from wire.protocol import SamplingParams  # noqa: E402
 from replica.runner import build_model  # noqa: E402
 from speculative.decode import SpeculativeGenerator  # noqa: E402
 from speculative.drafting import TreeSpec  # noqa: E402

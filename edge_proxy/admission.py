@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from replica import protocol as rp
+from wire import protocol as rp
 
 
 @dataclass(frozen=True)

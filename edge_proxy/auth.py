@@ -25,7 +25,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from replica import protocol as rp
+from wire import protocol as rp
 
 ENV_VAR = "EDGECHAT_API_KEYS"
 TIERS = {"interactive": rp.INTERACTIVE, "batch": rp.BATCH, "peer": rp.INTERACTIVE}

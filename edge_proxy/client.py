@@ -86,9 +86,18 @@ class EdgeClient:
     async def connect_nearest(cls, regions: dict[str, str], api_key: str | None = None, **kw):
         """Connect to the nearest healthy region: probe each region's `/healthz` RTT (`regions`
         maps names to http(s) base URLs), then try them in RTT order. Returns (client, Probe)."""
-        from regions.select import connect_nearest  # torch-free; kept out of the import path of plain clients
+        from websockets.exceptions import InvalidHandshake
 
-        return await connect_nearest(regions, api_key=api_key, **kw)
+        from regions.select import NoRegionAvailable, probe_regions, rank, ws_url  # httpx: only when asked
+
+        probes = await probe_regions(regions, kw.pop("samples", 3))
+        failures = []
+        for p in rank(probes):
+            try:
+                return await cls.connect(ws_url(p.url), api_key=api_key, **kw), p
+            except (OSError, TimeoutError, InvalidHandshake) as e:  # down since the probe, or refused (e.g. 503)
+                failures.append(f"{p.region}: {e}")
+        raise NoRegionAvailable(probes, failures)
 
     async def __aenter__(self) -> EdgeClient:
         return self

@@ -33,8 +33,8 @@ from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.stream import Stream
 from edge_proxy.tracing import console_processor, make_tracer, start_request_span, traceparent_of
-from replica import protocol as rp
-from replica.hashing import block_hashes
+from wire import protocol as rp
+from wire.hashing import block_hashes
 
 log = logging.getLogger("edge_proxy")
 

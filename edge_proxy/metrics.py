@@ -1,4 +1,4 @@
-"""The proxy's metrics, from replica/metrics.py's torch-free classes.
+"""The proxy's metrics, from wire/metrics.py's torch-free classes.
 
 Small on purpose: an observation on the per-token path is one `bisect` and three
 increments. Each worker process has its own registry; scrape every worker (or
@@ -7,7 +7,7 @@ run one) for whole-proxy figures.
 
 from __future__ import annotations
 
-from replica.metrics import Counter, Gauge, Histogram, Registry
+from wire.metrics import Counter, Gauge, Histogram, Registry
 
 # Seconds; dense below 10 ms where inter-token latencies live.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,

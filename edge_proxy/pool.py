@@ -38,7 +38,7 @@ from edge_proxy.admission import LoadView
 from edge_proxy.prefix_index import BlockIndex
 from edge_proxy.replica_link import LinkClosed, LinkRefused, ReplicaLink
 from edge_proxy.routing import effective_load
-from replica.protocol import Abort, Codec, Error, Finished, Hello, KvEvents, Load, Tokens
+from wire.protocol import Abort, Codec, Error, Finished, Hello, KvEvents, Load, Tokens
 
 log = logging.getLogger("edge_proxy.pool")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from replica.protocol import KvEvents
+from wire.protocol import KvEvents
 
 
 class BlockIndex:

@@ -18,7 +18,7 @@ from typing import Union
 
 import msgspec
 
-from replica import protocol as rp
+from wire import protocol as rp
 
 # Stable error codes. The first six are shared with the internal protocol.
 BAD_REQUEST = rp.BAD_REQUEST  # malformed frame or field; fix the request

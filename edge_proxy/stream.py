@@ -14,7 +14,7 @@ path and `finish(stream, msg)` with a public `Done` or `Error` once.
 
 from __future__ import annotations
 
-from replica import protocol as rp
+from wire import protocol as rp
 from edge_proxy import protocol as pp
 
 

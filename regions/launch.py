@@ -132,7 +132,7 @@ class Stack:
     def _replica_argv(self, rep, region: str) -> list[str]:
         t = self.topo
         if t.replica_kind == "stub":
-            return [self.python, "-m", "edge_proxy.stub", "--host", t.host, "--port", str(rep.port), "--id", rep.id,
+            return [self.python, "-m", "stub_replica", "--host", t.host, "--port", str(rep.port), "--id", rep.id,
                     "--secret", self.env[SECRET_ENV], "--step-ms", str(t.stub_step_ms), "--jitter"]
         argv = [self.python, "-m", "replica", "--model", t.model, "--host", t.host, "--port", str(rep.port),
                 "--replica-id", rep.id]

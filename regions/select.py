@@ -2,13 +2,14 @@
 one, fail over in RTT order.
 
 `rank` is pure (tests drive it with made-up probes); `probe_regions` does the
-HTTP; `connect_nearest` opens an `EdgeClient` to the first region that accepts.
+HTTP; `EdgeClient.connect_nearest` (edge_proxy/client.py) opens a connection to the
+first region that accepts.
 A region's RTT is the median of `samples` GETs on one keep-alive connection,
 after one warm-up GET that pays the TCP handshake (so a 2-RTT first request
 does not count). A region is healthy when every sample answered 200.
 
     regions = {"eu": "http://127.0.0.1:8400", "us": "http://127.0.0.1:8401"}
-    client, probe = await connect_nearest(regions, api_key="sk-...")
+    client, probe = await EdgeClient.connect_nearest(regions, api_key="sk-...")
 """
 
 from __future__ import annotations
@@ -76,20 +77,3 @@ class NoRegionAvailable(ConnectionError):
         detail = "; ".join([f"{p.region}: {p.detail}" for p in probes if not p.healthy] + failures)
         super().__init__(f"no region reachable ({detail or 'none configured'})")
         self.probes = probes
-
-
-async def connect_nearest(regions: dict[str, str], api_key: str | None = None, samples: int = 3, **kw):
-    """Probe, then connect to the nearest healthy region, falling over to the next in
-    RTT order when a connection is refused. Returns (EdgeClient, Probe)."""
-    from websockets.exceptions import InvalidHandshake
-
-    from edge_proxy.client import EdgeClient  # imported here: regions.select stays a leaf module
-
-    probes = await probe_regions(regions, samples)
-    failures = []
-    for p in rank(probes):
-        try:
-            return await EdgeClient.connect(ws_url(p.url), api_key=api_key, **kw), p
-        except (OSError, TimeoutError, InvalidHandshake) as e:  # down since the probe, or refused (e.g. 503)
-            failures.append(f"{p.region}: {e}")
-    raise NoRegionAvailable(probes, failures)

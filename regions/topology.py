@@ -2,7 +2,7 @@
 client locations and regions and between regions.
 
     model = "default"          # replica --model (ignored by stub replicas)
-    replica_kind = "model"     # "model": python -m replica; "stub": edge_proxy.stub (no model, fast)
+    replica_kind = "model"     # "model": python -m replica; "stub": stub_replica (no model, fast)
     base_port = 8100           # ports left out are assigned from here, in file order
     jitter = 0.1               # relay jitter, a fraction of each one-way delay
 

@@ -1,6 +1,6 @@
 """The replica's API process: a Starlette app in front of the engine process.
 
-  WS   /v1/replica           proxy protocol (replica.protocol), many requests per socket
+  WS   /v1/replica           proxy protocol (wire.protocol), many requests per socket
   POST /v1/chat/completions  OpenAI-compatible, SSE or JSON
   POST /v1/completions       OpenAI-compatible, SSE or JSON
   GET  /v1/models, /healthz, /metrics
@@ -26,11 +26,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from replica import openai as O
-from replica import protocol as P
+from wire import openai as O
+from wire import protocol as P
 from replica.config import EngineConfig
 from replica.engine_client import EngineClient
-from replica.metrics import ReplicaMetrics
+from wire.metrics import ReplicaMetrics
 from replica.tokenizer import Tokenizer
 
 MAX_FRAME_BYTES = 4 << 20

@@ -2,7 +2,7 @@
 
 One preallocated pool of `num_blocks` blocks of `block_size` token slots. Each
 sequence owns a block table (list of block ids). A *full* block is registered
-under its chained hash (replica.hashing), so a later request whose prefix hashes
+under its chained hash (wire.hashing), so a later request whose prefix hashes
 the same reuses it instead of recomputing it.
 
 Invariants:
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from replica.hashing import chain_hash, salt_seed
+from wire.hashing import chain_hash, salt_seed
 from replica.sequence import Sequence
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import msgspec
 import torch
 
-from replica import protocol as P
+from wire import protocol as P
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
 from replica.runner import DTYPES, Runner, build_model, kv_bytes_per_block

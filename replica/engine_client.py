@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from replica import protocol as P
+from wire import protocol as P
 from replica.config import EngineConfig
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 

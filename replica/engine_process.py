@@ -2,7 +2,7 @@
 
 Started by the API process (`python -m replica.engine_process --socket PATH
 --config JSON`); connects back over a Unix socket and speaks length-prefixed
-msgspec frames (replica.protocol.FrameCodec). No asyncio: one thread that
+msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
   1. takes every message already received (blocking only when idle),
   2. runs one engine step,
   3. sends the step's tokens, finishes, KV events and (periodically) load.
@@ -22,7 +22,7 @@ import time
 
 import msgspec
 
-from replica import protocol as P
+from wire import protocol as P
 from replica.config import EngineConfig
 
 

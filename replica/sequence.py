@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from replica.protocol import SamplingParams
+from wire.protocol import SamplingParams
 
 
 class Status(enum.IntEnum):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replica.model import Context, LlamaModel
-from replica.protocol import SamplingParams
+from wire.protocol import SamplingParams
 from speculative.drafting import DraftTree, Drafter, HeadState, TreeSpec
 from speculative.head import Eagle3Head
 from speculative.ngram import NgramDrafter

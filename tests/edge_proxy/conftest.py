@@ -16,7 +16,7 @@ from edge_proxy.core import Proxy
 from edge_proxy.pool import PoolConfig
 from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.server import DrainingServer, bind, uvicorn_config
-from edge_proxy.stub import StubConfig, StubReplica
+from stub_replica.server import StubConfig, StubReplica
 
 SECRET = "replica-secret"
 KEYS = [

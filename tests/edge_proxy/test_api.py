@@ -9,8 +9,8 @@ from websockets.asyncio.client import connect
 
 from edge_proxy import protocol as pp
 from edge_proxy.client import EdgeClient, EdgeError
-from edge_proxy.stub import expected_tokens
-from replica import protocol as rp
+from stub_replica.server import expected_tokens
+from wire import protocol as rp
 
 from conftest import proxy_for, stubs
 

@@ -6,10 +6,10 @@ from edge_proxy import protocol as pp
 from edge_proxy.admission import AdmissionConfig, LoadView, admit, predict_ttft_ms
 from edge_proxy.auth import KeyStore, TokenBucket, bearer, cache_salt, parse_env
 from edge_proxy.metrics import ProxyMetrics
-from replica.metrics import Histogram
+from wire.metrics import Histogram
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.tracing import make_tracer, start_request_span, traceparent_of
-from replica import protocol as rp
+from wire import protocol as rp
 
 ACFG = AdmissionConfig(default_tokens_per_s=4000.0, default_step_ms=20.0, batch_max_wait_ms=5000.0)
 

@@ -5,8 +5,8 @@ from collections import Counter
 from edge_proxy.prefix_index import BlockIndex
 from edge_proxy.routing import (FAILOVER, LOAD, PREFIX, STICKY, Candidate, Router, RouterConfig, effective_load,
                                 is_imbalanced, load_bound, pick_prefix, pick_sticky, rendezvous_order)
-from replica.hashing import block_hashes
-from replica.protocol import KvEvents
+from wire.hashing import block_hashes
+from wire.protocol import KvEvents
 
 IDS = [f"r{i}" for i in range(5)]
 CFG = RouterConfig()

@@ -12,7 +12,7 @@ from edge_proxy.client import EdgeClient, EdgeError
 from edge_proxy.routing import rendezvous_order
 from edge_proxy.sessions import placement_key
 from edge_proxy.tracing import make_tracer
-from replica import protocol as rp
+from wire import protocol as rp
 
 from conftest import proxy_for, stubs, until_load
 

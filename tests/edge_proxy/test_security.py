@@ -11,7 +11,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from edge_proxy import protocol as pp
 from edge_proxy.client import EdgeClient, EdgeError
 from edge_proxy.pool import PoolConfig
-from replica import protocol as rp
+from wire import protocol as rp
 
 from conftest import FAST_POOL, proxy_for, stubs
 

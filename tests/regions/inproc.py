@@ -13,7 +13,7 @@ from edge_proxy.core import Proxy
 from edge_proxy.pool import PoolConfig
 from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.server import DrainingServer, bind, uvicorn_config
-from edge_proxy.stub import StubConfig, StubReplica
+from stub_replica.server import StubConfig, StubReplica
 
 SECRET = "test-secret"
 POOL = PoolConfig(secret=SECRET, ping_interval_s=0.5, ping_timeout_s=1.0, stall_timeout_s=1.0,

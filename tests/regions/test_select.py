@@ -4,7 +4,7 @@ import pytest
 
 from edge_proxy.client import EdgeClient
 from regions.relay import Relay
-from regions.select import NoRegionAvailable, Probe, connect_nearest, probe_regions, rank, ws_url
+from regions.select import NoRegionAvailable, Probe, probe_regions, rank, ws_url
 
 from tests.regions.inproc import region
 
@@ -43,7 +43,7 @@ async def test_probe_picks_the_region_with_the_lower_rtt_and_fails_over():
             assert chosen.region == "us" and done.region == "us"
 
             us.proxy.draining = True  # /healthz 503: clients move to the next region in RTT order
-            client, chosen = await connect_nearest(regions)
+            client, chosen = await EdgeClient.connect_nearest(regions)
             async with client:
                 _, done = await client.complete(messages=HI, max_tokens=3)
             assert chosen.region == "eu" and done.region == "eu"
@@ -55,5 +55,5 @@ async def test_probe_picks_the_region_with_the_lower_rtt_and_fails_over():
 
 async def test_no_region_reachable():
     with pytest.raises(NoRegionAvailable, match="no region reachable"):
-        await connect_nearest({"a": "http://127.0.0.1:1"})
+        await EdgeClient.connect_nearest({"a": "http://127.0.0.1:1"})
 

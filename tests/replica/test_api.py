@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from websockets.asyncio.client import connect
 
-from replica import protocol as P
+from wire import protocol as P
 from tests.replica.server import replica_server
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

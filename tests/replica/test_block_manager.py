@@ -1,8 +1,8 @@
 """Block pool accounting, prefix matching, LRU eviction and KV events."""
 
 from replica.block_manager import BlockManager
-from replica.hashing import block_hashes
-from replica.protocol import SamplingParams
+from wire.hashing import block_hashes
+from wire.protocol import SamplingParams
 from replica.sequence import Sequence
 
 

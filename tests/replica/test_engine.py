@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from replica import protocol as P
+from wire import protocol as P
 from replica.config import EngineConfig, RopeScaling
 from replica.engine import LLMEngine
 from tests.replica.reference import reference_logits

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from replica import protocol as P
+from wire import protocol as P
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig
 from replica.engine import LLMEngine

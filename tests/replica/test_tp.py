@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from replica import protocol as P
+from wire import protocol as P
 from replica.config import EngineConfig
 from replica.engine_process import build_engine
 from replica.tp import local_config, shard

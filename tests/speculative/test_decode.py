@@ -5,10 +5,10 @@ reproducible."""
 
 import pytest
 
-from replica import protocol as P
+from wire import protocol as P
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
-from replica.protocol import SamplingParams
+from wire.protocol import SamplingParams
 from speculative.decode import SpeculativeGenerator
 from speculative.drafting import TreeSpec
 from speculative.ngram import NgramDrafter

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from replica.protocol import SamplingParams
+from wire.protocol import SamplingParams
 from speculative.decode import SpeculativeGenerator
 from speculative.drafting import Drafter, TreeSpec
 from speculative.head import HeadConfig, aux_layers_for, head_dir, load_head, save_head

@@ -11,7 +11,7 @@ import time
 
 import msgspec
 
-from replica import protocol as P
+from wire import protocol as P
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):

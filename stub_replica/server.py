@@ -22,7 +22,7 @@ newly stored/evicted hashes as KvEvents to every connection.
 `stamp=True` (bench): each token's text is the stub's send time,
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, comparable across processes) + ";".
 
-    python -m edge_proxy.stub --port 9001 --id stub-a [--step-ms 50 --stamp --jitter]
+    python -m stub_replica --port 9001 --id stub-a [--step-ms 50 --stamp --jitter]
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from replica import protocol as rp
-from replica.hashing import block_hashes
+from wire import protocol as rp
+from wire.hashing import block_hashes
 
 ALPHABET = b" abcdefghijklmnopqrstuvwxyz"
 TICK_S = 0.001  # engine loop granularity (the event loop's timers have 1 ms resolution)
@@ -362,7 +362,7 @@ async def _main(a) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m edge_proxy.stub")
+    p = argparse.ArgumentParser(prog="python -m stub_replica")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--id", default="stub-0")
@@ -375,7 +375,3 @@ def main(argv=None) -> None:
     import uvloop
 
     uvloop.run(_main(a))
-
-
-if __name__ == "__main__":
-    main()

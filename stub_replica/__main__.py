@@ -1,0 +1,3 @@
+from stub_replica.server import main
+
+main()
