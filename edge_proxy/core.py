@@ -28,7 +28,8 @@ from edge_proxy.admission import admit, predict_ttft_ms
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
-from edge_proxy.prompt import encode_prompt
+from edge_proxy.prefix_index import reply_hashes
+from edge_proxy.prompt import encode_prompt, encode_reply
 from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.stream import Stream
@@ -168,6 +169,7 @@ class Proxy:
             "edgechat.tenant": key.tenant, "edgechat.prompt_tokens": len(ids), "edgechat.priority": priority})
         gen = rp.Generate("", ids, sampling, key.cache_salt, priority, 0.0, [], traceparent_of(span))
         s = Stream(self, req.cid, key, sink, gen, hashes, session, t0, span)
+        s.messages = req.messages
         if session is not None:
             s.placement = placement_key(key.key_id, req.session)
         try:
@@ -235,7 +237,8 @@ class Proxy:
             raise pp.ProtocolError(pp.UNAVAILABLE, "no replica is ready", 1.0)
         cands = self._candidates(s, conns)
         by_id = {c.id: c for c in conns}
-        d = self.router.route(cands, len(s.gen.prompt_ids), self.pool.block_size, session_key=s.placement,
+        d = self.router.route(cands, len(s.gen.prompt_ids), self.pool.block_size, key=s.route_key(),
+                              session_key=s.placement,
                               session_current=s.session.replica if s.session is not None else None)
         conn = by_id[d.replica]
         if deadline_ms > 0 or s.gen.priority >= rp.BATCH:
@@ -263,7 +266,7 @@ class Proxy:
         s.conn = conn
         s.tried.add(conn.id)
         s.rid = conn.start(s, s.next_generate(deadline_ms))
-        conn.index.routed(s.hashes, perf_counter())
+        conn.index.expect(s.hashes, perf_counter())
         if s.session is not None:
             s.session.replica = conn.id
         m = self.metrics
@@ -315,7 +318,7 @@ class Proxy:
             self._park(s, cause)
             return
         d = self.router.route(self._candidates(s, conns), len(s.gen.prompt_ids), self.pool.block_size,
-                              failover=True)
+                              key=s.route_key(), failover=True)
         s.failovers += 1
         self.metrics.failovers.inc(cause)
         s.span.add_event("failover", {"cause": cause, "resume_tokens": len(s.ids)})
@@ -342,6 +345,9 @@ class Proxy:
         s.done = True
         if s.conn is not None:
             s.conn.release(s.rid, abort)
+            if len(s.ids) > 1:  # the replica holds the prompt and what it streamed: the next turn finds it there
+                s.conn.index.expect(reply_hashes(s.gen.prompt_ids, s.hashes, s.ids, self.pool.block_size,
+                                                 s.gen.cache_salt), perf_counter())
         parked = self._parked.pop(s, None)
         if parked is not None:
             parked[1].cancel()
@@ -365,6 +371,25 @@ class Proxy:
         span.set_attribute("edgechat.ttft_ms", msg.timing.ttft_ms)
         span.end()
         s.sink.finish(s, msg)
+        if s.messages is not None and len(s.ids) > 1 and finish_reason != rp.FINISH_ABORT:
+            try:
+                encode_reply(self.tokenizer, s.messages, s.ids, lambda again: self._check_reply(s, again))
+            except ValueError as e:  # a template that cannot render its own reply: nothing to compare
+                log.debug("reply check skipped: %s", e)
+
+    def _check_reply(self, s: Stream, again: list[int]) -> None:
+        """Does the chat template render this reply, in the next turn, into the ids the
+        replica generated (`again` vs prompt + ids)? Where it does not, the next turn's
+        cache match, on any replica, ends at the first differing block: counted and
+        logged; the chained block hashes route it on that true match."""
+        held = s.gen.prompt_ids + s.ids[:-1]  # the last id was sampled, never computed
+        n = next((i for i, (a, b) in enumerate(zip(held, again)) if a != b), len(held))
+        if n < len(held):
+            bs = self.pool.block_size
+            self.metrics.retokenized.inc()
+            log.debug("reply re-rendered into other ids at token %d of %d (prompt %d): the next turn's cache "
+                      "match ends at block %d instead of %d", n, len(held), len(s.gen.prompt_ids), n // bs,
+                      len(held) // bs)
 
     def fail(self, s: Stream, code: str, message: str) -> None:
         if s.done:

@@ -29,6 +29,9 @@ class ProxyMetrics(Registry):
         self.prefix_blocks = add(Counter(p + "prefix_blocks_total", "Full prompt blocks routed."))
         self.cached_tokens = add(Counter(p + "cached_tokens_total",
                                          "Prompt tokens the replicas reported served from cache."))
+        self.retokenized = add(Counter(p + "retokenized_replies_total",
+                                       "Chat replies the template re-renders into other ids than the replica "
+                                       "generated: the next turn's cache match ends where they part."))
         self.failovers = add(Counter(p + "failovers_total", "Streams resumed on another replica, by cause.",
                                      ("cause",)))
         self.tokens = add(Counter(p + "tokens_relayed_total", "Generated tokens relayed to clients."))

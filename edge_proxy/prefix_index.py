@@ -1,72 +1,105 @@
 """What the proxy believes one replica holds in its prefix cache.
 
-Precise mode: the set of chained block hashes the replica announced in its KV
-events (stored minus removed). Approximate mode, while a replica has sent no
-events on its current connection: the proxy's own routing history, i.e. the
-blocks of the prompts it sent there, kept as an LRU bounded by the replica's block
-count. In precise mode the history still covers the short gap between routing a
-prompt and the replica's events for it (`pending_s`), so two requests with the
-same new prefix arriving back to back land together.
+Two sources, matched together as one chain of block hashes:
 
-Chained hashes make a prefix match a scan from block 0 until the first miss.
+* confirmed: the hashes the replica announced in its KV events (stored minus
+  removed). `None` until the first event on the current connection: a replica
+  that never sends events leaves the index in approximate mode.
+* expected: what the proxy itself knows the replica is about to hold, the moment
+  it knows it: the blocks of every prompt it sends there, and, when a
+  stream ends, the blocks of that prompt followed by every token id the replica
+  streamed back (`expect`, see `reply_hashes`). A chat's next turn is routed
+  before (or without) any KV event for them. A stored event confirms an expected
+  block, a removed event drops it from both sets.
+
+In precise mode an expected block counts for `expect_s` after it was last
+expected (the longest a prompt waits in a busy replica's queue before its
+prefill stores it); one the replica never stores (an aborted request) ages out.
+In approximate mode the expected set is all there is: an LRU bounded by
+`capacity` blocks, never aged.
+
+Chained hashes make a prefix match a scan from block 0 until the first miss, so a
+reply that the chat template re-renders into other ids than the replica generated
+matches exactly as far as the replica's cache does: up to the block where they
+part (`Proxy` counts and logs such replies).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
+from wire.hashing import block_hashes
 from wire.protocol import KvEvents
 
 
-class BlockIndex:
-    __slots__ = ("blocks", "history", "capacity", "pending_s")
+def reply_hashes(prompt_ids: Sequence[int], prompt_hashes: list[int], out_ids: Sequence[int], block_size: int,
+                 salt: str) -> list[int]:
+    """The hashes of the full blocks a replica caches for a finished stream past the
+    prompt's own: prompt + generated ids, less the last id (sampled, never computed)."""
+    if len(out_ids) < 2:
+        return []
+    ids = list(prompt_ids) + list(out_ids[:-1])
+    start = len(prompt_hashes)
+    return block_hashes(ids, block_size, salt, start, prompt_hashes[-1] if start else None)
 
-    def __init__(self, capacity: int = 1 << 16, pending_s: float = 2.0):
-        self.blocks: set[int] | None = None  # None -> no KV events yet: approximate mode
-        self.history: OrderedDict[int, float] = OrderedDict()  # hash -> time routed
+
+class BlockIndex:
+    __slots__ = ("confirmed", "expected", "capacity", "expect_s")
+
+    def __init__(self, capacity: int = 1 << 16, expect_s: float = 10.0):
+        self.confirmed: set[int] | None = None  # None -> no KV events yet: approximate mode
+        self.expected: OrderedDict[int, float] = OrderedDict()  # hash -> when last expected (LRU order)
         self.capacity = capacity
-        self.pending_s = pending_s
+        self.expect_s = expect_s
 
     @property
     def precise(self) -> bool:
-        return self.blocks is not None
+        return self.confirmed is not None
 
     def reset(self) -> None:
-        """A new connection: the replica may have restarted; fall back to history."""
-        self.blocks = None
-        self.history.clear()
+        """A new connection: the replica may have restarted; nothing is known."""
+        self.confirmed = None
+        self.expected.clear()
 
     def apply(self, ev: KvEvents) -> None:
-        if self.blocks is None or ev.cleared:
-            self.blocks = set()
-        self.blocks.difference_update(ev.removed)
-        self.blocks.update(ev.stored)
+        if self.confirmed is None or ev.cleared:
+            self.confirmed = set()
+        exp = self.expected
+        for x in ev.removed:
+            self.confirmed.discard(x)
+            exp.pop(x, None)
+        for x in ev.stored:
+            self.confirmed.add(x)
+            exp.pop(x, None)
 
-    def routed(self, hashes: list[int], now: float) -> None:
-        """Record that a prompt with these block hashes was sent to this replica."""
-        h = self.history
+    def expect(self, hashes: list[int], now: float) -> None:
+        """These blocks are (or are about to be) in the replica's cache: a prompt sent
+        there, or a finished stream's prompt + generated ids (`reply_hashes`)."""
+        conf, exp = self.confirmed, self.expected
         for x in hashes:
-            h[x] = now
-            h.move_to_end(x)
-        while len(h) > self.capacity:
-            h.popitem(last=False)
+            if conf is not None and x in conf:
+                continue
+            exp[x] = now
+            exp.move_to_end(x)
+        while len(exp) > self.capacity:
+            exp.popitem(last=False)
 
     def match(self, hashes: list[int], now: float) -> int:
         """Number of leading blocks of `hashes` this replica is believed to hold."""
-        blocks, hist = self.blocks, self.history
+        conf, exp = self.confirmed, self.expected
         n = 0
-        if blocks is not None:
+        if conf is None:
             for x in hashes:
-                if x in blocks:
-                    n += 1
-                    continue
-                t = hist.get(x)
-                if t is None or now - t > self.pending_s:
+                if x not in exp:
                     break
                 n += 1
-        else:
-            for x in hashes:
-                if x not in hist:
+            return n
+        horizon = now - self.expect_s
+        for x in hashes:
+            if x not in conf:
+                t = exp.get(x)
+                if t is None or t < horizon:
                     break
-                n += 1
+            n += 1
         return n

@@ -33,8 +33,8 @@ class ByteTokenizer:
         out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 
 def load_tokenizer(spec: str):
@@ -65,3 +65,19 @@ async def encode_prompt(tokenizer, messages: list[dict] | None, prompt: str | li
     if prompt_chars(messages, prompt) <= INLINE_CHARS:
         return _encode(tokenizer, messages, prompt)
     return await asyncio.to_thread(_encode, tokenizer, messages, prompt)
+
+
+def encode_reply(tokenizer, messages: list[dict], reply_ids: list[int], done) -> None:
+    """Token ids of a conversation followed by a reply, as the next turn renders them
+    (the reply as text, the template's end of turn, no generation prompt), handed to
+    `done(ids)`: at once for a short chat, from a worker thread for a long one. A
+    conversation the template cannot render raises ValueError (ChatTemplateError)."""
+    def render() -> list[int]:
+        reply = {"role": "assistant", "content": tokenizer.decode(reply_ids)}
+        return list(tokenizer.encode_chat([*messages, reply], add_generation_prompt=False))
+
+    if prompt_chars(messages, None) <= INLINE_CHARS:
+        done(render())
+        return
+    fut = asyncio.get_running_loop().run_in_executor(None, render)
+    fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else done(f.result()))

@@ -1,32 +1,40 @@
 """Routing policy: which replica serves a request. Pure functions over plain data.
 
-Order of preference (DESIGN.md: session -> prefix overlap -> load):
+The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
 
-1. Sticky session. A session key maps to a replica by rendezvous (highest random
-   weight) hashing, so every proxy worker and every proxy in the region agrees
-   without sharing state, and only the sessions of a lost replica move. Loads are
-   bounded (consistent hashing with bounded loads, Mirrokni et al. 2016): a
-   replica takes a new request only while `load + 1 <= ceil(c * (L + 1) / n) +
-   slack`, L being the total load; otherwise the next replica in the session's
-   rendezvous order. A session stays where it is (`current`) while that replica
-   is healthy and under the bound.
-2. Load balance when imbalanced (in the spirit of SGLang's router): when
-   `max - min > abs_threshold` and `max > rel_threshold * min`, the least loaded
-   replica wins regardless of cache.
-3. Prefix: otherwise the replica minimising
-   `tokens to prefill + load_cost_tokens * load`, where tokens to prefill is the
-   prompt length minus the leading blocks the replica is believed to hold.
+1. Safety valve (in the spirit of SGLang's router): when the loads are far apart
+   (`max - min > balance_abs_threshold` and `max > balance_rel_threshold * min`),
+   the least loaded replica, whatever it holds.
+2. Bounded-load prefix placement. `prefill(r)` is the prompt length minus the
+   leading blocks replica r is believed to hold (`prefix_index`). The replicas that
+   could prefill the prompt nearly as cheaply as the cheapest one (within
+   `max(near_tokens, near_frac * prompt)` tokens) are its candidates; of those, a
+   replica already at its bound `ceil((1 + load_eps) * (L + 1) / n)` (L: the total
+   outstanding requests, n: replicas; at least `min_bound`, so that one request in
+   flight never moves a conversation) takes nothing new (consistent hashing with
+   bounded loads, Mirrokni et al. 2016). Among the rest: the session's replica
+   first (when a session id is given), then the least loaded, then the cheaper
+   prefill, then a rendezvous draw on the request's key (its session, else its
+   first block), so ties spread and every proxy worker breaks them alike.
+   A conversation's later turn has one cheap replica, the one holding its
+   history, and stays there; a new conversation, or a prompt that only shares a
+   system prompt held everywhere, has several and goes to the least loaded.
+3. Spill: when every such replica is at its bound, the replica minimising
+   `prefill + load_cost_tokens * load` (an outstanding request weighs like that
+   many prefill tokens): the cache is given up only when the queue costs more.
 
 `load` is the effective number of outstanding requests (running + waiting) as
 the proxy best knows it; see `effective_load`.
 
 `RouterConfig.mode` (`python -m edge_proxy --routing MODE`) picks the policy;
-all but "auto" are reductions for comparisons (`loadtest --compare-routing`):
+all but "auto" are reductions for comparisons (`bench/routing.py`,
+`loadtest --compare-routing`):
 
-    auto          the order above: sticky when a session is given, else prefix-aware
-    prefix        prefix-aware for every request (sessions ignored for placement)
-    sticky        session stickiness only; no prefix knowledge: requests without a
-                  session go to the least loaded replica
+    auto          the rule above; a session's replica is kept while under its bound
+    prefix        the rule above, session ids ignored
+    sticky        session stickiness only, by rendezvous hashing with bounded loads
+                  (`pick_sticky`); no prefix knowledge: requests without a session
+                  go to the least loaded replica
     round_robin   the next replica in turn, nothing else
 """
 
@@ -38,23 +46,29 @@ from dataclasses import dataclass
 
 import xxhash
 
-STICKY, PREFIX, LOAD, FAILOVER = "sticky", "prefix", "load", "failover"
-REASONS = (STICKY, PREFIX, LOAD, FAILOVER)
+STICKY, PREFIX, LOAD, SPILL, FAILOVER = "sticky", "prefix", "load", "spill", "failover"
+REASONS = (STICKY, PREFIX, LOAD, SPILL, FAILOVER)
 MODES = ("auto", "prefix", "sticky", "round_robin")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    session_load_factor: float = 1.25  # c in the bound above
-    session_slack: int = 4  # requests of headroom, so small absolute imbalances never move a session
-    balance_abs_threshold: float = 16.0
+    load_eps: float = 0.1  # bounded load: no new work above ceil((1 + eps) * mean) where another is nearly as cheap
+    min_bound: int = 2  # ... but a replica is never over its bound below this many requests (tiny loads)
+    near_tokens: int = 32  # "nearly as cheaply": within this many prefill tokens of the cheapest replica ...
+    near_frac: float = 0.125  # ... or this fraction of the prompt, whichever is more
+    load_cost_tokens: float = 256.0  # spill: one outstanding request weighs like this many prefill tokens
+    balance_abs_threshold: float = 4.0
     balance_rel_threshold: float = 1.5
-    load_cost_tokens: float = 256.0  # one outstanding request weighs like this many prefill tokens
+    session_load_factor: float = 1.25  # mode "sticky": c in its rendezvous bound
+    session_slack: int = 4  # mode "sticky": requests of headroom before a session moves
     mode: str = "auto"  # one of MODES
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"routing mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.load_eps < 0.0:
+            raise ValueError(f"load_eps must be >= 0, got {self.load_eps}")
         if self.session_load_factor < 1.0:
             raise ValueError(f"session_load_factor must be >= 1, got {self.session_load_factor}")
         if self.balance_rel_threshold < 1.0:
@@ -89,7 +103,15 @@ def rendezvous_order(key: str, ids: list[str]) -> list[str]:
 
 
 def load_bound(total_load: float, n: int, cfg: RouterConfig) -> float:
+    """Mode "sticky": the most a replica may hold and still take a session's request."""
     return math.ceil(cfg.session_load_factor * (total_load + 1) / n) + cfg.session_slack
+
+
+def bounded_load(total_load: float, n: int, cfg: RouterConfig) -> int:
+    """The most outstanding requests a replica may have after taking one more, when
+    another replica could serve it nearly as cheaply: ceil((1 + eps) * mean), at least
+    `min_bound` (with one request in flight the mean says nothing)."""
+    return max(math.ceil((1.0 + cfg.load_eps) * (total_load + 1) / n - 1e-9), cfg.min_bound)
 
 
 def pick_sticky(key: str, current: str | None, cands: list[Candidate], cfg: RouterConfig) -> Candidate:
@@ -111,50 +133,68 @@ def is_imbalanced(cands: list[Candidate], cfg: RouterConfig) -> bool:
     return hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo
 
 
-def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg: RouterConfig) -> Decision:
+def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg: RouterConfig, key: str = "",
+                prefer: str | None = None) -> Decision:
+    """The bounded-load prefix rule of the module docstring. `prefer`: the session's
+    replica (kept while under the bound), `key`: the rendezvous tie-break."""
     assert cands, "pick_prefix needs at least one candidate"
     if len(cands) > 1 and is_imbalanced(cands, cfg):
-        c = min(cands, key=lambda c: (c.load, -c.cached_blocks, c.id))
+        c = min(cands, key=lambda c: (c.load, -c.cached_blocks, -hrw_score(key, c.id)))
         return Decision(c.id, LOAD, c.cached_blocks)
-
-    def cost(c: Candidate):
-        prefill = max(prompt_tokens - c.cached_blocks * block_size, 0)
-        return (prefill + cfg.load_cost_tokens * c.load, c.load, c.id)
-
-    c = min(cands, key=cost)
-    return Decision(c.id, PREFIX if c.cached_blocks > 0 else LOAD, c.cached_blocks)
+    prefill = {c.id: max(prompt_tokens - c.cached_blocks * block_size, 0) for c in cands}
+    cheapest = min(prefill.values())
+    if prefer in prefill:
+        prefill[prefer] = min(prefill[prefer], cheapest)  # the session's replica holds its history
+    near = cheapest + max(cfg.near_tokens, cfg.near_frac * prompt_tokens)
+    bound = bounded_load(sum(c.load for c in cands), len(cands), cfg)
+    close = [c for c in cands if prefill[c.id] <= near]
+    ok = [c for c in close if c.load + 1 <= bound]
+    if ok:
+        c = min(ok, key=lambda c: (c.id != prefer, c.load, prefill[c.id], -hrw_score(key, c.id)))
+        reason = STICKY if c.id == prefer else PREFIX if c.cached_blocks else LOAD
+        return Decision(c.id, reason, c.cached_blocks)
+    if len(close) > 1:  # a prefix several replicas hold (a shared system prompt), all of them full: one more copy
+        under = [c for c in cands if c.load + 1 <= bound]
+        c = min(under, key=lambda c: (prefill[c.id], c.load, -hrw_score(key, c.id)))
+        return Decision(c.id, SPILL, c.cached_blocks)
+    c = min(cands, key=lambda c: (prefill[c.id] + cfg.load_cost_tokens * c.load, c.load, -hrw_score(key, c.id)))
+    reason = SPILL if prefill[c.id] > near else STICKY if c.id == prefer else PREFIX if c.cached_blocks else LOAD
+    return Decision(c.id, reason, c.cached_blocks)
 
 
 class Router:
+    """mode "auto": `pick_prefix` for every request; a session's replica is preferred."""
+
     def __init__(self, cfg: RouterConfig | None = None):
         self.cfg = cfg or RouterConfig()
 
-    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *,
+    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, key: str = "",
               session_key: str | None = None, session_current: str | None = None,
               failover: bool = False) -> Decision | None:
-        """Pick among healthy `cands`; None when there is none."""
+        """Pick among healthy `cands`; None when there is none. `key` names the
+        request for tie-breaks (its first block hash); a session key replaces it."""
         if not cands:
             return None
-        if session_key is not None and not failover:
-            c = pick_sticky(session_key, session_current, cands, self.cfg)
-            return Decision(c.id, STICKY, c.cached_blocks)
-        d = pick_prefix(prompt_tokens, block_size, cands, self.cfg)
-        return Decision(d.replica, FAILOVER, d.cached_blocks) if failover else d
+        if failover:
+            d = pick_prefix(prompt_tokens, block_size, cands, self.cfg, session_key or key)
+            return Decision(d.replica, FAILOVER, d.cached_blocks)
+        return pick_prefix(prompt_tokens, block_size, cands, self.cfg, session_key or key,
+                           session_current if session_key is not None else None)
 
 
 class PrefixRouter(Router):
-    """mode "prefix": prefix-aware (with load balancing) for every request."""
+    """mode "prefix": `pick_prefix` for every request, session ids ignored."""
 
-    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, session_key=None,
-              session_current=None, failover: bool = False) -> Decision | None:
-        return super().route(cands, prompt_tokens, block_size, failover=failover)
+    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, key: str = "",
+              session_key=None, session_current=None, failover: bool = False) -> Decision | None:
+        return super().route(cands, prompt_tokens, block_size, key=key, failover=failover)
 
 
 class StickyRouter(Router):
     """mode "sticky": sessions by bounded-load rendezvous, everything else by least load."""
 
-    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, session_key=None,
-              session_current=None, failover: bool = False) -> Decision | None:
+    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, key: str = "",
+              session_key=None, session_current=None, failover: bool = False) -> Decision | None:
         if not cands:
             return None
         if session_key is not None and not failover:
@@ -171,8 +211,8 @@ class RoundRobinRouter(Router):
         super().__init__(cfg)
         self._turn = itertools.count()
 
-    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, session_key=None,
-              session_current=None, failover: bool = False) -> Decision | None:
+    def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, key: str = "",
+              session_key=None, session_current=None, failover: bool = False) -> Decision | None:
         if not cands:
             return None
         ordered = sorted(cands, key=lambda c: c.id)

@@ -20,7 +20,7 @@ from edge_proxy import protocol as pp
 
 class Stream:
     __slots__ = ("proxy", "cid", "key", "sink", "gen", "hashes", "session", "t0", "t_first", "t_last", "ids",
-                 "conn", "rid", "tried", "failovers", "done", "span", "replica_ttft_ms", "placement")
+                 "conn", "rid", "tried", "failovers", "done", "span", "replica_ttft_ms", "placement", "messages")
 
     def __init__(self, proxy, cid: str, key, sink, gen: rp.Generate, hashes: list[int], session, t0: float, span):
         self.proxy = proxy
@@ -31,6 +31,7 @@ class Stream:
         self.hashes = hashes  # chained block hashes of the prompt
         self.session = session  # sessions.Session or None
         self.placement: str | None = None  # rendezvous key of the session
+        self.messages: list[dict] | None = None  # the chat, to check how its reply re-renders
         self.t0 = t0
         self.t_first = 0.0
         self.t_last = 0.0
@@ -83,6 +84,11 @@ class Stream:
             self.proxy.end(self, "disconnect")
 
     # -- attempts --------------------------------------------------------------
+
+    def route_key(self) -> str:
+        """Names the request for the router's tie-breaks: its first block (the same
+        conversation or system prompt draws alike on every proxy worker)."""
+        return str(self.hashes[0]) if self.hashes else self.cid
 
     def next_generate(self, deadline_ms: float) -> rp.Generate:
         """The Generate for the next attempt (the connection fills in the id)."""

@@ -3,7 +3,7 @@
   WS   /v1/replica           proxy protocol (wire.protocol), many requests per socket
   POST /v1/chat/completions  OpenAI-compatible, SSE or JSON
   POST /v1/completions       OpenAI-compatible, SSE or JSON
-  GET  /v1/models, /healthz, /metrics
+  GET  /v1/models, /healthz (alias /health, the path vLLM and SGLang serve), /metrics
 
 Bad input gets an error naming the problem; the connection and the engine keep
 serving everyone else. A cancel, a closed socket or a dropped HTTP client sends an
@@ -290,6 +290,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models),
         Route("/healthz", healthz),
+        Route("/health", healthz),  # what routers built for vLLM/SGLang workers probe
         Route("/metrics", metrics_endpoint),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

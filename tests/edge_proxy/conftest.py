@@ -73,11 +73,12 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def proxy_for(replicas: list[StubReplica], wait_ready: int | None = None, keys=KEYS, tracer=None, **kw):
+async def proxy_for(replicas: list[StubReplica], wait_ready: int | None = None, keys=KEYS, tracer=None,
+                    tokenizer=None, **kw):
     """The proxy app under uvicorn on a pre-bound (already listening) socket."""
     pool = kw.pop("pool", FAST_POOL)
     cfg = ProxyConfig(replicas=[r.url for r in replicas], port=0, tokenizer="bytes", pool=pool, **kw)
-    proxy = Proxy(cfg, ByteTokenizer(), KeyStore(keys, salt_secret=SECRET, anonymous=cfg.allow_anonymous),
+    proxy = Proxy(cfg, tokenizer or ByteTokenizer(), KeyStore(keys, salt_secret=SECRET, anonymous=cfg.allow_anonymous),
                   tracer=tracer)
     sock = bind("127.0.0.1", 0)
     ucfg = uvicorn_config(create_app(proxy), replace(cfg, log_level="warning"))

@@ -2,9 +2,10 @@
 
 from collections import Counter
 
-from edge_proxy.prefix_index import BlockIndex
-from edge_proxy.routing import (FAILOVER, LOAD, PREFIX, STICKY, Candidate, Router, RouterConfig, effective_load,
-                                is_imbalanced, load_bound, pick_prefix, pick_sticky, rendezvous_order)
+from edge_proxy.prefix_index import BlockIndex, reply_hashes
+from edge_proxy.routing import (FAILOVER, LOAD, PREFIX, SPILL, STICKY, Candidate, Router, RouterConfig,
+                                effective_load, is_imbalanced, load_bound, pick_prefix, pick_sticky,
+                                rendezvous_order)
 from wire.hashing import block_hashes
 from wire.protocol import KvEvents
 
@@ -41,11 +42,14 @@ def test_sticky_stays_put_until_over_the_bound():
     assert d.id == next(r for r in rendezvous_order("s", ["r0", "r1", "r2"]) if r != "r0")
 
 
-def test_sticky_moves_off_an_unhealthy_replica():
-    # Unhealthy replicas are not candidates; the session goes to its next rendezvous choice.
+def test_a_session_moves_off_an_unhealthy_replica():
+    # Unhealthy replicas are not candidates; on idle replicas the session key's rendezvous
+    # order breaks the tie, so every proxy worker moves it to the same place.
     order = rendezvous_order("sess", IDS)
     d = Router().route(idle([r for r in IDS if r != order[0]]), 100, 16, session_key="sess", session_current=order[0])
-    assert (d.replica, d.reason) == (order[1], STICKY)
+    assert (d.replica, d.reason) == (order[1], LOAD)
+    d = Router().route(idle(), 100, 16, session_key="sess", session_current=order[2])
+    assert (d.replica, d.reason) == (order[2], STICKY)  # its replica is kept while under the bound
 
 
 def test_small_imbalance_never_moves_a_session():
@@ -59,20 +63,13 @@ def test_prefix_prefers_cached_blocks():
     assert (d.replica, d.reason, d.cached_blocks) == ("r1", PREFIX, 30)
 
 
-def test_prefix_weighed_against_load():
-    # r1 saves 160 prefill tokens but has one more outstanding request (256 token-equivalents).
-    cands = [Candidate("r0", 0.0, 0), Candidate("r1", 1.0, 10)]
-    assert pick_prefix(512, 16, cands, CFG).replica == "r0"
-    cands[1].cached_blocks = 31  # now it saves 496 tokens
-    assert pick_prefix(512, 16, cands, CFG).replica == "r1"
-
-
 def test_imbalance_overrides_the_cache():
     cands = [Candidate("r0", 40.0, 30), Candidate("r1", 2.0, 0)]
     assert is_imbalanced(cands, CFG)
     d = pick_prefix(512, 16, cands, CFG)
     assert (d.replica, d.reason) == ("r1", LOAD)
-    assert not is_imbalanced([Candidate("r0", 20.0), Candidate("r1", 14.0)], CFG)  # abs diff 6 <= 16
+    assert not is_imbalanced([Candidate("r0", 20.0), Candidate("r1", 14.0)], CFG)  # 20 <= 1.5 x 14
+    assert not is_imbalanced([Candidate("r0", 4.0), Candidate("r1", 0.0)], CFG)  # 4 - 0 <= 4
 
 
 def test_no_cache_anywhere_is_a_load_decision():
@@ -105,14 +102,153 @@ def test_block_index_precise_from_kv_events():
     assert idx.match(block_hashes(ids, 16, "other tenant"), now=0.0) == 0
 
 
-def test_block_index_approximate_from_history_then_pending_window():
+def test_block_index_expected_blocks_age_out_unless_confirmed():
     h = block_hashes(list(range(64)), 16)
-    idx = BlockIndex(capacity=3, pending_s=2.0)
-    idx.routed(h, now=0.0)
-    assert idx.match(h, now=100.0) == 0  # capacity 3: block 0 was evicted first
-    idx = BlockIndex(capacity=100, pending_s=2.0)
-    idx.routed(h, now=0.0)
-    assert idx.match(h, now=100.0) == 4  # approximate mode: history, no expiry
-    idx.apply(KvEvents(stored=h[:1]))  # precise now: history only covers the pending window
+    idx = BlockIndex(capacity=3, expect_s=2.0)
+    idx.expect(h, now=0.0)
+    assert idx.match(h, now=100.0) == 0  # capacity 3: block 0 was dropped first
+    idx = BlockIndex(capacity=100, expect_s=2.0)
+    idx.expect(h, now=0.0)
+    assert idx.match(h, now=100.0) == 4  # approximate mode (no KV events ever): never aged
+    idx.apply(KvEvents(stored=h[:1]))  # precise now: expectations count for expect_s
     assert idx.match(h, now=1.0) == 4
-    assert idx.match(h, now=3.0) == 1
+    assert idx.match(h, now=3.0) == 1  # blocks 1-3 were never stored (say, the request was aborted)
+    idx.expect(h, now=3.0)
+    idx.apply(KvEvents(stored=h[1:3]))  # confirmed: no longer aging
+    idx.apply(KvEvents(removed=[h[3]]))  # evicted: gone from both sets
+    assert idx.match(h, now=3.5) == 3 and idx.match(h, now=1000.0) == 3
+    idx.reset()  # a new connection: nothing known
+    assert not idx.precise and idx.match(h, now=1000.0) == 0
+
+
+# -- a chat's next turn, bounded load (synthetic replica states) ----------------------------------
+
+EOS, NL = 2, 10
+
+
+def chat_turn(history: list[int], user: list[int]) -> list[int]:
+    """A ChatML-like rendering: history, the user's turn, the assistant's header."""
+    return history + [1, 300] + user + [EOS, NL] + [1, 301, NL]
+
+
+class Replicas:
+    """Per-replica prefix indexes fed the way the proxy feeds them, plus loads."""
+
+    def __init__(self, ids=("a", "b", "c")):
+        self.index = {r: BlockIndex() for r in ids}
+        self.load = dict.fromkeys(ids, 0.0)
+        for idx in self.index.values():
+            idx.apply(KvEvents(cleared=True))  # connected: precise mode, nothing cached
+
+    def cands(self, hashes, now=0.0):
+        return [Candidate(r, self.load[r], idx.match(hashes, now)) for r, idx in self.index.items()]
+
+    def route(self, prompt, now=0.0, router=None, **kw):
+        h = block_hashes(prompt, 16)
+        d = (router or Router()).route(self.cands(h, now), len(prompt), 16, key=str(h[0]), **kw)
+        self.index[d.replica].expect(h, now)  # Proxy._attach
+        return d, h
+
+
+def test_second_turn_routed_before_its_kv_events_arrive():
+    reps = Replicas()
+    system = list(range(1000, 1100))
+    turn1 = chat_turn([1, 299] + system + [EOS, NL], [7] * 10)
+    d1, h1 = reps.route(turn1)
+    reply = list(range(2000, 2040)) + [EOS]  # what the replica streamed back
+    # The stream ended (Proxy._release): prompt + reply are expected there; no KV event yet.
+    reps.index[d1.replica].expect(reply_hashes(turn1, h1, reply, 16, ""), now=0.5)
+    turn2 = chat_turn(turn1 + reply + [NL], [8] * 6)
+    held = len(turn1) + len(reply) - 1  # all but the last reply id were computed
+    d2, h2 = reps.route(turn2, now=0.6)
+    assert (d2.replica, d2.reason, d2.cached_blocks) == (d1.replica, PREFIX, held // 16)
+    # Without the reply the match would have stopped at the prompt's own blocks.
+    assert BlockIndex.match(_only_prompt(h1), h2, 0.6) == len(turn1) // 16 < held // 16
+    # The KV events come later and confirm it; an eviction shortens the match.
+    idx = reps.index[d1.replica]
+    idx.apply(KvEvents(stored=h2[: held // 16]))
+    assert idx.match(h2, now=1000.0) == held // 16
+    idx.apply(KvEvents(removed=[h2[3]]))
+    assert idx.match(h2, now=1000.0) == 3
+
+
+def _only_prompt(hashes):
+    idx = BlockIndex()
+    idx.expect(hashes, 0.0)
+    return idx
+
+
+def test_a_retokenized_reply_routes_on_the_longest_true_match():
+    reps = Replicas()
+    turn1 = chat_turn([1, 299] + list(range(1000, 1090)) + [EOS, NL], [7] * 12)
+    d1, h1 = reps.route(turn1)
+    reply = list(range(2000, 2060)) + [EOS]
+    reps.index[d1.replica].expect(reply_hashes(turn1, h1, reply, 16, ""), now=0.5)
+    # The template renders the reply's text back into other ids from reply token 21 on
+    # (the model had sampled a non-canonical split): the replica holds the generated ones.
+    rerendered = reply[:21] + [5000, 5001] + reply[23:]
+    turn2 = chat_turn(turn1 + rerendered + [NL], [8] * 6)
+    true_match = (len(turn1) + 21) // 16  # full blocks before the first differing id
+    assert true_match < (len(turn1) + len(reply) - 1) // 16
+    d2, _ = reps.route(turn2, now=0.6)
+    assert (d2.replica, d2.cached_blocks) == (d1.replica, true_match)
+
+
+def test_new_conversations_spread_and_stay():
+    reps = Replicas()
+    placed = {}
+    for k in range(6):  # six conversations start together
+        d, _ = reps.route(chat_turn([1, 299, 50 + k] + [60 + k] * 90, [7] * 5))
+        placed[k] = d.replica
+        reps.load[d.replica] += 1
+    assert Counter(placed.values()) == {"a": 2, "b": 2, "c": 2}
+    for k in range(6):  # their second turns (all six still streaming): each finds its own replica
+        d, _ = reps.route(chat_turn([1, 299, 50 + k] + [60 + k] * 90, [7] * 5) + [9] * 20)
+        assert d.replica == placed[k] and d.reason == PREFIX
+
+
+def test_bounded_load_spill_keeps_the_cache_where_it_can():
+    # One long system prompt (20 blocks), held by a and b but not by c.
+    reps = Replicas()
+    system = [1, 299] + list(range(1000, 1318)) + [EOS, NL]
+    hs = block_hashes(system, 16)
+    for r in ("a", "b"):
+        reps.index[r].apply(KvEvents(stored=hs))
+    user = lambda k: chat_turn(system, [k] * 8)  # noqa: E731
+    # b is at its bound (ceil(1.1 x 6 / 3) = 3 < 3 + 1); a can prefill it as cheaply: a, not the idle c.
+    reps.load.update(a=2.0, b=3.0, c=0.0)
+    d, _ = reps.route(user(7))
+    assert (d.replica, d.reason) == ("a", PREFIX)
+    # Both holders at the bound: a prefix several replicas hold is a shared one, worth one more copy.
+    reps.load.update(a=3.0, b=3.0, c=0.0)
+    d, _ = reps.route(user(8))
+    assert (d.replica, d.reason) == ("c", SPILL)
+
+
+def test_a_conversation_leaves_its_replica_only_when_the_queue_costs_more():
+    def later_turn(history_tokens: int, loads: dict):
+        reps = Replicas()
+        history = [1, 299] + list(range(1000, 1000 + history_tokens)) + [EOS, NL]
+        reps.index["a"].apply(KvEvents(stored=block_hashes(history, 16)))  # only a holds this conversation
+        reps.load.update(loads)
+        return reps.route(chat_turn(history, [9] * 8))[0]
+
+    assert later_turn(300, dict(a=1.0, b=1.0, c=0.0)).replica == "a"  # under its bound (2): it stays
+    # Over its bound (ceil(1.1 x 4 / 3) = 2): the holder's 2 requests weigh 2 x 256 tokens ...
+    d = later_turn(960, dict(a=2.0, b=1.0, c=0.0))
+    assert (d.replica, d.reason) == ("a", PREFIX)  # ... less than prefilling 960 tokens on c
+    d = later_turn(100, dict(a=2.0, b=1.0, c=0.0))
+    assert (d.replica, d.reason) == ("c", SPILL)  # ... more than prefilling 100 tokens on c
+    d = later_turn(960, dict(a=6.0, b=1.0, c=1.0))
+    assert d.replica != "a" and d.reason == LOAD  # far above the others (> 4 and > 1.5 x): the valve
+
+
+def test_a_session_keeps_its_replica_within_the_bound():
+    reps = Replicas()
+    prompt = chat_turn([1, 299] + list(range(1000, 1100)) + [EOS, NL], [7] * 5)
+    reps.load.update(a=1.0, b=0.0, c=0.0)
+    d, _ = reps.route(prompt, session_key="s1", session_current="a")
+    assert (d.replica, d.reason) == ("a", STICKY)  # its cache is unknown here (another worker placed it)
+    reps.load.update(a=6.0, b=0.0, c=0.0)
+    d, _ = reps.route(prompt, session_key="s1", session_current="a")
+    assert d.replica != "a"  # far above the others: moved

@@ -46,7 +46,10 @@ def test_prefix_ignores_sessions():
 def test_auto_is_the_proxy_router_and_unknown_modes_fail():
     r = mode("auto")
     assert type(r) is Router and type(make_router()) is Router
-    assert r.route(cands(0, 0, cached=(0, 8)), 160, 16, session_key="bob").reason == "sticky"
+    d = r.route(cands(0, 0, cached=(0, 8)), 160, 16, session_key="bob")
+    assert (d.replica, d.reason) == ("r1", "prefix")  # a new session goes where its prefix is
+    d = r.route(cands(0, 0, cached=(0, 8)), 160, 16, session_key="bob", session_current="r0")
+    assert (d.replica, d.reason) == ("r0", "sticky")  # a session's replica is kept under the bound
     with pytest.raises(ValueError, match="round_robin"):
         RouterConfig(mode="random")
 

@@ -116,6 +116,7 @@ def test_completions_models_health_metrics(server):
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip().startswith("5")
     assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
     assert httpx.get(server + "/healthz").json()["status"] == "ok"
+    assert httpx.get(server + "/health").json()["status"] == "ok"  # the alias routers for vLLM/SGLang probe
     m = httpx.get(server + "/metrics").text
     for name in ("edgechat_replica_ttft_seconds_bucket", "edgechat_replica_itl_seconds_count",
                  "edgechat_replica_running", "edgechat_replica_waiting", "edgechat_replica_kv_usage",

@@ -1,0 +1,526 @@
+"""Prefix-aware routing on real replicas, side by side with SGLang's router.
+
+    .venv/bin/python bench/routing.py                          # 3 default-model replicas, every run below
+    .venv/bin/python bench/routing.py --runs edgechat:auto,sglang:cache_aware --workloads multi-turn
+    .venv/bin/python bench/routing.py --replicas 6 --random-weights
+    .venv/bin/python bench/routing_sim.py                      # 1,000 conversations over 16 simulated replicas
+
+Every run starts N fresh replicas (`python -m replica`; nobody starts warm), one
+router in front of them, and drives a workload through the router's OpenAI API
+with the official `openai` SDK (streaming, usage included), then stops them all.
+
+Workloads:
+  multi-turn     12 conversations, each with its own 120-word system prompt, 4 turns,
+                 6 at a time; replies of up to 48 tokens at temperature 1 (seeded)
+  shared-prefix  48 users under one long system prompt, one turn each, 8 at a time
+
+Runs (ROUTER:POLICY[:session]):
+  edgechat:MODE     `python -m edge_proxy --routing MODE` (auto, prefix, sticky, round_robin);
+                    ":session" sends each conversation's id as `X-Session-ID`
+  sglang:POLICY     `sglang-router==0.3.2` (`--policy cache_aware|round_robin`), in its own venv
+                    (`--sglang-venv`, created on first use); it adds SGLang-only fields
+                    (`no_stop_trim`, ...) to request bodies, which our replicas reject, so each
+                    worker URL is a small pass-through (this file, `--role passthrough`)
+                    that keeps only the fields of the OpenAI schema
+  pinned            the oracle: the client sends conversation k straight to replica k mod N
+
+Columns: "cached" = cached prompt tokens / prompt tokens (replica usage) over turns
+2-4 (multi-turn) or all requests (shared-prefix); "oracle" = the same if every turn
+had gone to the replica holding its conversation, computed from this run's own
+prompts and replies with the model's tokenizer (a reply the template re-renders into
+other ids makes it a slight overestimate); requests per replica from each replica's
+/metrics; TTFT = the client's time to the first streamed chunk with text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PY = sys.executable
+SECRET = "bench-routing-secret"
+API_KEY = "sk-bench"  # the proxy's key for the bench: no practical rate limit
+SGLANG_ROUTER = "sglang-router==0.3.2"
+BLOCK = 16
+DEFAULT_RUNS = {
+    "multi-turn": ["pinned", "sglang:cache_aware", "edgechat:auto:session", "edgechat:auto", "edgechat:prefix",
+                   "sglang:round_robin", "edgechat:round_robin"],
+    "shared-prefix": ["sglang:cache_aware", "edgechat:auto", "sglang:round_robin", "edgechat:round_robin"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    f = open(log, "ab")
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=True, cwd=ROOT)
+
+
+def stop(p: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def wait_http(url: str, procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what} exited with {p.returncode} (see the logs in --log-dir)")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2, trust_env=False).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"{what} not ready at {url} after {timeout:g} s")
+
+
+@dataclass
+class Stack:
+    """N replicas and one router in front of them, as separate processes."""
+
+    a: argparse.Namespace
+    run: str
+    procs: list = field(default_factory=list)
+    replicas: list[str] = field(default_factory=list)  # http base URLs
+    base_url: str = ""  # the router's OpenAI base (…/v1); "" for pinned
+
+    def __enter__(self) -> Stack:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in reversed(self.procs):
+            stop(p)
+
+    def _start(self) -> None:
+        a, logs = self.a, Path(self.a.log_dir)
+        reps = []
+        for i in range(a.replicas):
+            port = free_port()
+            cmd = [PY, "-m", "replica", "--port", str(port), "--replica-id", f"r{i}", "--kv-memory-gb",
+                   str(a.kv_memory_gb), "--speculative", "off"]
+            if a.random_weights:
+                cmd.append("--random-weights")
+            reps.append(spawn(cmd, logs / f"replica-r{i}.log", {"EDGECHAT_REPLICA_SECRET": SECRET}))
+            self.replicas.append(f"http://127.0.0.1:{port}")
+        self.procs += reps
+        for url in self.replicas:
+            wait_http(url + "/healthz", reps, 600, "a replica")
+        router, _, policy = self.run.partition(":")
+        policy = policy.removesuffix(":session")
+        port = free_port()
+        if router == "edgechat":
+            cmd = [PY, "-m", "edge_proxy", "--port", str(port), "--routing", policy,
+                   "--stall-timeout", "30", "--log-level", "warning"]
+            for url in self.replicas:
+                cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
+            env = {"EDGECHAT_REPLICA_SECRET": SECRET, "EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9"}
+            self.procs.append(p := spawn(cmd, logs / "edgechat.log", env))
+            wait_http(f"http://127.0.0.1:{port}/healthz", [p], 120, "edge_proxy")
+            self.base_url = f"http://127.0.0.1:{port}/v1"
+        elif router == "sglang":
+            relay_ports = [free_port() for _ in self.replicas]
+            spec = [f"{rp}={url}" for rp, url in zip(relay_ports, self.replicas)]
+            self.procs.append(r := spawn([PY, __file__, "--role", "passthrough", *spec], logs / "passthrough.log"))
+            for rp in relay_ports:
+                wait_http(f"http://127.0.0.1:{rp}/health", [r], 60, "the pass-through")
+            cmd = [str(sglang_python(a)), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+                   str(port), "--policy", policy, "--log-level", "warn", "--worker-urls",
+                   *[f"http://127.0.0.1:{rp}" for rp in relay_ports]]
+            self.procs.append(p := spawn(cmd, logs / "sglang-router.log"))
+            wait_http(f"http://127.0.0.1:{port}/v1/models", [p], 180, "sglang-router")
+            self.base_url = f"http://127.0.0.1:{port}/v1"
+        elif router != "pinned":
+            raise ValueError(f"unknown router in run {self.run!r}")
+
+    def served(self) -> list[int]:
+        """Finished requests per replica (its /metrics)."""
+        import httpx
+
+        out = []
+        for url in self.replicas:
+            text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+            out.append(round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                 if line.startswith("edgechat_replica_requests_total"))))
+        return out
+
+    def proxy_metric(self, name: str) -> float | None:
+        import httpx
+
+        if not self.run.startswith("edgechat"):
+            return None
+        text = httpx.get(self.base_url.removesuffix("/v1") + "/metrics", timeout=10, trust_env=False).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def sglang_python(a) -> Path:
+    """The venv holding sglang-router (created with `pip install sglang-router==0.3.2` on first use)."""
+    venv = Path(a.sglang_venv)
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", SGLANG_ROUTER], check=True)
+    return py
+
+
+# -- the pass-through in front of each replica for SGLang's router (its own process) -------------
+
+
+def passthrough_app(upstream: str):
+    """An ASGI app relaying every request to `upstream`, keeping only the body fields of
+    the OpenAI schema our replicas accept (SGLang's router adds its own)."""
+    import httpx
+    import msgspec
+
+    from wire import openai as O
+
+    allowed = {"/v1/chat/completions": set(O.ChatCompletionRequest.__struct_fields__),
+               "/v1/completions": set(O.CompletionRequest.__struct_fields__)}
+    hop = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive"}
+    client = httpx.AsyncClient(base_url=upstream, timeout=None, trust_env=False)
+    dropped: set[str] = set()
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (msg := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await client.aclose()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        keep = allowed.get(scope["path"])
+        if keep is not None and body:
+            obj = msgspec.json.decode(body)
+            extra = set(obj) - keep
+            if extra - dropped:
+                dropped.update(extra)
+                print(f"pass-through drops body fields {sorted(extra)}", flush=True)
+            body = msgspec.json.encode({k: v for k, v in obj.items() if k in keep})
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in hop]
+        path = scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")
+        req = client.build_request(scope["method"], path, content=body, headers=headers)
+        resp = await client.send(req, stream=True)
+        try:
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": [(k, v) for k, v in resp.headers.raw if k.lower() not in hop]})
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await resp.aclose()
+
+    return app
+
+
+async def run_passthrough(specs: list[str]) -> None:
+    import uvicorn
+
+    servers = []
+    for spec in specs:
+        port, _, upstream = spec.partition("=")
+        cfg = uvicorn.Config(passthrough_app(upstream), host="127.0.0.1", port=int(port), log_level="warning",
+                             loop="uvloop", http="httptools")
+        servers.append(uvicorn.Server(cfg))
+    await asyncio.gather(*(s.serve() for s in servers))
+
+
+# -- workloads (the client: this process, the official openai SDK) --------------------------------
+
+
+@dataclass
+class Turn:
+    conv: int
+    turn: int
+    messages: list[dict]
+    reply: str = ""
+    finish: str = ""
+    prompt_tokens: int = 0
+    cached: int = 0
+    ttft_ms: float = 0.0
+
+
+def corpus():
+    from loadtest.workloads import load_corpus
+
+    return load_corpus()
+
+
+def own_system_prompt(k: int, c, words: int = 120) -> str:
+    """A 120-word system prompt of its own for conversation k (no full block shared with another)."""
+    rng = random.Random(k)
+    sentences = [s.strip() for p in c.system_prompts for s in p.split(". ") if s.strip()]
+    rng.shuffle(sentences)
+    out = f"You staff help desk number {k} of the {rng.choice(['north', 'south', 'east', 'west'])} office.".split()
+    for s in sentences:
+        out += (s.rstrip(".") + ".").split()
+        if len(out) >= words:
+            break
+    return " ".join(out[:words])
+
+
+async def one_turn(client, model: str, t: Turn, a, headers: dict) -> None:
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model, messages=t.messages, max_tokens=a.max_tokens, temperature=a.temperature,
+        seed=1000 * t.conv + t.turn, stream=True, stream_options={"include_usage": True}, extra_headers=headers)
+    parts = []
+    async for chunk in stream:
+        if chunk.choices:
+            ch = chunk.choices[0]
+            if ch.delta.content and not t.ttft_ms:  # a proxy may send the role before any token
+                t.ttft_ms = (time.perf_counter() - t0) * 1e3
+            parts.append(ch.delta.content or "")
+            t.finish = ch.finish_reason or t.finish
+        if chunk.usage is not None:
+            t.prompt_tokens = chunk.usage.prompt_tokens
+            d = chunk.usage.prompt_tokens_details
+            t.cached = (d.cached_tokens or 0) if d is not None else 0
+    t.reply = "".join(parts)
+
+
+def clients_for(stack: Stack):
+    from openai import AsyncOpenAI
+
+    kw = dict(api_key=API_KEY, max_retries=0, timeout=900)
+    if stack.base_url:
+        return [AsyncOpenAI(base_url=stack.base_url, **kw)]
+    return [AsyncOpenAI(base_url=url + "/v1", **kw) for url in stack.replicas]  # pinned
+
+
+async def multi_turn(stack: Stack, model: str, a) -> list[Turn]:
+    c = corpus()
+    clients = clients_for(stack)
+    session = stack.run.endswith(":session")
+    gate = asyncio.Semaphore(a.concurrency)
+    turns: list[Turn] = []
+
+    async def conversation(k: int) -> None:
+        rng = random.Random(10_000 + k)
+        msgs = [{"role": "system", "content": own_system_prompt(k, c)}]
+        headers = {"X-Session-ID": f"bench-conv-{k}"} if session else {}
+        async with gate:
+            for n in range(1, a.turns + 1):
+                msgs = msgs + [{"role": "user", "content": rng.choice(c.openers if n == 1 else c.followups)}]
+                t = Turn(k, n, msgs)
+                await one_turn(clients[k % len(clients)], model, t, a, headers)
+                turns.append(t)
+                msgs = msgs + [{"role": "assistant", "content": t.reply}]
+
+    await asyncio.gather(*(conversation(k) for k in range(a.conversations)))
+    for cl in clients:
+        await cl.close()
+    return turns
+
+
+async def shared_prefix(stack: Stack, model: str, a) -> list[Turn]:
+    c = corpus()
+    clients = clients_for(stack)
+    system = {"role": "system", "content": "\n\n".join(c.system_prompts)}
+    questions = c.shared_questions + c.openers
+    gate = asyncio.Semaphore(a.shared_concurrency)
+    turns: list[Turn] = []
+
+    async def user(k: int) -> None:
+        t = Turn(k, 1, [system, {"role": "user", "content": questions[k % len(questions)]}])
+        async with gate:
+            await one_turn(clients[k % len(clients)], model, t, a, {})
+        turns.append(t)
+
+    await asyncio.gather(*(user(k) for k in range(a.users)))
+    for cl in clients:
+        await cl.close()
+    return turns
+
+
+# -- figures -----------------------------------------------------------------------------------
+
+
+def oracle_cached(turns: list[Turn], tok) -> dict[tuple[int, int], int]:
+    """Per later turn: the cached tokens had it gone to the replica that served the
+    conversation's previous turn (full blocks of the common prefix of its prompt and
+    the previous prompt + reply; one prompt token is always computed)."""
+    by = {(t.conv, t.turn): t for t in turns}
+    out = {}
+    for (k, n), t in by.items():
+        prev = by.get((k, n - 1))
+        if prev is None:
+            continue
+        held = tok.encode_chat(prev.messages) + tok.encode(prev.reply, add_special_tokens=False)
+        if prev.finish == "stop":
+            held += list(tok.eos_token_ids[:1])
+        held = held[:-1]  # the last generated id is never computed
+        now = tok.encode_chat(t.messages)
+        common = next((i for i, (x, y) in enumerate(zip(held, now)) if x != y), min(len(held), len(now)))
+        out[(k, n)] = min(common // BLOCK, (len(now) - 1) // BLOCK) * BLOCK
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def summarize(run: str, workload: str, turns: list[Turn], served: list[int], tok, retok: float | None) -> dict:
+    later = [t for t in turns if t.turn > 1] if workload == "multi-turn" else turns
+    prompt = sum(t.prompt_tokens for t in later)
+    row = {"run": run, "workload": workload, "cached": sum(t.cached for t in later) / max(prompt, 1),
+           "hits": sum(t.cached > 0 for t in later), "later": len(later), "served": served,
+           "p50": pct([t.ttft_ms for t in turns], 0.5), "p99": pct([t.ttft_ms for t in turns], 0.99),
+           "retokenized": retok}
+    if workload == "multi-turn":
+        row["oracle"] = sum(oracle_cached(turns, tok).values()) / max(prompt, 1)
+    mean = sum(served) / len(served)
+    row["dev"] = max(abs(s - mean) for s in served) / mean if mean else 0.0
+    return row
+
+
+def label(run: str) -> tuple[str, str]:
+    router, _, rest = run.partition(":")
+    session = "yes" if rest.endswith(":session") else "no"
+    policy = rest.removesuffix(":session")
+    if router == "pinned":
+        return "pinned: conversation k on replica k mod N (oracle)", "-"
+    name = f"SGLang router 0.3.2 `{policy}`" if router == "sglang" else f"edgechat `--routing {policy}`"
+    return name, session if router == "edgechat" else "no"
+
+
+def print_tables(rows: list[dict], a) -> None:
+    print(f"\nrouting on real replicas — {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{platform.system()} {platform.release()}, {time.strftime('%Y-%m-%d')}; {a.replicas} replicas "
+          f"({'random weights' if a.random_weights else 'default model'}, CPU), replies <= {a.max_tokens} tokens "
+          f"at temperature {a.temperature:g} (seeded)")
+    for workload in a.workloads:
+        part = [r for r in rows if r["workload"] == workload]
+        if not part:
+            continue
+        if workload == "multi-turn":
+            print(f"\nmulti-turn: {a.conversations} conversations x {a.turns} turns, {a.concurrency} at a time, "
+                  f"own 120-word system prompt each; cached over turns 2-{a.turns}")
+            print(f"| router | session id | cached | oracle | of oracle | later turns with a hit | "
+                  f"requests per replica | TTFT p50 / p99 ms |")
+            print("|---|---|---:|---:|---:|---:|---|---:|")
+        else:
+            print(f"\nshared-prefix: {a.users} users, one ~800-token system prompt, one turn each, "
+                  f"{a.shared_concurrency} at a time")
+            print("| router | cached | requests with a hit | requests per replica | TTFT p50 / p99 ms |")
+            print("|---|---:|---:|---|---:|")
+        for r in part:
+            name, session = label(r["run"])
+            served = " / ".join(map(str, r["served"])) + f" (±{r['dev']:.0%})"
+            ttft = f"{r['p50']:.0f} / {r['p99']:.0f}"
+            if workload == "multi-turn":
+                print(f"| {name} | {session} | {r['cached']:.3f} | {r['oracle']:.3f} | {r['cached'] / r['oracle']:.1%} "
+                      f"| {r['hits']}/{r['later']} | {served} | {ttft} |")
+            else:
+                print(f"| {name} | {r['cached']:.3f} | {r['hits']}/{r['later']} | {served} | {ttft} |")
+        retok = [f"{label(r['run'])[0]} {label(r['run'])[1]}: {r['retokenized']:g}" for r in part
+                 if r["retokenized"] is not None]
+        if retok:
+            print("replies the template re-rendered into other ids (edgechat_proxy_retokenized_replies_total): "
+                  + "; ".join(retok))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--random-weights", action="store_true", help="replicas on random weights (larger N)")
+    p.add_argument("--kv-memory-gb", type=float, default=0.5)
+    p.add_argument("--workloads", default="multi-turn,shared-prefix")
+    p.add_argument("--runs", default="", help="comma-separated runs (default: the table's, per workload)")
+    p.add_argument("--conversations", type=int, default=12)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--users", type=int, default=48)
+    p.add_argument("--shared-concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--sglang-venv", default=str(ROOT / ".cache" / "sglang-router-venv"))
+    p.add_argument("--log-dir", default="", help="process logs (default: a fresh temporary folder)")
+    p.add_argument("--json", default="", help="also write the rows here")
+    p.add_argument("--role", default="main", choices=["main", "passthrough"], help=argparse.SUPPRESS)
+    p.add_argument("specs", nargs="*", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.role == "passthrough":
+        import uvloop
+
+        uvloop.run(run_passthrough(a.specs))
+        return
+    a.workloads = [w for w in a.workloads.split(",") if w]
+    for w in a.workloads:
+        if w not in DEFAULT_RUNS:
+            raise SystemExit(f"--workloads: {w!r} is not one of {', '.join(DEFAULT_RUNS)}")
+    if not a.log_dir:
+        import tempfile
+
+        a.log_dir = tempfile.mkdtemp(prefix="bench-routing-")
+    Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+    print(f"logs in {a.log_dir}", flush=True)
+    from edge_proxy.prompt import load_tokenizer
+
+    tok = load_tokenizer("default")
+    rows = []
+    for workload in a.workloads:
+        runs = [r for r in a.runs.split(",") if r] or DEFAULT_RUNS[workload]
+        for run in runs:
+            if run == "pinned" and workload != "multi-turn":
+                continue
+            t0 = time.monotonic()
+            with Stack(a, run) as st:
+                import httpx
+
+                model = httpx.get(st.replicas[0] + "/v1/models", trust_env=False).json()["data"][0]["id"]
+                drive = multi_turn if workload == "multi-turn" else shared_prefix
+                turns = asyncio.run(drive(st, model, a))
+                row = summarize(run, workload, turns, st.served(), tok,
+                                st.proxy_metric("edgechat_proxy_retokenized_replies_total"))
+            rows.append(row)
+            print(f"{workload} {run}: cached {row['cached']:.3f}"
+                  + (f" (oracle {row['oracle']:.3f})" if "oracle" in row else "")
+                  + f", served {row['served']}, TTFT p50/p99 {row['p50']:.0f}/{row['p99']:.0f} ms "
+                    f"[{time.monotonic() - t0:.0f} s]", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    print_tables(rows, a)
+
+
+if __name__ == "__main__":
+    main()
