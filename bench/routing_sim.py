@@ -62,6 +62,7 @@ class SimConfig:
     retokenize: float = 0.05
     cache_blocks: int = 1400  # ~1 GiB of KV for the default model on CPU
     event_delay_ms: float = 0.0
+    events_only: bool = False  # ablation: the index learns from KV events alone (no expected blocks)
     think_ms: float = 0.0
     step_ms: float = 25.0  # per step ...
     decode_ms: float = 1.5  # ... + per decoding sequence
@@ -178,7 +179,8 @@ class Sim:
         req.replica = d.replica
         self.session_at[req.conv] = d.replica
         self.load[d.replica] += 1
-        self.index[d.replica].expect(req.hashes, now)
+        if not self.cfg.events_only:
+            self.index[d.replica].expect(req.hashes, now)
         rep = self.reps[d.replica]
         rep.served += 1
         rep.waiting.append(req)
@@ -186,7 +188,8 @@ class Sim:
 
     def stream_ended(self, req: Req) -> None:
         self.load[req.replica] -= 1
-        self.index[req.replica].expect(reply_hashes(req.prompt, req.hashes, req.reply, BS, ""), self.clock / 1e3)
+        if not self.cfg.events_only:
+            self.index[req.replica].expect(reply_hashes(req.prompt, req.hashes, req.reply, BS, ""), self.clock / 1e3)
         self.finished(req)
 
     def deliver(self, replica: str, ev: KvEvents) -> None:
@@ -282,11 +285,13 @@ def main() -> None:
     p.add_argument("--cache-blocks", type=int, default=d.cache_blocks)
     p.add_argument("--event-delay-ms", type=float, default=d.event_delay_ms)
     p.add_argument("--think-ms", type=float, default=d.think_ms)
+    p.add_argument("--events-only", action="store_true", help="ablation: no expected blocks, KV events alone")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--modes", default="auto,prefix,sticky,round_robin")
     a = p.parse_args()
     cfg = SimConfig(a.conversations, a.replicas, a.concurrency, a.turns, a.system_tokens, a.shared, retokenize=a.retokenize,
-                    cache_blocks=a.cache_blocks, event_delay_ms=a.event_delay_ms, think_ms=a.think_ms, seed=a.seed)
+                    cache_blocks=a.cache_blocks, event_delay_ms=a.event_delay_ms, events_only=a.events_only,
+                    think_ms=a.think_ms, seed=a.seed)
     runs = []
     for mode in a.modes.split(","):
         if mode not in MODES:
@@ -295,7 +300,8 @@ def main() -> None:
             runs.append((mode, sessions, Sim(cfg, mode, sessions).run()))
     print(f"routing simulation: {cfg.conversations} conversations x {cfg.turns} turns, {cfg.replicas} replicas, "
           f"{cfg.concurrency} at a time, {cfg.cache_blocks} cached blocks per replica, KV events "
-          f"{cfg.event_delay_ms:g} ms late, {cfg.retokenize:.0%} replies re-tokenized, seed {cfg.seed}")
+          f"{cfg.event_delay_ms:g} ms late{' (the index learns from them alone)' if cfg.events_only else ''}, "
+          f"{cfg.retokenize:.0%} replies re-tokenized, seed {cfg.seed}")
     print(f"{'mode':<12} | {'session':<7} | {'cached':>6} | {'oracle':>6} | {'of oracle':>9} | {'later hits':>12} | "
           f"{'req/replica min-max':>19} | {'max dev':>7} | {'TTFT p50/p99 ms':>15}")
     print("-" * 118)
