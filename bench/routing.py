@@ -41,8 +41,6 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,6 +49,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tests.replica.server import free_port, stop_group  # noqa: E402  (process helpers shared with the tests)
 
 PY = sys.executable
 SECRET = "bench-routing-secret"
@@ -64,12 +64,6 @@ DEFAULT_RUNS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- processes ---------------------------------------------------------------------------------
 
 
@@ -77,16 +71,6 @@ def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
     f = open(log, "ab")
     return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                             start_new_session=True, cwd=ROOT)
-
-
-def stop(p: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGTERM)
-    try:
-        p.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
 
 
 def wait_http(url: str, procs: list[subprocess.Popen], timeout: float, what: str) -> None:
@@ -124,7 +108,7 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         for p in reversed(self.procs):
-            stop(p)
+            stop_group(p)
 
     def _start(self) -> None:
         a, logs = self.a, Path(self.a.log_dir)

@@ -19,9 +19,12 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    A conversation's later turn has one cheap replica, the one holding its
    history, and stays there; a new conversation, or a prompt that only shares a
    system prompt held everywhere, has several and goes to the least loaded.
-3. Spill: when every such replica is at its bound, the replica minimising
-   `prefill + load_cost_tokens * load` (an outstanding request weighs like that
-   many prefill tokens): the cache is given up only when the queue costs more.
+3. Spill, when every such replica is at its bound. Several of them (a prefix many
+   prompts share, e.g. a system prompt): one more copy, on the replica under its
+   bound that prefills least. Only one (a conversation's history): the replica
+   minimising `prefill + load_cost_tokens * load` (an outstanding request weighs
+   like that many prefill tokens), so the history moves only when the queue costs
+   more than prefilling it again.
 
 `load` is the effective number of outstanding requests (running + waiting) as
 the proxy best knows it; see `effective_load`.

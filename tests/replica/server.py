@@ -50,6 +50,17 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> No
     raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
+def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM the process group started with `start_new_session=True`; SIGKILL it after `timeout`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @contextlib.contextmanager
 def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = None, env: dict | None = None,
                    span: int = 1):
@@ -65,10 +76,4 @@ def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = N
         wait_healthy(url, proc)
         yield url, proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
