@@ -343,10 +343,13 @@ async def shared_prefix(stack: Stack, model: str, a) -> list[Turn]:
     gate = asyncio.Semaphore(a.shared_concurrency)
     turns: list[Turn] = []
 
+    session = stack.run.endswith(":session")
+
     async def user(k: int) -> None:
         t = Turn(k, 1, [system, {"role": "user", "content": questions[k % len(questions)]}])
         async with gate:
-            await one_turn(clients[k % len(clients)], model, t, a, {})
+            headers = {"X-Session-ID": f"bench-user-{k}"} if session else {}
+            await one_turn(clients[k % len(clients)], model, t, a, headers)
         turns.append(t)
 
     await asyncio.gather(*(user(k) for k in range(a.users)))

@@ -289,7 +289,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--modes", default="auto,prefix,sticky,round_robin")
     a = p.parse_args()
-    cfg = SimConfig(a.conversations, a.replicas, a.concurrency, a.turns, a.system_tokens, a.shared, retokenize=a.retokenize,
+    cfg = SimConfig(a.conversations, a.replicas, a.concurrency, a.turns, a.system_tokens, a.shared,
+                    retokenize=a.retokenize,
                     cache_blocks=a.cache_blocks, event_delay_ms=a.event_delay_ms, events_only=a.events_only,
                     think_ms=a.think_ms, seed=a.seed)
     runs = []
