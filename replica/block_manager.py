@@ -73,6 +73,8 @@ class BlockManager:
         at most (len - 1) // block_size blocks are reused. Returns tokens reused.
         """
         assert not seq.block_table and seq.num_computed == 0
+        if seq.sampling.prompt_logprobs is not None:
+            return 0  # it needs the logits of every prompt position: nothing cached has them
         h = salt_seed(seq.cache_salt)
         bs = self.block_size
         for i in range((len(seq) - 1) // bs):

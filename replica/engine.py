@@ -15,8 +15,10 @@ import msgspec
 import torch
 
 from wire import protocol as P
+from replica import sampling
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
+from replica.forks import Forks
 from replica.runner import DTYPES, Runner, build_model, kv_bytes_per_block
 from replica.scheduler import Scheduler
 from replica.sequence import Sequence, Status
@@ -52,6 +54,9 @@ class _Launched:
     event: object  # torch.cuda.Event, or None on CPU
     logits: torch.Tensor
     t0: float
+    logprobs: sampling.StepLogprobs | None = None
+    prompt_rows: list = ()  # prefill chunks' prompt logprobs: (seq, position, offset) into prompt_logits
+    prompt_logits: torch.Tensor | None = None
 
 
 class LLMEngine:
@@ -108,6 +113,7 @@ class LLMEngine:
         self.overlap = cfg.overlap if cfg.overlap is not None else self.runner.device.type == "cuda"
         self._inflight: _Launched | None = None
         self.seqs: dict[str, Sequence] = {}
+        self.forks = Forks()  # n > 1: samples waiting for their leader's prompt prefill
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
         self.step_ms = 0.0  # exponential moving average
@@ -132,7 +138,14 @@ class LLMEngine:
             return P.BAD_REQUEST, "resume_ids already reach max_tokens"
         if req.priority not in (P.INTERACTIVE, P.BATCH):
             return P.BAD_REQUEST, f"priority must be {P.INTERACTIVE} (interactive) or {P.BATCH} (batch)"
-        problem = req.sampling.validate(self.max_model_len)
+        if req.sampling.n != 1:
+            return P.BAD_REQUEST, "n must be 1 at the engine (the API process sends each sample on its own)"
+        problem = req.sampling.validate(self.max_model_len, V)
+        if problem is None and self.speculator is not None and req.sampling.prompt_logprobs is not None:
+            problem = "prompt_logprobs (echo with logprobs) need a replica without speculative decoding"
+        if problem is None and self.tp.world > 1 and self.overlap and req.sampling.processed():
+            problem = ("penalties, logit_bias, min_p and min_tokens need overlap scheduling off with tensor "
+                       "parallelism (every rank samples on its own)")
         return (P.BAD_REQUEST, problem) if problem else None
 
     def add(self, req: P.Generate) -> P.Error | None:
@@ -145,15 +158,27 @@ class LLMEngine:
         seq = Sequence(req.id, req.prompt_ids, sp, seed=seed, eos_ids=self.eos_ids, priority=req.priority,
                        cache_salt=req.cache_salt, resume_ids=req.resume_ids)
         self.seqs[req.id] = seq
-        self.scheduler.add(seq)
+        leader = self.seqs.get(req.fork_of) if req.fork_of else None
+        if leader is not None and not leader.first_token_time:
+            self.forks.park(leader.id, seq)  # waits for the leader's prompt KV (replica.forks)
+        else:
+            self.scheduler.add(seq)
         return None
 
     def abort(self, req_id: str) -> P.Finished | None:
         seq = self.seqs.pop(req_id, None)
         if seq is None:
             return None
-        self.scheduler.remove(seq)
+        if self.forks.discard(seq):
+            seq.status = Status.FINISHED
+        else:
+            self.scheduler.remove(seq)
+            self._release_forks(seq)
         return self._finished(seq, P.FINISH_ABORT)
+
+    def _release_forks(self, seq: Sequence) -> None:
+        for s in reversed(self.forks.release(seq.id)):
+            self.scheduler.add(s, front=True)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -202,11 +227,12 @@ class LLMEngine:
             return None
         t0 = time.perf_counter()
         plan = self.runner.plan(batch)
+        prompt_rows = sampling.prompt_rows(plan, batch)
         seqs = [batch.seqs[i] for i in plan.sample_rows]
-        sampling = self.runner.sampling_of(seqs)
+        params = self.runner.sampling_of(seqs)
         if self.tp.world > 1:
             if self.overlap:
-                plan.sampling = sampling  # the other ranks sample this step too
+                plan.sampling = params  # the other ranks sample this step too
             self.tp.broadcast_bytes(self._plan_encoder.encode(plan))
         if self.speculator is not None and self.speculator.aux_layers:  # the head sees every token computed
             logits, aux = self.runner.forward_logits(plan, prev.tokens if prev is not None else None,
@@ -214,7 +240,8 @@ class LLMEngine:
             self.speculator.feed(batch, aux)
         else:
             logits = self.runner.forward_logits(plan, prev.tokens if prev is not None else None)
-        tokens = self.runner.sample_params(logits, sampling)
+        logits, prompt_logits = logits[: len(seqs)], logits[len(seqs):]
+        tokens, logprobs = sampling.sample(self.runner, logits, seqs, params, prev.tokens if prev is not None else None)
         host, event = self.runner.to_host(tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
@@ -223,13 +250,15 @@ class LLMEngine:
             sampled.append((seq, len(seq.token_ids)))
             seq.token_ids.append(-(j + 1))  # placeholder: this step's j-th token
             seq.num_unresolved += 1
-        return _Launched(batch.seqs, sampled, tokens, host, event, logits, t0)
+        return _Launched(batch.seqs, sampled, tokens, host, event, logits, t0, logprobs, prompt_rows, prompt_logits)
 
     def _resolve(self, step: _Launched) -> list:
         """Read a launched step's tokens back, replace its placeholders, check stops."""
         if step.event is not None:
             step.event.synchronize()
         tokens = step.host.tolist()
+        sampling.keep_logprobs([seq for seq, _ in step.sampled], step.logprobs)
+        sampling.collect_prompt_logprobs(step.prompt_rows, step.prompt_logits)
         out: list = []
         now = time.monotonic()
         for (seq, pos), tok in zip(step.sampled, tokens):
@@ -243,10 +272,12 @@ class LLMEngine:
             if reason:
                 out.append(self._finish(seq, reason, [tok], length=pos + 1))
             else:
-                out.append(P.Tokens(id=seq.id, ids=[tok]))
+                out.append(sampling.attach(P.Tokens(id=seq.id, ids=[tok]), seq))
         for seq in step.seqs:  # tokens before num_computed are all real now
             if seq.status != Status.FINISHED:
                 self.blocks.commit(seq)
+        for seq, _ in step.sampled:  # their prompts are cached: their samples may start
+            self._release_forks(seq)
         self.tokens_generated += len(tokens)
         self.num_steps += 1
         dt = (time.perf_counter() - step.t0) * 1e3
@@ -280,12 +311,14 @@ class LLMEngine:
             if reason:
                 out.append(self._finish(seq, reason, emitted, length=len(seq)))
                 continue
-            out.append(P.Tokens(id=seq.id, ids=emitted))
+            out.append(sampling.attach(P.Tokens(id=seq.id, ids=emitted), seq))
             if i < batch.num_spec:
                 self.blocks.truncate(seq, len(seq))  # rejected drafts' blocks go back
-        for seq in batch.seqs:
+        for seq, (tokens, _) in zip(batch.seqs, results):
             if seq.status != Status.FINISHED:
                 self.blocks.commit(seq)  # hashes cover computed (verified) tokens only
+            if tokens:
+                self._release_forks(seq)
         self.num_steps += 1
         dt = (time.perf_counter() - t0) * 1e3
         self.step_ms = dt if self.num_steps == 1 else 0.9 * self.step_ms + 0.1 * dt
@@ -297,12 +330,14 @@ class LLMEngine:
         usage = P.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=length - seq.num_prompt_tokens,
                         cached_tokens=max(0, seq.num_cached_prompt),
                         accepted_draft_tokens=seq.num_accepted_drafts)
-        return P.Finished(id=seq.id, finish_reason=reason, usage=usage, ttft_ms=ttft, ids=list(last_ids))
+        return sampling.attach(P.Finished(id=seq.id, finish_reason=reason, usage=usage, ttft_ms=ttft,
+                                          ids=list(last_ids)), seq)
 
     def _finish(self, seq: Sequence, reason: str, last_ids: list[int], length: int) -> P.Finished:
         self.seqs.pop(seq.id)
         self.blocks.commit(seq)
         self.scheduler.remove(seq)
+        self._release_forks(seq)
         return self._finished(seq, reason, last_ids, length)
 
     def close(self) -> None:

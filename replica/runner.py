@@ -11,6 +11,7 @@ import torch
 
 from replica.config import EngineConfig, ModelConfig
 from replica.graphs import DecodeGraphs, resolve_placeholders
+from replica import sampling
 from replica.model import Context, LlamaModel
 from replica.scheduler import Batch
 
@@ -29,6 +30,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     # all-gathered, sampling is a pure function of them and of these), so each has the
     # tokens its next step's placeholders stand for. Per sampled row:
     sampling: list[tuple[float, int, float, int, int]] = []  # (temperature, top_k, top_p, seed, position)
+    extra_logits: list[int] = []  # flat token indices whose logits follow the sampled rows' (prompt logprobs)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,7 +101,7 @@ class Runner:
             extend_seq_lens=self._tensor([s + n for s, n in zip(plan.starts[nd:], ext_n)], torch.int32)
             if ext_n else None,
         )
-        sample_idx = [last[i] for i in plan.sample_rows]
+        sample_idx = [last[i] for i in plan.sample_rows] + plan.extra_logits
         return self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx, sample_idx
 
     @torch.inference_mode()
@@ -139,8 +141,9 @@ class Runner:
         return [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.seed, len(s)) for s in seqs]
 
     def sample(self, logits: torch.Tensor, seqs) -> torch.Tensor:
-        """Sample one token per row; randomness depends on (seed, position) only."""
-        return self.sample_params(logits, self.sampling_of(seqs))
+        """Sample one token per row as the engine does (logits processing, logprobs kept
+        on the sequences); randomness depends on (seed, position, tokens so far) only."""
+        return sampling.sample_now(self, logits, seqs)
 
     @torch.inference_mode()
     def sample_params(self, logits: torch.Tensor, params: list[tuple[float, int, float, int, int]]) -> torch.Tensor:

@@ -57,8 +57,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- queues -----------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        self.waiting.setdefault(seq.priority, deque()).append(seq)
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue a sequence; `front`: ahead of its class (samples released after their leader's prefill)."""
+        q = self.waiting.setdefault(seq.priority, deque())
+        q.appendleft(seq) if front else q.append(seq)
 
     @property
     def num_waiting(self) -> int:
@@ -133,7 +135,7 @@ class Scheduler:
             n = 1 if seq.is_decode else min(seq.num_uncomputed, budget)
             if n <= 0:
                 continue
-            if (spec is not None and seq.is_decode and budget >= 1 + extra
+            if (spec is not None and seq.is_decode and seq.plain and budget >= 1 + extra
                     and len(seq) + spec.lookahead <= self.max_model_len
                     and self.blocks.allocate(seq, 1 + spec.lookahead)):
                 speculating.add(seq)

@@ -26,7 +26,7 @@ class Sequence:
         "id", "token_ids", "num_prompt_tokens", "sampling", "priority", "cache_salt",
         "seed", "arrival", "deadline", "status", "block_table", "block_hashes",
         "num_computed", "num_cached_prompt", "first_token_time", "finish_reason",
-        "eos_ids", "num_preemptions", "num_unresolved", "draft_state", "num_accepted_drafts",
+        "eos_ids", "num_preemptions", "num_unresolved", "draft_state", "num_accepted_drafts", "logprob_state",
     )
 
     def __init__(self, id: str, prompt_ids: list[int], sampling: SamplingParams, *,
@@ -53,6 +53,13 @@ class Sequence:
         self.num_unresolved = 0  # overlap scheduling: placeholder tokens not yet read back
         self.draft_state = None  # EAGLE-3: the head's view of this sequence (speculative.drafting.HeadState)
         self.num_accepted_drafts = 0  # draft tokens accepted and emitted (usage)
+        self.logprob_state = None  # replica.sampling.LogprobState once logprobs are asked for
+
+    @property
+    def plain(self) -> bool:
+        """Tokens drawn from the logits alone, one at a time: what speculative rows must be."""
+        sp = self.sampling
+        return not sp.processed() and sp.logprobs is None and sp.prompt_logprobs is None
 
     def __len__(self) -> int:
         return len(self.token_ids)

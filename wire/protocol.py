@@ -7,6 +7,12 @@ requests from one engine step into one frame. Hot structs are `array_like` and
 
 Imports msgspec only: the proxy imports this module and must not pull in torch.
 
+Evolution: structs are arrays, and msgspec writes every field (defaults too), so a
+field is only ever appended, with a default. A new peer decodes an old one's
+messages; an old proxy ignores the trailing fields of a new replica's Tokens and
+Finished; an old replica refuses a new proxy's SamplingParams (it forbids unknown
+fields rather than ignore a parameter it cannot honour): upgrade replicas first.
+
 Directions:
   proxy -> replica   Generate, Abort
   replica -> proxy   Hello (once, on connect), Tokens, Finished, Error, Load, KvEvents
@@ -24,7 +30,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: n, logprobs, penalties, logit bias, min_p, min_tokens (issue 12)
 
 # Stable error codes (also used by the public protocol).
 BAD_REQUEST = "bad_request"
@@ -44,9 +50,33 @@ FINISH_LENGTH = "length"  # max_tokens or context length reached
 FINISH_ABORT = "abort"  # cancelled by the client / proxy
 FINISH_ERROR = "error"
 
+DEFAULT_MAX_TOKENS = 256  # the one default for every front door (WS, OpenAI HTTP, /infill)
+MAX_N = 16  # parallel samples per request
+MAX_LOGPROBS = 20  # top alternatives per token
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_STOP_TOKEN_IDS = 64
+_MASK63 = (1 << 63) - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request: sample 0 keeps the request's
+    seed, the others get a splitmix64 mix of (seed, index). A pure function, so a
+    sample resumed elsewhere continues exactly."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK63
+
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
-    max_tokens: int = 256
+    """How to draw tokens. The engine applies, per step and sequence: logit_bias,
+    repetition penalty (prompt + output), frequency/presence penalties (output, resumed
+    tokens included), EOS/stop ids masked before min_tokens, then min_p, top-k, top-p
+    and temperature in the sampler. Logprobs are the model's raw log-softmax."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 -> off
@@ -54,23 +84,62 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, forbid
     stop: list[str] = []  # stop strings (checked after detokenization)
     stop_token_ids: list[int] = []  # in addition to the model's EOS ids
     ignore_eos: bool = False
+    # -- protocol version 2 -----------------------------------------------------------
+    n: int = 1  # parallel samples sharing the prompt's prefill (sample i seeded by sample_seed)
+    presence_penalty: float = 0.0  # logit -= presence * (count > 0), over output tokens
+    frequency_penalty: float = 0.0  # logit -= frequency * count, over output tokens
+    repetition_penalty: float = 1.0  # prompt + output tokens: logit / r if > 0 else logit * r
+    min_p: float = 0.0  # drop tokens with p < min_p * p_max
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids masked until this many tokens
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens (and their top k)
+    include_stop_str_in_output: bool = False
 
-    def validate(self, max_tokens_limit: int) -> str | None:
-        """Return a message naming the problem, or None when the params are valid."""
-        if self.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {self.max_tokens}"
-        if self.max_tokens > max_tokens_limit:
-            return f"max_tokens must be <= {max_tokens_limit}, got {self.max_tokens}"
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling (the engine's per-token processing)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_p or self.logit_bias or self.min_tokens)
+
+    def validate(self, max_tokens_limit: int, vocab_size: int = 1 << 31) -> str | None:
+        """Return a message naming the problem (it starts with the field's name), or None
+        when the params are valid. Written so NaN fails every range check."""
+        if not 1 <= self.max_tokens <= max_tokens_limit:
+            return f"max_tokens must be in [1, {max_tokens_limit}], got {self.max_tokens}"
         if not 0.0 <= self.temperature <= 100.0:
             return f"temperature must be in [0, 100], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:
             return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.top_k < 0:
-            return f"top_k must be >= 0, got {self.top_k}"
+        if not 0 <= self.top_k < 1 << 31:
+            return f"top_k must be >= 0 (0: off), got {self.top_k}"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return f"seed must be in [0, 2**63), got {self.seed}"
         if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
             return "stop takes at most 16 non-empty strings of at most 256 characters"
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            return f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab_size})"
+        if not 1 <= self.n <= MAX_N:
+            return f"n must be in [1, {MAX_N}], got {self.n}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                return f"{name} must be in [-2, 2], got {getattr(self, name)}"
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            return f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be in [0, 1], got {self.min_p}"
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            return f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"
+        for t, b in self.logit_bias.items():
+            if not 0 <= t < vocab_size:
+                return f"logit_bias token ids must be in [0, {vocab_size}), got {t}"
+            if not -100.0 <= b <= 100.0:
+                return f"logit_bias values must be in [-100, 100], got {b}"
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            return f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                return f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
         return None
 
 
@@ -83,16 +152,38 @@ class Generate(msgspec.Struct, tag="generate", array_like=True, omit_defaults=Tr
     deadline_ms: float = 0.0  # 0 -> none; relative to arrival, for admission
     resume_ids: list[int] = []  # tokens already generated elsewhere (exact failover resume)
     traceparent: str = ""  # W3C trace context
+    # n > 1 resumed after failover: the samples still to run and their tokens so far
+    # (aligned); [] -> samples 0..n-1 from the start (resume_ids is sample 0's, n == 1)
+    sample_ids: list[int] = []
+    sample_resume: list[list[int]] = []
+    fork_of: str = ""  # API process -> engine: a sample that shares this request's prompt prefill (replica.forks)
+
+    def samples(self) -> list[tuple[int, list[int]]]:
+        """(sample index, tokens already generated) for every sample to run."""
+        if self.sample_ids:
+            return list(zip(self.sample_ids, self.sample_resume))
+        return [(0, self.resume_ids)] + [(i, []) for i in range(1, self.sampling.n)]
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
     id: str
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One token's log-probability under the model (raw log-softmax) and the top alternatives."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class Tokens(msgspec.Struct, tag="tokens", array_like=True, omit_defaults=True):
     id: str
     ids: list[int]
     text: str = ""  # filled by the replica API process (incremental detokenization)
+    index: int = 0  # which of the request's n samples
+    logprobs: list[TokenLogprob] = []  # aligned with ids when sampling.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.. (sampling.prompt_logprobs; first message only)
 
 
 class Usage(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -109,6 +200,9 @@ class Finished(msgspec.Struct, tag="finished", array_like=True, omit_defaults=Tr
     ttft_ms: float = 0.0  # engine arrival -> first token
     ids: list[int] = []  # last tokens, when sent in the same step as the finish
     text: str = ""
+    index: int = 0  # which of the request's n samples (each sample finishes once)
+    logprobs: list[TokenLogprob] = []  # aligned with ids
+    prompt_logprobs: list[TokenLogprob] = []  # when no Tokens came before (a one-token answer)
 
 
 class Error(msgspec.Struct, tag="error", array_like=True, omit_defaults=True):

@@ -1,0 +1,227 @@
+"""The engine's side of SamplingParams beyond temperature/top-k/top-p: per-step
+logits processing and logprobs, for the rows that ask for them.
+
+Per sampled row, in this order (vLLM's, and what OpenAI documents):
+
+    x = logits + logit_bias
+    x = x / r where x > 0, x * r elsewhere, for tokens in prompt + output   (repetition_penalty r)
+    x = x - frequency * count(t) - presence * [count(t) > 0], over output   (counts include resumed tokens)
+    x[EOS, stop ids] = -inf while fewer than min_tokens were generated
+    x[t] = -inf where p(t) < min_p * p_max, i.e. x_t / T < max(x) / T + log(min_p)
+
+then the seeded sampler (kernels/sampling.py) applies top-k, top-p and temperature.
+Every input is a function of (params, tokens so far), so a seeded stream is still a
+pure function of (seed, position, tokens so far): a resumed request, which carries
+its tokens, continues exactly. Rows without such params are not touched (no copy).
+
+Logprobs are the model's raw log-softmax (before any processing), as vLLM returns
+them by default: the sampled token's and the top k. With overlap scheduling the
+token history may end in a placeholder for the token still on the device; it is
+resolved there (`resolve_placeholders`), never on the host.
+
+Prompt logprobs (completions `echo` with `logprobs`): the logits of every prompt
+position are computed in the prefill (`StepPlan.extra_logits`) and the logprob of
+the next prompt token taken from them; a sequence asking for them never reuses
+cached blocks (their logits were never computed) and collects each position once
+(a preempted sequence recomputes its prompt but does not repeat them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from replica.graphs import resolve_placeholders
+from wire import protocol as P
+
+
+@dataclass
+class LogprobState:
+    """A sequence's logprobs not yet sent, and its prompt logprobs."""
+
+    pending: list[P.TokenLogprob] = field(default_factory=list)  # generated tokens, in order
+    prompt: list[P.TokenLogprob] = field(default_factory=list)  # prompt tokens 1..len(prompt)
+    prompt_sent: bool = False
+
+
+def state(seq) -> LogprobState:
+    if seq.logprob_state is None:
+        seq.logprob_state = LogprobState()
+    return seq.logprob_state
+
+
+def _tensor(data, dtype, device):
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
+# -- processing ---------------------------------------------------------------------------
+@torch.inference_mode()
+def process(logits: torch.Tensor, seqs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits to sample from (B, V): `logits` itself when no row is processed, else a copy."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.processed()]
+    if not rows:
+        return logits
+    dev, V = logits.device, logits.shape[1]
+    x = logits[_tensor(rows, torch.int64, dev)]  # (R, V), a copy
+    sub = [seqs[i] for i in rows]
+
+    bias_r, bias_t, bias_v = [], [], []
+    for r, s in enumerate(sub):
+        for t, b in s.sampling.logit_bias.items():
+            bias_r.append(r)
+            bias_t.append(t)
+            bias_v.append(b)
+    if bias_r:
+        x.index_put_((_tensor(bias_r, torch.int64, dev), _tensor(bias_t, torch.int64, dev)),
+                     _tensor(bias_v, torch.float32, dev), accumulate=True)
+
+    rep = [r for r, s in enumerate(sub) if s.sampling.repetition_penalty != 1.0]
+    if rep:  # presence of each token in prompt + output
+        seen = _occurrences(x.shape, [(r, sub[r].token_ids) for r in rep], prev_tokens) > 0
+        penalty = _tensor([sub[r].sampling.repetition_penalty if r in rep else 1.0 for r in range(len(sub))],
+                          torch.float32, dev)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+
+    freq = [r for r, s in enumerate(sub) if s.sampling.frequency_penalty or s.sampling.presence_penalty]
+    if freq:  # counts over the output (resumed tokens are output too)
+        counts = _occurrences(x.shape, [(r, sub[r].token_ids[sub[r].num_prompt_tokens:]) for r in freq], prev_tokens)
+        fp = _tensor([[s.sampling.frequency_penalty, s.sampling.presence_penalty] for s in sub], torch.float32, dev)
+        x = x - fp[:, :1] * counts - fp[:, 1:] * (counts > 0)
+
+    mask_r, mask_t = [], []
+    for r, s in enumerate(sub):
+        if s.num_completion_tokens < s.sampling.min_tokens:
+            for t in set(s.eos_ids) | set(s.sampling.stop_token_ids):
+                mask_r.append(r)
+                mask_t.append(t)
+    if mask_r:
+        x.index_put_((_tensor(mask_r, torch.int64, dev), _tensor(mask_t, torch.int64, dev)),
+                     torch.tensor(float("-inf"), device=dev))
+
+    mp = [r for r, s in enumerate(sub) if s.sampling.min_p > 0 and s.sampling.temperature > 0]
+    if mp:  # greedy rows keep their argmax whatever min_p says
+        # log(min_p) * T per row; -inf (min_p 0: keep all) for rows without it
+        cut = _tensor([math.log(s.sampling.min_p) * s.sampling.temperature if r in mp else float("-inf")
+                       for r, s in enumerate(sub)], torch.float32, dev)[:, None]
+        x = torch.where(x < x.max(-1, keepdim=True).values + cut, float("-inf"), x)
+
+    if len(rows) == len(seqs):
+        return x
+    out = logits.clone()
+    out[_tensor(rows, torch.int64, dev)] = x
+    return out
+
+
+def _occurrences(shape, histories, prev_tokens) -> torch.Tensor:
+    """(R, V) fp32 counts of each token in each listed row's history (placeholders resolved)."""
+    R, V = shape
+    rows, toks = [], []
+    for r, ids in histories:
+        rows.extend([r] * len(ids))
+        toks.extend(ids)
+    dev = prev_tokens.device if prev_tokens is not None else None
+    counts = torch.zeros(R, V, dtype=torch.float32, device=dev)
+    if toks:
+        t = resolve_placeholders(_tensor(toks, torch.int64, counts.device), prev_tokens)
+        counts.index_put_((_tensor(rows, torch.int64, counts.device), t), torch.ones_like(t, dtype=torch.float32),
+                          accumulate=True)
+    return counts
+
+
+# -- logprobs -----------------------------------------------------------------------------
+@dataclass
+class StepLogprobs:
+    """Device tensors for the rows that asked for logprobs, read back with the tokens."""
+
+    rows: list[int]  # row i of these tensors is sampled row rows[i]
+    chosen: torch.Tensor  # (R,) logprob of the sampled token
+    top_ids: torch.Tensor  # (R, kmax)
+    top_values: torch.Tensor  # (R, kmax)
+    ks: list[int]
+
+    def records(self) -> dict[int, P.TokenLogprob]:
+        """{sampled row: its record} (reads the tensors back: call once the step is resolved)."""
+        chosen, ids, vals = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        return {row: P.TokenLogprob(chosen[i], ids[i][:k], vals[i][:k])
+                for i, (row, k) in enumerate(zip(self.rows, self.ks))}
+
+
+@torch.inference_mode()
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs) -> StepLogprobs | None:
+    """Raw logprobs of the sampled tokens (and the top k) for the rows whose params ask for them."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    if not rows:
+        return None
+    idx = _tensor(rows, torch.int64, logits.device)
+    ks = [seqs[i].sampling.logprobs for i in rows]
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    top = lp.topk(max(ks), dim=-1)
+    return StepLogprobs(rows, lp.gather(1, tokens[idx][:, None])[:, 0], top.indices, top.values, ks)
+
+
+def sample(runner, logits: torch.Tensor, seqs, params, prev_tokens: torch.Tensor | None = None):
+    """One step's tokens for `seqs` (params: Runner.sampling_of(seqs)) and their logprobs, on the device."""
+    tokens = runner.sample_params(process(logits, seqs, prev_tokens), params)
+    return tokens, logprobs(logits, tokens, seqs)
+
+
+def keep_logprobs(seqs, lp: StepLogprobs | None) -> None:
+    """Host side: queue each sampled row's record on its sequence (sent with its token)."""
+    if lp is not None:
+        for row, rec in lp.records().items():
+            state(seqs[row]).pending.append(rec)
+
+
+# -- prompt logprobs ----------------------------------------------------------------------
+def prompt_rows(plan, batch) -> list[tuple[object, int, int]]:
+    """(sequence, first position, flat token index) per prefill chunk whose positions'
+    logits give prompt logprobs not collected yet; sets plan.extra_logits."""
+    out, flat, extra = [], 0, []
+    for seq, start, n in zip(batch.seqs, plan.starts, plan.num_tokens):
+        if seq.sampling.prompt_logprobs is not None:
+            # position p's logits give the logprob of prompt token p + 1
+            lo = max(start, len(state(seq).prompt))
+            hi = min(start + n, seq.num_prompt_tokens - 1)
+            if lo < hi:
+                out.append((seq, lo, len(extra)))
+                extra.extend(range(flat + lo - start, flat + hi - start))
+        flat += n
+    plan.extra_logits = extra
+    return out
+
+
+@torch.inference_mode()
+def collect_prompt_logprobs(rows, extra: torch.Tensor) -> None:
+    """Append each chunk's prompt logprobs to its sequence (host: reads back)."""
+    if not rows:
+        return
+    lp = torch.log_softmax(extra.float(), dim=-1)
+    bounds = [r[2] for r in rows] + [lp.shape[0]]
+    for (seq, lo, at), end in zip(rows, bounds[1:]):
+        nxt = torch.tensor(seq.token_ids[lo + 1 : lo + 1 + end - at], dtype=torch.int64, device=lp.device)
+        part = lp[at:end]
+        chosen = part.gather(1, nxt[:, None])[:, 0].tolist()
+        k = seq.sampling.prompt_logprobs
+        top = part.topk(k, dim=-1) if k else None
+        ids, vals = (top.indices.tolist(), top.values.tolist()) if k else ([[]] * len(chosen), [[]] * len(chosen))
+        state(seq).prompt.extend(P.TokenLogprob(c, i, v) for c, i, v in zip(chosen, ids, vals))
+
+
+def attach(msg, seq):
+    """Move the sequence's unsent logprobs onto its Tokens/Finished message."""
+    st = seq.logprob_state
+    if st is not None:
+        if st.pending:
+            msg.logprobs, st.pending = st.pending[: len(msg.ids)], st.pending[len(msg.ids):]
+        if not st.prompt_sent and seq.sampling.prompt_logprobs is not None:
+            msg.prompt_logprobs, st.prompt_sent = st.prompt, True
+    return msg
+
+
+def sample_now(runner, logits: torch.Tensor, seqs) -> torch.Tensor:
+    """Synchronous variant (speculative steps' plain rows): logprobs go straight to the sequences."""
+    tokens, lp = sample(runner, logits, seqs, runner.sampling_of(seqs))
+    keep_logprobs(seqs, lp)
+    return tokens
