@@ -3,7 +3,9 @@
     WS   /v1/stream              public protocol (edge_proxy.protocol)
     POST /v1/chat/completions    OpenAI-compatible, SSE with "stream": true
     POST /v1/completions
-    GET  /v1/models
+    POST /infill                 llama.cpp's fill-in-the-middle (IDE plugins)
+    GET  /v1/models[/{id}]
+    anything else                a JSON 404 / 405 in OpenAI's error shape
     GET  /healthz                200 while serving; 503 when draining or no replica is ready
     GET  /metrics                Prometheus text
 """
@@ -14,6 +16,7 @@ import contextlib
 import os
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
@@ -24,6 +27,7 @@ from edge_proxy.core import Proxy
 from edge_proxy.openai_api import OpenAIRoutes
 from edge_proxy.prompt import load_tokenizer
 from edge_proxy.ws import StreamEndpoint
+from wire.openai_stream import http_error
 
 
 def build_proxy(cfg: ProxyConfig, tokenizer=None, keys: KeyStore | None = None, tracer=None) -> Proxy:
@@ -72,9 +76,11 @@ def create_app(proxy: Proxy) -> EdgeApp:
     app = Starlette(routes=[
         Route("/v1/chat/completions", oa.chat, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/infill", oa.infill, methods=["POST"]),
         Route("/v1/models", oa.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.proxy = proxy
     return EdgeApp(app, StreamEndpoint(proxy))

@@ -99,8 +99,10 @@ class KeyStore:
         return len(self._by_digest)
 
     def check(self, presented: str | None) -> ApiKey | None:
-        """The key's entry, the anonymous principal when allowed and no key was given, else None."""
-        if not presented:
+        """The key's entry; the anonymous principal when allowed and no key was given, or when
+        no keys are configured at all (any presented key then, as vLLM and SGLang do without
+        --api-key: OpenAI SDKs always send one); else None (an unknown key: 401)."""
+        if not presented or not self._by_digest:
             return self.anonymous
         d = _digest(presented)
         hit = self._by_digest.get(d)

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from time import perf_counter
 
+import msgspec
+
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
 from edge_proxy.metrics import ProxyMetrics
@@ -52,12 +54,15 @@ class SubmitRequest:
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
     session: str | None = None
-    sampling: pp.Sampling | None = None
+    sampling: pp.Sampling | rp.SamplingParams | None = None  # the public protocol's, or the OpenAI API's
     priority: str | None = None
     deadline_ms: float = 0.0
     traceparent: str | None = None
     forwarded_by: str | None = None  # X-Edgechat-Forwarded-By: a peer region's proxy sent it; never forward it on
     tenant: str | None = None  # set by a peer region's proxy (peer keys only): run as this tenant
+    ids: list[int] | None = None  # the prompt already tokenized (OpenAI API); messages/prompt kept for forwarding
+    cache_salt: str = ""  # the client's own salt, within its tenant's (OpenAI `cache_salt`)
+    rich: bool = False  # the sink takes every Tokens/Finished message (OpenAI API: n, logprobs, index)
 
 
 class Proxy:
@@ -108,9 +113,8 @@ class Proxy:
             raise pp.ProtocolError(pp.OVERLOADED, f"proxy at its limit of {self.cfg.admission.max_inflight} "
                                                   "requests in flight", 1.0)
 
-    def _sampling(self, s: pp.Sampling) -> rp.SamplingParams:
-        sp = rp.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                               seed=s.seed, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids))
+    def _sampling(self, s: pp.Sampling | rp.SamplingParams) -> rp.SamplingParams:
+        sp = msgspec.structs.replace(s) if isinstance(s, rp.SamplingParams) else s.params()  # our own copy
         err = sp.validate(self.cfg.max_tokens_limit)
         if err is not None:
             raise pp.ProtocolError(pp.BAD_REQUEST, err)
@@ -153,9 +157,9 @@ class Proxy:
                     raise pp.ProtocolError(pp.FORBIDDEN, "this session belongs to another API key")
             if (req.messages is None) == (req.prompt is None):
                 raise pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages and prompt")
-            if self._forwardable(req):
+            if self._forwardable(req, sampling):
                 return self._forward(key, req, sampling, priority, sink, t0)
-            ids = await encode_prompt(self.tokenizer, req.messages, req.prompt)
+            ids = req.ids if req.ids is not None else await encode_prompt(self.tokenizer, req.messages, req.prompt)
             self._check_lengths(len(ids), sampling.max_tokens)
             self._check_open()  # draining may have begun while tokenizing
             bs = self.pool.block_size
@@ -164,18 +168,19 @@ class Proxy:
         except pp.ProtocolError as e:
             self.metrics.rejected.inc(e.code)
             raise
-        hashes = block_hashes(ids, bs, key.cache_salt)
+        salt = key.cache_salt + "/" + req.cache_salt if req.cache_salt else key.cache_salt
+        hashes = block_hashes(ids, bs, salt)
         span = start_request_span(self.tracer, req.traceparent, {
             "edgechat.tenant": key.tenant, "edgechat.prompt_tokens": len(ids), "edgechat.priority": priority})
-        gen = rp.Generate("", ids, sampling, key.cache_salt, priority, 0.0, [], traceparent_of(span))
-        s = Stream(self, req.cid, key, sink, gen, hashes, session, t0, span)
+        gen = rp.Generate("", ids, sampling, salt, priority, 0.0, [], traceparent_of(span))
+        s = Stream(self, req.cid, key, sink, gen, hashes, session, t0, span, req.rich)
         s.messages = req.messages
         if session is not None:
             s.placement = placement_key(key.key_id, req.session)
         try:
             self._place_new(s, req.deadline_ms)
         except pp.ProtocolError as e:
-            if e.code == pp.UNAVAILABLE and self._forwardable(req):  # the replicas went while tokenizing
+            if e.code == pp.UNAVAILABLE and self._forwardable(req, sampling):  # the replicas went while tokenizing
                 span.end()
                 return self._forward(key, req, sampling, priority, sink, t0)
             self.metrics.rejected.inc(e.code)
@@ -186,17 +191,16 @@ class Proxy:
         self._idle.clear()
         return s
 
-    def _forwardable(self, req: SubmitRequest) -> bool:
+    def _forwardable(self, req: SubmitRequest, sp: rp.SamplingParams) -> bool:
         return (self.peers is not None and not req.forwarded_by and not self.pool.ready()
-                and not isinstance(req.prompt, list))  # token ids are this model's; the public protocol takes text
+                and not isinstance(req.prompt, list)  # token ids are this model's; the public protocol takes text
+                and not req.cache_salt and sp.n == 1 and sp.logprobs is None and sp.prompt_logprobs is None)
 
     def _forward(self, key, req: SubmitRequest, sampling: rp.SamplingParams, priority: int, sink,
                  t0: float) -> Forwarded:
-        s = req.sampling or pp.Sampling()
-        kw = dict(messages=req.messages, prompt=req.prompt, session=req.session,
-                  priority=_PRIORITY_NAMES.get(priority), traceparent=req.traceparent, max_tokens=s.max_tokens,
-                  temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=sampling.seed, stop=list(s.stop),
-                  stop_token_ids=list(s.stop_token_ids))
+        kw = {f: getattr(sampling, f) for f in pp.Sampling.__struct_fields__}  # the public protocol's sampling
+        kw.update(messages=req.messages, prompt=req.prompt, session=req.session,
+                  priority=_PRIORITY_NAMES.get(priority), traceparent=req.traceparent)
         if self.cfg.peer_key:  # the peer runs it as this tenant (our key there is a peer key)
             kw["tenant"] = key.tenant
         if req.deadline_ms > 0:
@@ -303,12 +307,9 @@ class Proxy:
     def _resume(self, s: Stream, cause: str) -> None:
         if s.done:
             return
-        sp = s.gen.sampling
-        if len(s.ids) >= sp.max_tokens:  # everything was delivered but the Finished
-            self.finish(s, rp.FINISH_LENGTH, rp.Usage())
-            return
-        if s.ids and s.ids[-1] in self._eos and not sp.ignore_eos:
-            self.finish(s, rp.FINISH_STOP, rp.Usage())
+        ended = s.settle(self._eos)  # everything was delivered but the Finished
+        if ended:
+            self.finish(s, ended, rp.Usage())
             return
         if s.failovers >= self.cfg.failover_attempts:
             self.fail(s, pp.UNAVAILABLE, f"stream lost its replica {s.failovers + 1} times; giving up")

@@ -180,7 +180,7 @@ class ReplicaConn:
                 self.last_tokens_rx = now
                 s = streams.get(m.id)
                 if s is not None:
-                    s.on_tokens(m.ids, m.text, now)
+                    s.on_tokens(m, now)
             elif t is Finished:
                 s = streams.get(m.id)
                 if s is not None:

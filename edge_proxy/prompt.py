@@ -22,12 +22,17 @@ class ByteTokenizer:
 
     eos_token_ids = (0,)
     fingerprint = "bytes-v1"
+    fim = None  # no fill-in-the-middle tokens
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 < i < 256).decode(errors="replace")
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        raw = bytes([token_id]) if 0 <= token_id < 256 else b""
+        return raw.decode(errors="replace"), raw
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)

@@ -38,13 +38,27 @@ PRIORITIES = {"interactive": rp.INTERACTIVE, "batch": rp.BATCH}
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    max_tokens: int = 256
+    """The sampling a client may ask for here (wire.protocol.SamplingParams has the meanings;
+    n and logprobs are the OpenAI HTTP API's: a delta carries text, not tokens)."""
+
+    max_tokens: int = rp.DEFAULT_MAX_TOKENS
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 -> off
     seed: int | None = None  # the proxy assigns one when absent, so failover stays exact
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def params(self) -> rp.SamplingParams:
+        return rp.SamplingParams(**msgspec.structs.asdict(self))
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):

@@ -5,6 +5,12 @@ Each request has a `Stream` whose sink receives protocol messages (Tokens with
 text, Finished, Error). Incremental detokenization and stop strings happen here,
 not in the engine: when a stop string appears the stream finishes at once and an
 Abort goes to the engine, which frees the blocks before its next step.
+
+A request with n > 1 samples (`SampleGroup`) goes to the engine as one request per
+sample, `<id>#<i>`, seeded `sample_seed(seed, i)`; samples after the first name it
+in `fork_of`, so the engine computes the prompt once and shares its blocks
+(replica.forks). Their messages come back under the request's id with `index = i`;
+the first error ends them all.
 Imports no torch: the engine runs in its own process.
 """
 
@@ -18,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -32,11 +39,13 @@ class Stream:
     """One request as seen by the API process."""
 
     __slots__ = ("id", "sink", "detok", "num_resumed", "arrival", "last_token", "done", "ttft_s", "num_tokens",
-                 "stop_text")
+                 "stop_text", "stop_ids", "stop_logprobs")
 
     def __init__(self, id: str, sink: Sink, detok: IncrementalDetokenizer, num_resumed: int):
         self.id, self.sink, self.detok, self.num_resumed = id, sink, detok, num_resumed
         self.stop_text = ""
+        self.stop_ids: list[int] = []  # the tokens (and logprobs) of the message that hit a stop string
+        self.stop_logprobs: list = []
         self.arrival = time.perf_counter()
         self.last_token = 0.0
         self.ttft_s = 0.0
@@ -44,10 +53,20 @@ class Stream:
         self.done = False
 
 
+@dataclass
+class SampleGroup:
+    """The samples of one n > 1 request still running (engine ids `<id>#<i>`)."""
+
+    id: str
+    sink: Sink
+    running: dict[str, int] = field(default_factory=dict)  # engine id -> sample index
+
+
 class EngineClient:
     def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer, replica_id: str = "replica", metrics=None):
         self.cfg, self.tokenizer, self.replica_id, self.metrics = cfg, tokenizer, replica_id, metrics
         self.streams: dict[str, Stream] = {}
+        self.groups: dict[str, SampleGroup] = {}
         self.hello: P.Hello | None = None
         self.load: P.Load | None = None
         self.cached_blocks: set[int] = set()  # mirror of the engine's prefix cache, for new routers
@@ -105,21 +124,65 @@ class EngineClient:
     def new_id(self) -> str:
         return f"r{next(self._ids)}"
 
-    def submit(self, req: P.Generate, sink: Sink) -> Stream:
+    def submit(self, req: P.Generate, sink: Sink) -> None:
         """Send a request to the engine; `sink` then receives its messages.
-        req.id must be unique among live streams (callers prefix per connection)."""
-        detok = IncrementalDetokenizer(self.tokenizer, stop=req.sampling.stop, prefix_ids=req.resume_ids)
-        stream = Stream(req.id, sink, detok, len(req.resume_ids))
-        self.streams[req.id] = stream
-        self._send([req])
-        return stream
+        req.id must be unique among live requests (callers prefix per connection)."""
+        if req.sampling.n == 1 and not req.sample_ids:
+            self._open(req, sink)
+            self._send([req])
+            return
+        group = self.groups[req.id] = SampleGroup(req.id, sink)
+        sp, subs = req.sampling, []
+        for k, (i, resume) in enumerate(req.samples()):
+            sub = msgspec.structs.replace(
+                req, id=f"{req.id}#{i}", resume_ids=list(resume), sample_ids=[], sample_resume=[],
+                fork_of="" if k == 0 else subs[0].id,
+                sampling=msgspec.structs.replace(sp, n=1, seed=None if sp.seed is None else P.sample_seed(sp.seed, i),
+                                                 prompt_logprobs=sp.prompt_logprobs if k == 0 else None))
+            group.running[sub.id] = i
+            self._open(sub, self._sample_sink(group, i))
+            subs.append(sub)
+        self._send(subs)
+
+    def _open(self, req: P.Generate, sink: Sink) -> None:
+        sp = req.sampling
+        detok = IncrementalDetokenizer(self.tokenizer, stop=sp.stop, prefix_ids=req.resume_ids,
+                                       include_stop=sp.include_stop_str_in_output)
+        self.streams[req.id] = Stream(req.id, sink, detok, len(req.resume_ids))
+
+    def _sample_sink(self, group: SampleGroup, index: int) -> Sink:
+        def sink(msg) -> None:
+            if group.id not in self.groups:
+                return  # the group already ended (an error)
+            sub_id, msg.id = msg.id, group.id
+            if isinstance(msg, P.Error):
+                self.abort(group.id)
+                group.sink(msg)
+                return
+            msg.index = index
+            if isinstance(msg, P.Finished):
+                del group.running[sub_id]
+                if not group.running:
+                    del self.groups[group.id]
+            group.sink(msg)
+        return sink
+
+    def running(self, req_id: str) -> bool:
+        """Whether any of the request's samples is still running."""
+        return req_id in self.streams or req_id in self.groups
 
     def abort(self, req_id: str) -> None:
-        """Cancel: the engine frees the request before its next step."""
-        stream = self.streams.pop(req_id, None)
-        if stream is not None and not stream.done:
-            stream.done = True
-            self._send([P.Abort(id=req_id)])
+        """Cancel: the engine frees the request (every sample) before its next step."""
+        group = self.groups.pop(req_id, None)
+        ids = list(group.running) if group is not None else [req_id]
+        aborts = []
+        for rid in ids:
+            stream = self.streams.pop(rid, None)
+            if stream is not None and not stream.done:
+                stream.done = True
+                aborts.append(P.Abort(id=rid))
+        if aborts:
+            self._send(aborts)
 
     def _send(self, msgs: list) -> None:
         if self.dead or self._writer is None:
@@ -146,16 +209,18 @@ class EngineClient:
             if stream.detok.stopped:
                 # A stop string: the text ends here. Ask the engine to drop the request;
                 # its Finished (with exact usage) closes the stream.
-                stream.stop_text = text
+                stream.stop_text, stream.stop_ids, stream.stop_logprobs = text, msg.ids, msg.logprobs
                 self._send([P.Abort(id=stream.id)])
             else:
-                stream.sink(P.Tokens(id=msg.id, ids=msg.ids, text=text))
+                msg.text = text
+                stream.sink(msg)
         elif isinstance(msg, P.Finished):
             stream = self.streams.get(msg.id)
             if stream is None:
                 return
             if stream.detok.stopped:
-                msg.text, msg.ids, msg.finish_reason = stream.stop_text, [], P.FINISH_STOP
+                msg.text, msg.ids, msg.logprobs, msg.finish_reason = (stream.stop_text, stream.stop_ids,
+                                                                      stream.stop_logprobs, P.FINISH_STOP)
             else:
                 text = self._on_tokens(stream, msg.ids) if msg.ids else ""
                 msg.text = text + ("" if stream.detok.stopped else stream.detok.flush())

@@ -63,7 +63,7 @@ def process(logits: torch.Tensor, seqs, prev_tokens: torch.Tensor | None = None)
     rows = [i for i, s in enumerate(seqs) if s.sampling.processed()]
     if not rows:
         return logits
-    dev, V = logits.device, logits.shape[1]
+    dev = logits.device
     x = logits[_tensor(rows, torch.int64, dev)]  # (R, V), a copy
     sub = [seqs[i] for i in rows]
 

@@ -20,6 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from replica.fim import FimTokens
+
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -72,6 +74,28 @@ class Tokenizer:
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
         self._template = compile_chat_template(chat_template) if chat_template else None
+        self._pieces: dict[int, tuple[str, bytes]] = {}
+
+    @functools.cached_property
+    def fim(self) -> FimTokens | None:
+        """Fill-in-the-middle tokens, if the vocabulary has a convention's (replica.fim)."""
+        return FimTokens.detect(self.token_to_id)
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token as OpenAI's logprobs name it: its text and its exact bytes (byte-level
+        BPE tokens and <0xNN> byte tokens may hold part of a UTF-8 character)."""
+        p = self._pieces.get(token_id)
+        if p is None:
+            tok = self.backend.id_to_token(token_id) or ""
+            text = self.backend.decode([token_id], skip_special_tokens=False)
+            raw = text.encode()
+            byte_decoder = _byte_decoder() if type(self.backend.decoder).__name__ == "ByteLevel" else None
+            if byte_decoder is not None and tok and all(ch in byte_decoder for ch in tok):
+                raw = bytes(byte_decoder[ch] for ch in tok)
+            elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                raw = bytes([int(tok[3:5], 16)])
+            p = self._pieces[token_id] = (text, raw)
+        return p
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -169,6 +193,21 @@ class Tokenizer:
         return cls.from_gguf(path) if path.endswith(".gguf") else cls.from_hf_dir(path)
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 # Window bounds for IncrementalDetokenizer: the decoded window holds about
 # _WINDOW tokens; when it slides, _CONTEXT already-emitted tokens stay in it as
 # left context (decoders such as SentencePiece's strip a leading space from the
@@ -192,13 +231,16 @@ class IncrementalDetokenizer:
     Two hold-backs: a window ending in U+FFFD ends inside a UTF-8 character, so
     nothing is emitted until a later token completes it; and with stop strings,
     a suffix that could still begin one waits until it cannot (or `flush()`).
-    When a stop string appears, text is cut before it and `stopped` is set.
+    When a stop string appears, text is cut before it (after it with
+    `include_stop`, vLLM's include_stop_str_in_output) and `stopped` is set.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop=(), skip_special_tokens: bool = True, prefix_ids=()):
+    def __init__(self, tokenizer: Tokenizer, stop=(), skip_special_tokens: bool = True, prefix_ids=(),
+                 include_stop: bool = False):
         self._decode_fn = tokenizer.backend.decode
         self._skip = skip_special_tokens
         self._stops = tuple(s for s in stop if s)
+        self._include_stop = include_stop  # the stop string ends the text instead of being cut
         self._ids: list[int] = []  # the window's ids and the pending ones after it
         self._read = 0  # self._ids[:read] are turned into text
         self._window_text = ""  # decode(self._ids[:read])
@@ -261,6 +303,7 @@ class IncrementalDetokenizer:
             cuts = [(i, s) for s in self._stops if (i := text.find(s)) >= 0]
             if cuts:
                 cut, self.stop_string = min(cuts)
+                cut += len(self.stop_string) if self._include_stop else 0
                 new, self._held, self.stopped = text[:cut], "", True
             else:
                 keep = 0 if final else self._stop_prefix_len(text)

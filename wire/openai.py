@@ -1,117 +1,437 @@
-"""OpenAI-compatible request schemas (msgspec) and response bodies.
+"""The one OpenAI request schema, for the proxy and the replica alike (no torch).
 
-Unknown fields are rejected with an error that names them; accepted-but-unsupported
-features (n > 1, penalties, logprobs) are rejected explicitly rather than ignored.
-Imports no torch (the edge proxy reuses these schemas).
+`parse_chat` / `parse_completion` turn a request body into a validated `Plan`:
+the prompts to run, one `SamplingParams` for all of them, and how to answer.
+Whatever the service cannot honour is an `OpenAIError` (HTTP 400 in OpenAI's
+shape, `param` naming the field), never a silent 200: unknown fields, image or
+audio content, tools, structured output, and any value out of range. Fields that
+OpenAI defines as hints with no effect on the output (`user`, `metadata`,
+`safety_identifier`) are accepted; `prompt_cache_key` is honoured as the session
+(the proxy routes a key's requests to the replica holding its prefix).
+
+Structured output (issue 17) is a later `response_format` handler: the schema
+already carries `response_format`, `tools` and `tool_choice` typed as JSON values,
+so adding them is a matter of honouring instead of refusing.
+
+Extensions, as vLLM names them: top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, include_stop_str_in_output; edgechat's: session,
+priority, deadline_ms, cache_salt.
 """
 
 from __future__ import annotations
 
-import time
+import re
+from dataclasses import dataclass, field
 
 import msgspec
 
 from wire import protocol as P
 
+Json = object  # a JSON value the schema only checks for presence
 
+PRIORITIES = {"interactive": P.INTERACTIVE, "batch": P.BATCH}
+ROLES = {"system", "developer", "user", "assistant"}
+_STATUS_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+                404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}
+
+
+class OpenAIError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = P.BAD_REQUEST,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.code, self.param)
+
+
+def error_body(message: str, status: int, code: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _STATUS_TYPE.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+# -- request schemas ----------------------------------------------------------------------
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
-    text: str = ""
+    text: str | None = None
+    image_url: Json = None
+    input_audio: Json = None
+    file: Json = None
+    refusal: str | None = None
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        for part in self.content:
-            if part.type != "text":
-                raise ValueError(f"content part type {part.type!r} is not supported (text only)")
-        return "".join(p.text for p in self.content)
+    tool_calls: Json = None
+    tool_call_id: str | None = None
+    function_call: Json = None
+    refusal: str | None = None
+    audio: Json = None
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
-class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension, as in vLLM
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = []  # extension
-    ignore_eos: bool = False  # extension
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool | int | None = None
-    priority: int = P.INTERACTIVE  # extension: 0 interactive, 1 batch
-    cache_salt: str = ""  # extension: tenant isolation of the prefix cache
-
-    def sampling(self, default_max_tokens: int) -> P.SamplingParams:
-        if self.n != 1:
-            raise ValueError("n must be 1")
-        if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty and presence_penalty are not supported")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        return P.SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    # edgechat extensions
+    session: str | None = None
+    priority: str | int | None = None
+    deadline_ms: float | None = None
+    cache_salt: str | None = None
 
 
-class ChatCompletionRequest(_Common, kw_only=True):
+class ChatCompletionRequest(_Request, kw_only=True):
     messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: Json = None
+    tools: Json = None
+    tool_choice: Json = None
+    parallel_tool_calls: bool | None = None
+    functions: Json = None
+    function_call: Json = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    audio: Json = None
+    prediction: Json = None
+    reasoning_effort: Json = None
+    verbosity: Json = None
+    web_search_options: Json = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
-class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[int]
+class CompletionRequest(_Request, kw_only=True):
+    prompt: str | list[Json]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
-def error_body(code: str, message: str) -> dict:
-    return {"error": {"message": message, "type": code, "code": code}}
+# -- what a request asks for ----------------------------------------------------------------
+@dataclass
+class Fim:
+    """A fill-in-the-middle prompt: the model writes what goes between prefix and suffix."""
+
+    prefix: str
+    suffix: str
+    extra: list[tuple[str, str]] = field(default_factory=list)  # (filename, text) of other files, repo-level
+    middle: str = ""  # text already typed after the prefix (llama.cpp's `prompt`)
 
 
-def usage_dict(u: P.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_draft_tokens}}
+@dataclass
+class Plan:
+    """A validated request: prompts[i] runs with `sampling` (n samples each); choice
+    p * n + j is sample j of prompt p."""
+
+    kind: str  # "chat" | "completion" | "infill"
+    prompts: list  # chat: [messages (list of dicts)]; completion: str | list[int] | Fim each
+    sampling: P.SamplingParams
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None  # top alternatives per token in the answer (chat: top_logprobs), None: off
+    session: str | None = None
+    priority: int | None = None
+    deadline_ms: float = 0.0
+    cache_salt: str = ""
 
 
-def chunk(kind: str, rid: str, model: str, created: int, text: str | None, finish: str | None,
-          first: bool = False) -> dict:
-    """One streaming chunk; text=None with finish=None is the usage-only chunk."""
-    if kind == "chat":
-        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+def _param_of(e: msgspec.ValidationError) -> str | None:
+    """`$.messages[0].role` or `unknown field `x`` -> the param OpenAI would name."""
+    text = str(e)
+    unknown = re.match(r"Object contains unknown field `([^`]*)`(?: - at `\$\.?(.*)`)?", text)
+    if unknown:
+        return ".".join(p for p in (unknown.group(2), unknown.group(1)) if p)
+    at = re.search(r"`\$\.?([^`]*)`", text)
+    return (at.group(1) or None) if at else None
 
 
-def completion(kind: str, rid: str, model: str, text: str, finish: str, usage: P.Usage) -> dict:
-    if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage_dict(usage)}
+def decode(body: bytes, schema):
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as e:
+        raise OpenAIError(f"invalid request: {e}", _param_of(e)) from None
+    except msgspec.DecodeError as e:
+        raise OpenAIError(f"malformed JSON body: {e}") from None
+
+
+def refuse(param: str, why: str):
+    raise OpenAIError(f"{param} is not supported: {why}", param)
+
+
+def _check(cond: bool, param: str, message: str) -> None:
+    if not cond:
+        raise OpenAIError(message, param)
+
+
+def sampling_of(r: _Request, max_tokens: int | None, logprobs: int | None = None,
+                prompt_logprobs: int | None = None) -> P.SamplingParams:
+    """SamplingParams from the common fields; raises OpenAIError naming a bad field."""
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    bias = {}
+    for k, v in (r.logit_bias or {}).items():
+        _check(k.isdigit() and len(k) < 11, "logit_bias", f"logit_bias keys must be token ids, got {k[:32]!r}")
+        bias[int(k)] = v
+    kw = dict(temperature=r.temperature, top_p=r.top_p, n=r.n, seed=r.seed, presence_penalty=r.presence_penalty,
+              frequency_penalty=r.frequency_penalty, min_p=r.min_p, repetition_penalty=r.repetition_penalty,
+              min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, stop_token_ids=r.stop_token_ids,
+              include_stop_str_in_output=r.include_stop_str_in_output, max_tokens=max_tokens)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if r.top_k is not None:
+        kw["top_k"] = 0 if r.top_k == -1 else r.top_k  # vLLM spells "off" -1
+    sp = P.SamplingParams(stop=stop, logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kw)
+    return check_sampling(sp)
+
+
+def check_sampling(sp: P.SamplingParams, limit: int = 1 << 20) -> P.SamplingParams:
+    """Ranges every front door shares (the engine checks the model-specific ones again)."""
+    problem = sp.validate(limit)
+    if problem:
+        raise OpenAIError(problem, problem.split(" ", 1)[0])
+    return sp
+
+
+def _extensions(plan: Plan, r: _Request) -> Plan:
+    plan.session = r.session
+    if r.priority is not None:
+        p = PRIORITIES.get(r.priority) if isinstance(r.priority, str) else r.priority
+        _check(p in (P.INTERACTIVE, P.BATCH), "priority", f"priority must be one of {sorted(PRIORITIES)}")
+        plan.priority = p
+    if r.deadline_ms is not None:
+        _check(0.0 <= r.deadline_ms <= 3.6e6, "deadline_ms", "deadline_ms must be in [0, 3600000]")
+        plan.deadline_ms = r.deadline_ms
+    if r.cache_salt is not None:
+        _check(len(r.cache_salt) <= 256, "cache_salt", "cache_salt takes at most 256 characters")
+        plan.cache_salt = r.cache_salt
+    if r.stream_options is not None:
+        _check(bool(r.stream), "stream_options", "stream_options needs stream: true")
+        if r.stream_options.include_obfuscation:
+            refuse("stream_options.include_obfuscation", "chunks are sent without obfuscation padding")
+    plan.stream = bool(r.stream)
+    plan.include_usage = bool(r.stream_options and r.stream_options.include_usage)
+    return plan
+
+
+# -- chat -------------------------------------------------------------------------------------
+_UNSUPPORTED_CHAT = {
+    "response_format": "structured output is not available yet (issue 17); send {\"type\": \"text\"} or omit it",
+    "tools": "tool calling is not available yet (issue 17)",
+    "tool_choice": "tool calling is not available yet (issue 17)",
+    "functions": "function calling is not available (deprecated by OpenAI in favour of tools)",
+    "function_call": "function calling is not available (deprecated by OpenAI in favour of tools)",
+    "audio": "the model is text-only",
+    "prediction": "predicted outputs are not available",
+    "reasoning_effort": "the model does not reason",
+    "verbosity": "the model has no verbosity setting",
+    "web_search_options": "there is no web search",
+}
+
+
+def parse_chat(body: bytes) -> Plan:
+    r = decode(body, ChatCompletionRequest)
+    for name, why in _UNSUPPORTED_CHAT.items():
+        value = getattr(r, name)
+        if value is None or value == [] or (name == "response_format" and value == {"type": "text"}) \
+                or (name == "tool_choice" and value == "none"):
+            continue
+        refuse(name, why)
+    if r.store:
+        refuse("store", "completions are not stored")
+    if r.service_tier not in (None, "auto", "default"):
+        refuse("service_tier", "only 'auto' and 'default'")
+    if r.modalities not in (None, ["text"]):
+        refuse("modalities", "the model is text-only: ['text']")
+    _check(not (r.top_logprobs is not None and not r.logprobs), "top_logprobs",
+           "top_logprobs needs logprobs: true")
+    _check(r.top_logprobs is None or 0 <= r.top_logprobs <= P.MAX_LOGPROBS, "top_logprobs",
+           f"top_logprobs must be in [0, {P.MAX_LOGPROBS}]")
+    if r.max_tokens is not None and r.max_completion_tokens is not None and r.max_tokens != r.max_completion_tokens:
+        raise OpenAIError("give max_completion_tokens or max_tokens, not two different values", "max_tokens")
+    max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+    logprobs = (r.top_logprobs or 0) if r.logprobs else None
+    plan = Plan("chat", [messages(r.messages)], sampling_of(r, max_tokens, logprobs), r.model, logprobs=logprobs)
+    plan = _extensions(plan, r)
+    plan.session = plan.session or r.prompt_cache_key
+    return plan
+
+
+def messages(msgs: list[ChatMessage]) -> list[dict]:
+    """The conversation as the chat template takes it; every refusal names the message."""
+    _check(bool(msgs), "messages", "messages must not be empty")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if m.role in ("tool", "function"):
+            raise OpenAIError(f"{where}: {m.role} messages answer tool calls, and tools are not available yet "
+                              "(issue 17)", f"{where}.role")
+        _check(m.role in ROLES, f"{where}.role", f"{where}.role must be one of {sorted(ROLES)}, got {m.role!r}")
+        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+            if getattr(m, name) is not None:
+                refuse(f"{where}.{name}", "tools and audio are not available")
+        if m.content is None:
+            _check(m.role == "assistant" and m.refusal is not None, f"{where}.content",
+                   f"{where}.content is required")
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": _text(m, where)})
+        if m.name is not None:
+            out[-1]["name"] = m.name
+    return out
+
+
+def _text(m: ChatMessage, where: str) -> str:
+    if m.content is None:
+        return m.refusal or ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for j, part in enumerate(m.content):
+        p = f"{where}.content[{j}]"
+        if part.type == "text" and part.text is not None:
+            parts.append(part.text)
+        elif part.type == "refusal" and m.role == "assistant" and part.refusal is not None:
+            parts.append(part.refusal)
+        elif part.type in ("image_url", "input_audio", "file"):
+            raise OpenAIError(f"{p}: {part.type} content is not supported: the model reads text only",
+                              f"{p}.type")
+        else:
+            raise OpenAIError(f"{p}: a {part.type!r} part needs its {part.type!r} field (text parts: "
+                              "{\"type\": \"text\", \"text\": ...})", f"{p}.type")
+    return "".join(parts)
+
+
+# -- completions ------------------------------------------------------------------------------
+def parse_completion(body: bytes) -> Plan:
+    r = decode(body, CompletionRequest)
+    n = 1 if r.n is None else r.n
+    if r.best_of is not None and r.best_of != n:
+        refuse("best_of", "only best_of == n (every sample is returned; none is ranked away)")
+    prompts = _prompts(r.prompt)
+    if r.suffix is not None:
+        _check(all(isinstance(p, str) for p in prompts), "suffix", "suffix needs text prompts")
+        prompts = [Fim(prefix=p, suffix=r.suffix) for p in prompts]
+        _check(not r.echo, "echo", "echo cannot be combined with suffix")
+    prompt_logprobs = r.logprobs if r.echo and r.logprobs is not None else None
+    plan = Plan("completion", prompts, sampling_of(r, r.max_tokens, r.logprobs, prompt_logprobs), r.model,
+                echo=bool(r.echo), logprobs=r.logprobs)
+    return _extensions(plan, r)
+
+
+def _prompts(prompt) -> list:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    _check(bool(prompt), "prompt", "prompt must not be empty")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(_is_id(t) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise OpenAIError("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+                      "lists", "prompt")
+
+
+def _is_id(t) -> bool:
+    return type(t) is int and 0 <= t < 1 << 31
+
+
+MAX_PROMPTS = 64
+
+
+def fan_out(plan: Plan) -> Plan:
+    _check(len(plan.prompts) <= MAX_PROMPTS, "prompt", f"at most {MAX_PROMPTS} prompts per request")
+    _check(len(plan.prompts) * plan.sampling.n <= 4 * P.MAX_N, "n", "prompts x n must be at most "
+           f"{4 * P.MAX_N}")
+    return plan
+
+
+# -- tokenizing ------------------------------------------------------------------------------
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """Token ids of one prompt of a plan (chat messages, text, ids or FIM) with the model's tokenizer.
+    Raises OpenAIError when the model cannot do it (no chat template, no FIM tokens)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        try:
+            return list(tokenizer.encode_chat(prompt))
+        except ValueError as e:  # replica.tokenizer.ChatTemplateError
+            raise OpenAIError(str(e), "messages") from None
+    if isinstance(prompt, Fim):
+        fim = getattr(tokenizer, "fim", None)
+        if fim is None:
+            raise OpenAIError("fill-in-the-middle (suffix, /infill) needs a model whose tokenizer has FIM tokens "
+                              "(StarCoder <fim_prefix>, Qwen2.5-Coder <|fim_prefix|>, CodeLlama <PRE>, "
+                              "DeepSeek-Coder <｜fim▁begin｜>); this model's has none", "suffix")
+        return fim.encode(tokenizer, prompt.prefix, prompt.suffix, prompt.extra, prompt.middle)
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    return list(prompt)
+
+
+def prompt_chars(prompt) -> int:
+    """How much text a prompt holds (to tokenize long ones off the event loop)."""
+    if isinstance(prompt, Fim):
+        return len(prompt.prefix) + len(prompt.suffix) + len(prompt.middle) + sum(len(t) for _, t in prompt.extra)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return sum(len(m["content"]) for m in prompt)
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+def prompt_text(tokenizer, prompt, ids: list[int]) -> str:
+    """What `echo` shows of a prompt: its text, or its ids decoded."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+
+
+def for_fim(plan: Plan, tokenizer) -> P.SamplingParams:
+    """The plan's sampling, with the FIM convention's end-of-infill token as a stop id when it has one."""
+    sp = plan.sampling
+    fim = getattr(tokenizer, "fim", None)
+    if plan.prompts and isinstance(plan.prompts[0], Fim) and fim is not None and fim.end is not None \
+            and fim.end not in sp.stop_token_ids:
+        sp = msgspec.structs.replace(sp, stop_token_ids=[*sp.stop_token_ids, fim.end])
+    return sp
+
+
+SAMPLING_FIELDS = frozenset(P.SamplingParams.__struct_fields__)
+
+
+def engine_error(code: str, message: str, status: int) -> OpenAIError:
+    """A replica's Error as an OpenAI error; `param` is the field its message starts with."""
+    first = message.split(" ", 1)[0]
+    return OpenAIError(message, first if first in SAMPLING_FIELDS else None, status, code)
+
+
+def not_found_model(name: str) -> OpenAIError:
+    return OpenAIError(f"model {name[:200]!r} is not served here; see GET /v1/models", "model", 404, P.NOT_FOUND)

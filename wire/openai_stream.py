@@ -1,0 +1,198 @@
+"""One OpenAI (or /infill) HTTP answer, driven by its generations' messages: the
+plumbing the proxy and the replica share (asyncio and raw ASGI only, no torch).
+
+The process starts the request's generations with sinks that feed a `Pump`:
+`(prompt index, Tokens | Finished)` as they arrive, `End(p, reason)` when the
+process ends prompt p itself (the proxy's Done), an `OpenAIError` when one fails.
+`Pump.reply` waits for the first item, so a request refused by the engine gets its
+real status code rather than an error inside a 200 stream, then returns an ASGI
+callable that streams SSE (everything that arrived within one event-loop turn in
+one write) or answers with the whole JSON body. A client that goes away aborts
+the generations at once; an error after the stream started is sent as
+`data: {"error": ...}` before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from wire.openai import OpenAIError
+from wire.openai_render import DONE
+
+_enc = msgspec.json.Encoder()
+_GONE = object()
+
+
+@dataclass
+class End:
+    """The process ended prompt p's generation: unfinished choices finish with `reason`."""
+
+    p: int
+    reason: str
+    extra: dict | None = None  # added to the answer (the proxy's `edgechat` object)
+
+
+def json_response(status: int, body: bytes, headers: dict | None = None):
+    async def app(scope, receive, send) -> None:
+        hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        hdrs += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": hdrs})
+        await send({"type": "http.response.body", "body": body})
+    return app
+
+
+def error_response(e: OpenAIError):
+    headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
+    return json_response(e.status, _enc.encode(e.body()), headers)
+
+
+class Pump:
+    """The queue between a request's generations and its HTTP answer."""
+
+    def __init__(self, receive, hold: bool = False):
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.abort: Callable[[], None] = lambda: None  # stops every generation (set once they are started)
+        self.hold = hold  # Finished waits for End (the proxy: its Done adds to the last chunk)
+        self.gone = False
+        self._watch = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+
+    def sink(self, p: int) -> Callable[[object], None]:
+        put = self.q.put_nowait
+        return lambda msg: put((p, msg))
+
+    def put(self, item) -> None:
+        self.q.put_nowait(item)
+
+    async def _watch_disconnect(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.abort()
+        self.q.put_nowait(_GONE)
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+    async def reply(self, resp, stream: bool):
+        """The ASGI answer once the first item is in (a JSON error if it is one)."""
+        first = await self.q.get()
+        if first is _GONE:
+            self.close()
+            return json_response(499, b"")
+        if isinstance(first, OpenAIError):
+            self.abort()
+            self.close()
+            return error_response(first)
+        self._requeue_first(first)
+        return _Streamed(self, resp) if stream else _Whole(self, resp)
+
+    def _requeue_first(self, first) -> None:
+        rest = []
+        while not self.q.empty():
+            rest.append(self.q.get_nowait())
+        for item in [first] + rest:
+            self.q.put_nowait(item)
+
+    def feed(self, resp, item) -> tuple[bytes, OpenAIError | None]:
+        """Render one item; (bytes, the error that ends the answer or None)."""
+        if isinstance(item, tuple):
+            out = resp.message(item[0], item[1], hold=self.hold)
+            if getattr(resp, "cut", False):
+                self.abort()  # /infill n_indent or t_max_predict_ms: the answer is complete
+            return out, None
+        if isinstance(item, End):
+            if item.extra:
+                resp.extra = item.extra
+            return resp.end(item.p, item.reason), None
+        if isinstance(item, OpenAIError):
+            self.abort()
+            return b"", item
+        raise TypeError(f"unexpected item {type(item).__name__}")
+
+
+class _Streamed:
+    def __init__(self, pump: Pump, resp):
+        self.pump, self.resp = pump, resp
+
+    async def __call__(self, scope, receive, send) -> None:
+        pump, resp, q = self.pump, self.resp, self.pump.q
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
+            out = [resp.start()]
+            while True:
+                item = await q.get()
+                while True:
+                    if item is _GONE:
+                        return
+                    data, err = pump.feed(resp, item)
+                    out.append(data)
+                    if err is not None:
+                        out.append(b"data: " + _enc.encode(err.body()) + b"\n\n" + DONE)
+                        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+                        return
+                    if resp.done:
+                        out.append(resp.close())
+                        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+                        return
+                    if q.empty():
+                        break
+                    item = q.get_nowait()
+                body = b"".join(out)
+                out.clear()
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+        except OSError:
+            return  # the client went away mid-send (uvicorn's ClientDisconnected)
+        finally:
+            pump.abort()  # a no-op once every generation finished; else the client went away
+            pump.close()
+
+
+class _Whole:
+    def __init__(self, pump: Pump, resp):
+        self.pump, self.resp = pump, resp
+
+    async def __call__(self, scope, receive, send) -> None:
+        pump, resp = self.pump, self.resp
+        try:
+            while not resp.done:
+                item = await pump.q.get()
+                if item is _GONE:
+                    return
+                _, err = pump.feed(resp, item)
+                if err is not None:
+                    return await error_response(err)(scope, receive, send)
+            await json_response(200, resp.answer())(scope, receive, send)
+        finally:
+            pump.abort()  # a no-op once every generation finished
+            pump.close()
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body (a Starlette Request), refused with 413 past `limit` bytes."""
+    too_large = OpenAIError(f"request body over {limit} bytes", None, 413, "too_large")
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+async def http_error(request, exc):
+    """Starlette's 404/405 (unknown route, wrong method) in OpenAI's error shape."""
+    status = getattr(exc, "status_code", 500)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "internal")
+    message = f"{request.method} {request.url.path}: " + ("no such route" if status == 404 else
+                                                          "method not allowed" if status == 405 else str(exc))
+    return json_response(status, _enc.encode(OpenAIError(message, None, status, code).body()),
+                         getattr(exc, "headers", None))
