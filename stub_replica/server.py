@@ -10,7 +10,10 @@ drawn from the printable bytes of " abcdefghijklmnopqrstuvwxyz" (so with the
 proxy's `ByteTokenizer` the text is the token's character). Greedy requests
 (temperature 0) ignore the seed. A resumed request must carry exactly the
 tokens the stub would have produced (else `Error(bad_request)`: a proxy bug) and
-continues at position `len(resume_ids)`. One engine tick every `step_s` emits
+continues at position `len(resume_ids)`. With n > 1, sample i is the stream of
+seed `sample_seed(seed, i)` and its messages carry `index = i` (each sample
+resumes on its own); with logprobs every token has logprob -1 and the requested
+number of alternatives (the token first). One engine tick every `step_s` emits
 one token for every running request, all tokens for one connection in one frame.
 With `jitter`, each request starts at a random phase within its step, as streams
 of independent users would.
@@ -59,14 +62,15 @@ def prompt_key(prompt_ids: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(array("I", prompt_ids).tobytes())
 
 
-def expected_tokens(prompt_ids: list[int], sampling: rp.SamplingParams, n: int, start: int = 0) -> list[int]:
-    """What the stub generates for this prompt: positions start..n-1."""
-    k, seed = prompt_key(prompt_ids), _seed(sampling)
+def expected_tokens(prompt_ids: list[int], sampling: rp.SamplingParams, n: int, start: int = 0,
+                    index: int = 0) -> list[int]:
+    """What the stub generates for this prompt (sample `index`): positions start..n-1."""
+    k, seed = prompt_key(prompt_ids), _seed(sampling, index)
     return [token_at(k, seed, p) for p in range(start, n)]
 
 
-def _seed(sp: rp.SamplingParams) -> int:
-    return 0 if sp.temperature == 0 or sp.seed is None else sp.seed
+def _seed(sp: rp.SamplingParams, index: int = 0) -> int:
+    return 0 if sp.temperature == 0 or sp.seed is None else rp.sample_seed(sp.seed, index)
 
 
 @dataclass
@@ -87,12 +91,13 @@ class StubConfig:
 
 
 class _Req:
-    __slots__ = ("conn", "gen", "key", "seed", "pos", "due", "cached", "t_arrival", "ttft_ms")
+    __slots__ = ("conn", "gen", "key", "seed", "pos", "due", "cached", "t_arrival", "ttft_ms", "index", "rid")
 
-    def __init__(self, conn, gen: rp.Generate, due: float, cached: int):
-        self.conn, self.gen, self.due, self.cached = conn, gen, due, cached
-        self.key, self.seed = prompt_key(gen.prompt_ids), _seed(gen.sampling)
-        self.pos = len(gen.resume_ids)
+    def __init__(self, conn, gen: rp.Generate, due: float, cached: int, index: int = 0, start: int = 0):
+        self.conn, self.gen, self.due, self.cached, self.index = conn, gen, due, cached, index
+        self.key, self.seed = prompt_key(gen.prompt_ids), _seed(gen.sampling, index)
+        self.pos = start
+        self.rid = gen.id if gen.sampling.n == 1 else f"{gen.id}#{index}"  # key in _Conn.reqs
         self.t_arrival = time.perf_counter()
         self.ttft_ms = 0.0
 
@@ -210,10 +215,11 @@ class StubReplica:
                     if type(m) is rp.Generate:
                         self._admit(c, m)
                     elif type(m) is rp.Abort:
-                        r = c.reqs.pop(m.id, None)
-                        if r is not None:
-                            self.aborts.append((m.id, r.pos))
-                            self.abort_event.set()
+                        for rid in [m.id] + [k for k in c.reqs if k.startswith(m.id + "#")]:
+                            r = c.reqs.pop(rid, None)
+                            if r is not None:
+                                self.aborts.append((rid, r.pos))
+                                self.abort_event.set()
         except ConnectionClosed:
             pass
         finally:
@@ -235,7 +241,8 @@ class StubReplica:
     def _admit(self, c: _Conn, g: rp.Generate) -> None:
         self.generates.append(g)
         sp = g.sampling
-        if g.resume_ids and g.resume_ids != expected_tokens(g.prompt_ids, sp, len(g.resume_ids)):
+        samples = g.samples()
+        if any(resume and resume != expected_tokens(g.prompt_ids, sp, len(resume), index=i) for i, resume in samples):
             self._queue(c, rp.Error(rp.BAD_REQUEST, "resume_ids differ from this request's stream", g.id))
             return
         if len(g.prompt_ids) + sp.max_tokens > self.cfg.max_model_len:
@@ -243,10 +250,11 @@ class StubReplica:
             return
         cached = self._cache_prompt(g)
         due = time.perf_counter() + (random.random() * self.cfg.step_s if self.cfg.jitter else 0.0)
-        r = _Req(c, g, due, cached)
-        c.reqs[g.id] = r
-        self._seq += 1
-        heapq.heappush(self._heap, (r.due, self._seq, r))
+        for i, resume in samples:
+            r = _Req(c, g, due, cached, i, len(resume))
+            c.reqs[r.rid] = r
+            self._seq += 1
+            heapq.heappush(self._heap, (r.due, self._seq, r))
         self._wake()
 
     def _cache_prompt(self, g: rp.Generate) -> int:
@@ -288,10 +296,10 @@ class StubReplica:
             horizon = now + tick / 2  # what falls due within half a tick goes now: no busy-waiting
             while heap and heap[0][0] <= horizon:
                 _, _, r = heapq.heappop(heap)
-                if r.conn.reqs.get(r.gen.id) is not r:
+                if r.conn.reqs.get(r.rid) is not r:
                     continue  # aborted or connection gone
                 self._emit(r, now)
-                if r.conn.reqs.get(r.gen.id) is r:
+                if r.conn.reqs.get(r.rid) is r:
                     r.due = max(r.due + step, now)  # an overloaded host falls behind instead of bursting
                     self._seq += 1
                     heapq.heappush(heap, (r.due, self._seq, r))
@@ -308,11 +316,14 @@ class StubReplica:
         if not r.ttft_ms:
             r.ttft_ms = (now - r.t_arrival) * 1e3
         c = r.conn
-        c.out.append(rp.Tokens(g.id, [tok], "" if self.cfg.stamp else chr(tok)))  # stamped in _flush
+        k = g.sampling.logprobs
+        lps = [] if k is None else [rp.TokenLogprob(-1.0, [tok, *ALPHABET[:k]][:k], [-1.0] * k)]
+        c.out.append(rp.Tokens(g.id, [tok], "" if self.cfg.stamp else chr(tok), r.index, lps))  # stamped in _flush
         self._dirty.add(c)
         if r.pos >= g.sampling.max_tokens:
-            c.out.append(rp.Finished(g.id, rp.FINISH_LENGTH, rp.Usage(len(g.prompt_ids), r.pos, r.cached), r.ttft_ms))
-            del c.reqs[g.id]
+            c.out.append(rp.Finished(g.id, rp.FINISH_LENGTH, rp.Usage(len(g.prompt_ids), r.pos, r.cached), r.ttft_ms,
+                                     index=r.index))
+            del c.reqs[r.rid]
 
     def _flush(self) -> None:
         dirty, self._dirty = self._dirty, set()

@@ -188,6 +188,8 @@ def decode(body: bytes, schema):
         raise OpenAIError(f"invalid request: {e}", _param_of(e)) from None
     except msgspec.DecodeError as e:
         raise OpenAIError(f"malformed JSON body: {e}") from None
+    except UnicodeDecodeError as e:
+        raise OpenAIError(f"the body is not valid UTF-8: {e}") from None
 
 
 def refuse(param: str, why: str):

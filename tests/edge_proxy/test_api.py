@@ -120,8 +120,10 @@ async def test_openai_chat_and_completions():
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
             r = await h.post(p.http + "/v1/chat/completions", json={"messages": "nope"})
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
-            r = await h.post(p.http + "/v1/chat/completions", json={"messages": HI, "n": 2})
-            assert r.status_code == 400
+            r = await h.post(p.http + "/v1/chat/completions", json={"messages": HI, "n": 2, "max_tokens": 4, "seed": 3})
+            g = reps[0].generates[-1]
+            assert r.status_code == 200 and [c["message"]["content"] for c in r.json()["choices"]] == [
+                bytes(expected_tokens(g.prompt_ids, g.sampling, 4, index=i)).decode() for i in (0, 1)]
             r = await h.get(p.http + "/healthz")
             assert r.status_code == 200 and r.json()["replicas_ready"] == 1
 
