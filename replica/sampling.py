@@ -29,6 +29,7 @@ cached blocks (their logits were never computed) and collects each position once
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,8 @@ def process(logits: torch.Tensor, seqs, prev_tokens: torch.Tensor | None = None)
     dev = logits.device
     x = logits[_tensor(rows, torch.int64, dev)]  # (R, V), a copy
     sub = [seqs[i] for i in rows]
+    if not any(s.num_unresolved for s in sub):
+        prev_tokens = None  # every history is on the host
 
     bias_r, bias_t, bias_v = [], [], []
     for r, s in enumerate(sub):
@@ -78,17 +81,24 @@ def process(logits: torch.Tensor, seqs, prev_tokens: torch.Tensor | None = None)
                      _tensor(bias_v, torch.float32, dev), accumulate=True)
 
     rep = [r for r, s in enumerate(sub) if s.sampling.repetition_penalty != 1.0]
-    if rep:  # presence of each token in prompt + output
-        seen = _occurrences(x.shape, [(r, sub[r].token_ids) for r in rep], prev_tokens) > 0
-        penalty = _tensor([sub[r].sampling.repetition_penalty if r in rep else 1.0 for r in range(len(sub))],
-                          torch.float32, dev)[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    if rep:  # tokens of prompt + output: x / r where x > 0, else x * r
+        r_idx, t_idx, _, seen = _counts(x.shape, [(r, sub[r].token_ids) for r in rep], prev_tokens, dev)
+        penalty = _tensor([s.sampling.repetition_penalty for s in sub], torch.float32, dev)[:, None]
+        if seen is None:  # sparse: each (row, token) once
+            v, pen = x[r_idx, t_idx], penalty[r_idx, 0]
+            x[r_idx, t_idx] = torch.where(v > 0, v / pen, v * pen)
+        else:
+            x = torch.where(seen > 0, torch.where(x > 0, x / penalty, x * penalty), x)
 
     freq = [r for r, s in enumerate(sub) if s.sampling.frequency_penalty or s.sampling.presence_penalty]
-    if freq:  # counts over the output (resumed tokens are output too)
-        counts = _occurrences(x.shape, [(r, sub[r].token_ids[sub[r].num_prompt_tokens:]) for r in freq], prev_tokens)
+    if freq:  # over the output (resumed tokens are output too): x - f * count - p * [count > 0]
+        r_idx, t_idx, c, counts = _counts(x.shape, [(r, sub[r].token_ids[sub[r].num_prompt_tokens:]) for r in freq],
+                                          prev_tokens, dev)
         fp = _tensor([[s.sampling.frequency_penalty, s.sampling.presence_penalty] for s in sub], torch.float32, dev)
-        x = x - fp[:, :1] * counts - fp[:, 1:] * (counts > 0)
+        if counts is None:
+            x.index_put_((r_idx, t_idx), -(fp[r_idx, 0] * c + fp[r_idx, 1]), accumulate=True)
+        else:
+            x = x - fp[:, :1] * counts - fp[:, 1:] * (counts > 0)
 
     mask_r, mask_t = [], []
     for r, s in enumerate(sub):
@@ -114,20 +124,28 @@ def process(logits: torch.Tensor, seqs, prev_tokens: torch.Tensor | None = None)
     return out
 
 
-def _occurrences(shape, histories, prev_tokens) -> torch.Tensor:
-    """(R, V) fp32 counts of each token in each listed row's history (placeholders resolved)."""
-    R, V = shape
-    rows, toks = [], []
+def _counts(shape, histories, prev_tokens, dev):
+    """How often each token occurs in each listed row's history: sparse (rows, tokens,
+    counts, None) counted on the host, or, when a history ends in a placeholder for a
+    token still on the device (overlap), dense (None, None, None, (R, V) counts) built
+    there (deduplicating on the device would wait for it)."""
+    if prev_tokens is None:
+        rows, toks, counts = [], [], []
+        for r, ids in histories:
+            for t, n in Counter(ids).items():
+                rows.append(r)
+                toks.append(t)
+                counts.append(n)
+        return (_tensor(rows, torch.int64, dev), _tensor(toks, torch.int64, dev),
+                _tensor(counts, torch.float32, dev), None)
+    flat_r, flat_t = [], []
     for r, ids in histories:
-        rows.extend([r] * len(ids))
-        toks.extend(ids)
-    dev = prev_tokens.device if prev_tokens is not None else None
-    counts = torch.zeros(R, V, dtype=torch.float32, device=dev)
-    if toks:
-        t = resolve_placeholders(_tensor(toks, torch.int64, counts.device), prev_tokens)
-        counts.index_put_((_tensor(rows, torch.int64, counts.device), t), torch.ones_like(t, dtype=torch.float32),
-                          accumulate=True)
-    return counts
+        flat_r.extend([r] * len(ids))
+        flat_t.extend(ids)
+    dense = torch.zeros(shape, dtype=torch.float32, device=dev)
+    t = resolve_placeholders(_tensor(flat_t, torch.int64, dev), prev_tokens)
+    dense.index_put_((_tensor(flat_r, torch.int64, dev), t), torch.ones_like(t, dtype=torch.float32), accumulate=True)
+    return None, None, None, dense
 
 
 # -- logprobs -----------------------------------------------------------------------------

@@ -190,6 +190,8 @@ def decode(body: bytes, schema):
         raise OpenAIError(f"malformed JSON body: {e}") from None
     except UnicodeDecodeError as e:
         raise OpenAIError(f"the body is not valid UTF-8: {e}") from None
+    except RecursionError:
+        raise OpenAIError("the body's JSON is nested too deeply") from None
 
 
 def refuse(param: str, why: str):

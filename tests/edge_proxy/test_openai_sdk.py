@@ -253,3 +253,22 @@ def test_fim_on_a_model_without_fim_tokens_is_a_400_naming_why(stack, sdk):
         assert e.value.param == "suffix" and "FIM tokens" in e.value.message
         r = httpx.post(stack[where] + "/infill", json={"input_prefix": "def f(", "input_suffix": "\n"})
         assert r.status_code == 400 and "FIM" in r.json()["error"]["message"]
+
+
+def test_fuzzed_bodies_at_the_replica(stack):
+    """The fuzz of test_openai_fuzz.py, lighter, against the real replica's own API."""
+    import random
+
+    from test_openai_fuzz import BASES, check_answer, mutate
+
+    rng = random.Random(77)
+    kinds: dict[str, int] = {}
+    with httpx.Client(timeout=30) as h:
+        for _ in range(200):
+            path, base = rng.choice(BASES)
+            r = h.post(stack["replica"] + path, content=mutate(rng, {k: v for k, v in base.items() if k != "model"}),
+                       headers={"content-type": "application/json"})
+            kind = check_answer(r.status_code, r.headers.get("content-type", ""), r.content)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        assert h.get(stack["replica"] + "/healthz").json()["status"] == "ok"
+    assert kinds.get("json", 0) + kinds.get("stream", 0) > 15 and kinds.get("400", 0) > 60
