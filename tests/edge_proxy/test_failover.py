@@ -136,3 +136,42 @@ async def test_a_stream_waits_for_its_replica_to_come_back():
                 assert req.text == want and req.done.failovers == 1
             finally:
                 await restarted.stop()
+
+
+async def test_n_samples_resume_each_exactly_over_openai_sse():
+    """n = 3 streamed over SSE; the replica dies mid-stream: each sample resumes with its own
+    tokens on the survivor (Generate.sample_ids / sample_resume) and every choice's text is
+    its seed's uninterrupted stream."""
+    import json
+
+    import httpx
+
+    from stub_replica.server import expected_tokens
+
+    body = {"messages": HI, "n": 3, "seed": 77, "temperature": 0.9, "max_tokens": 30, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with stubs("a", "b") as reps, proxy_for(reps) as p:
+        texts, finish, got, victim = ["", "", ""], {}, 0, None
+        async with httpx.AsyncClient(trust_env=False, headers={"Authorization": "Bearer sk-alice"}) as h:
+            async with h.stream("POST", p.http + "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    for ch in chunk["choices"]:
+                        texts[ch["index"]] += ch["delta"].get("content") or ""
+                        got += len(ch["delta"].get("content") or "")
+                        if ch["finish_reason"]:
+                            finish[ch["index"]] = ch["finish_reason"]
+                    if chunk["choices"] == []:
+                        usage = chunk["usage"]
+                    if victim is None and got >= 20:
+                        victim = next(rep for rep in reps if rep.generates)
+                        await victim.crash()
+        first = victim.generates[0]
+        want = [bytes(expected_tokens(first.prompt_ids, first.sampling, 30, index=i)).decode() for i in range(3)]
+        assert texts == want and finish == {0: "length", 1: "length", 2: "length"}
+        assert usage["completion_tokens"] == 90
+        resumed = next(rep for rep in reps if rep is not victim).generates[-1]
+        assert resumed.sample_ids == [0, 1, 2] and all(5 <= len(ids) < 30 for ids in resumed.sample_resume)
+        assert resumed.sampling.n == 3 and resumed.sampling.seed == 77

@@ -2,7 +2,8 @@
 
 A conversation's second turn goes to the replica that holds its prefix (cached
 tokens > 0), and a replica killed mid-stream is replaced without the client
-seeing a duplicated or missing token: the text equals the uninterrupted run's.
+seeing a duplicated or missing token: the text equals the uninterrupted run's, with
+seeded sampling and penalties on.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def test_prefix_routing_and_exact_failover_on_real_replicas():
         for d1, d2 in asyncio.run(conversations(url)):
             assert d2.replica == d1.replica, "second turn left the replica holding its prefix"
             assert d2.usage.cached_tokens > 0
-        whole, done, text, after = asyncio.run(failover(url, reps, {"temperature": 0}))
+        # seeded sampling with penalties: the resumed replica counts the tokens so far (resume_ids)
+        sampling = {"temperature": 0.7, "seed": 11, "presence_penalty": 0.5, "repetition_penalty": 1.1}
+        whole, done, text, after = asyncio.run(failover(url, reps, sampling))
         assert done.usage.completion_tokens == 48 or done.finish_reason == "stop"
         assert after.failovers >= 1 and after.replica != done.replica
         assert text == whole

@@ -36,6 +36,26 @@ async def test_websocket_needs_a_known_key():
             assert r.status_code == 401
 
 
+async def test_any_key_is_anonymous_without_keys_and_unknown_keys_are_refused_with_them():
+    """What vLLM and SGLang do without --api-key: OpenAI SDKs always send a key ("EMPTY")."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with stubs("a") as reps, proxy_for(reps, keys=[], allow_anonymous=True) as p:
+        async with httpx.AsyncClient(trust_env=False) as h:
+            for key in ("EMPTY", "sk-anything", None):
+                r = await h.post(p.http + "/v1/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+                assert r.status_code == 200, (key, r.text)
+        async with connect(p.ws_url, additional_headers={"Authorization": "Bearer EMPTY"}, proxy=None):
+            pass
+    async with stubs("a") as reps, proxy_for(reps, allow_anonymous=True) as p:  # keys configured
+        async with httpx.AsyncClient(trust_env=False) as h:
+            r = await h.post(p.http + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer EMPTY"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == pp.UNAUTHORIZED
+            assert (await h.post(p.http + "/v1/chat/completions", json=body)).status_code == 200  # no key: anonymous
+            r = await h.post(p.http + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-bob"})
+            assert r.status_code == 200
+
+
 async def test_origin_allowlist():
     async with stubs("a") as reps, proxy_for(reps, allowed_origins=("https://chat.example",)) as p:
         auth = {"Authorization": "Bearer sk-alice"}
