@@ -1,0 +1,124 @@
+"""What issue 12's sampling parameters cost the engine, and what n > 1 saves.
+
+    .venv/bin/python bench/sampling.py                # both tables, default model
+    .venv/bin/python bench/sampling.py --batch 8 --steps 24
+
+Table 1: decode ms per step of the default model at one batch size, every request
+plain versus every request asking for one parameter (penalties, logit_bias, min_p,
+logprobs), side by side in one run, and the overhead over plain.
+Table 2: n samples of one prompt as one request (`fork_of`: the prompt computed once,
+replica.forks) versus n independent requests (the same prompt n times, arriving
+together: the prefix cache helps only those scheduled after the first prefills
+finished): prompt tokens the engine computed, and the time until every sample has
+its first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from replica.config import EngineConfig  # noqa: E402
+from replica.engine import LLMEngine  # noqa: E402
+from replica.loader import load_checkpoint  # noqa: E402
+from wire import protocol as P  # noqa: E402
+
+PARAMS = {
+    "plain": {},
+    "repetition_penalty": dict(repetition_penalty=1.2),
+    "frequency+presence": dict(frequency_penalty=0.5, presence_penalty=0.5),
+    "logit_bias (8 tokens)": dict(logit_bias={t: 2.0 for t in range(100, 108)}),
+    "min_p": dict(min_p=0.05),
+    "logprobs (top 5)": dict(logprobs=5),
+    "all of them": dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5, min_p=0.05,
+                        logit_bias={t: 2.0 for t in range(100, 108)}, logprobs=5),
+}
+
+
+def engine(ckpt) -> LLMEngine:
+    cfg = EngineConfig(num_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048, speculative="off")
+    return LLMEngine(cfg, ckpt.config, ckpt.weights)
+
+
+def decode_ms(eng: LLMEngine, batch: int, prompt_len: int, steps: int, params: dict) -> float:
+    sp = P.SamplingParams(max_tokens=steps + 4, temperature=0.8, seed=1, ignore_eos=True, **params)
+    for i in range(batch):
+        ids = [(13 * i + 7 * j) % 40000 + 100 for j in range(prompt_len)]
+        assert eng.add(P.Generate(id=f"d{i}", prompt_ids=ids, sampling=sp)) is None
+    while any(s.num_computed < len(s) - 1 for s in eng.seqs.values()):
+        eng.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    for rid in list(eng.seqs):
+        eng.abort(rid)
+    return statistics.median(times) * 1e3
+
+
+def first_tokens(eng: LLMEngine, n: int, prompt_len: int, fork: bool) -> tuple[int, float]:
+    """(prompt tokens computed, seconds until all n samples have a token)."""
+    ids = [(11 * j) % 40000 + 100 for j in range(prompt_len)] + [int(time.time() * 1e6) % 40000]  # unseen prompt
+    computed, started = 0, set()
+    schedule = eng.scheduler.schedule
+
+    def counting():
+        nonlocal computed
+        batch = schedule()
+        computed += sum(k for s, k in zip(batch.seqs, batch.num_tokens) if s.num_computed < s.num_prompt_tokens)
+        return batch
+    eng.scheduler.schedule = counting
+    t = time.perf_counter()
+    for i in range(n):
+        sp = P.SamplingParams(max_tokens=4, temperature=1.0, seed=P.sample_seed(5, i), ignore_eos=True)
+        eng.add(P.Generate(id=f"f{i}", prompt_ids=ids, sampling=sp, fork_of="f0" if fork and i else ""))
+    while len(started) < n:
+        started.update(m.id for m in eng.step())
+    elapsed = time.perf_counter() - t
+    eng.scheduler.schedule = schedule
+    for rid in list(eng.seqs):
+        eng.abort(rid)
+    return computed, elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--fork-prompt", type=int, default=1000)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    ckpt = load_checkpoint("default")
+    print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; default model on CPU, float32\n")
+    eng = engine(ckpt)
+    decode_ms(eng, args.batch, args.prompt, 4, {})  # warm-up
+    print(f"| every request asks for (batch {args.batch}) | decode ms/step | overhead vs plain |")
+    print("|---|---:|---:|")
+    base = None
+    for name, params in PARAMS.items():
+        ms = decode_ms(eng, args.batch, args.prompt, args.steps, params)
+        base = base or ms
+        print(f"| {name} | {ms:.1f} | {100 * (ms / base - 1):+.1f} % |")
+    print(f"\n| {args.n} samples of a {args.fork_prompt}-token prompt | prompt tokens computed | "
+          "s until every sample has a token |")
+    print("|---|---:|---:|")
+    for label, fork in (("one request, n samples (fork after prefill)", True), ("n independent requests", False)):
+        computed, s = first_tokens(engine(ckpt), args.n, args.fork_prompt, fork)
+        print(f"| {label} | {computed} | {s:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
