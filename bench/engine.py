@@ -48,10 +48,12 @@ class ZeroCostModel(torch.nn.Module):
         return self.logits_buf[: hidden.shape[0]]
 
 
-def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int, temperature: float) -> list[float]:
-    """Prefill `batch` requests, then time `steps` decode steps (seconds each)."""
+def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int, temperature: float,
+                 **params) -> list[float]:
+    """Prefill `batch` requests, then time `steps` decode steps (seconds each); `params`:
+    more SamplingParams fields (bench/sampling.py)."""
     sp = P.SamplingParams(max_tokens=steps + 4, temperature=temperature, top_p=0.9 if temperature else 1.0,
-                          ignore_eos=True, seed=1)
+                          ignore_eos=True, seed=1, **params)
     for i in range(batch):
         ids = [(7 * i + j) % 1000 + 10 for j in range(prompt_len)]
         assert engine.add(P.Generate(id=f"b{batch}-{i}", prompt_ids=ids, sampling=sp)) is None

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine import decode_steps  # noqa: E402  (bench/engine.py: this script's folder is on sys.path)
 from replica.config import EngineConfig  # noqa: E402
 from replica.engine import LLMEngine  # noqa: E402
 from replica.loader import load_checkpoint  # noqa: E402
@@ -50,20 +51,7 @@ def engine(ckpt) -> LLMEngine:
 
 
 def decode_ms(eng: LLMEngine, batch: int, prompt_len: int, steps: int, params: dict) -> float:
-    sp = P.SamplingParams(max_tokens=steps + 4, temperature=0.8, seed=1, ignore_eos=True, **params)
-    for i in range(batch):
-        ids = [(13 * i + 7 * j) % 40000 + 100 for j in range(prompt_len)]
-        assert eng.add(P.Generate(id=f"d{i}", prompt_ids=ids, sampling=sp)) is None
-    while any(s.num_computed < len(s) - 1 for s in eng.seqs.values()):
-        eng.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t)
-    for rid in list(eng.seqs):
-        eng.abort(rid)
-    return statistics.median(times) * 1e3
+    return statistics.median(decode_steps(eng, batch, prompt_len, steps, 0.8, **params)) * 1e3
 
 
 def first_tokens(eng: LLMEngine, n: int, prompt_len: int, fork: bool) -> tuple[int, float]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -30,11 +29,9 @@ from edge_proxy.auth import bearer
 from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
 from edge_proxy.prompt import INLINE_CHARS
-from wire import infill as IF
 from wire import openai as O
 from wire import protocol as rp
-from wire.openai_render import Response
-from wire.openai_stream import End, Pump, error_response, json_response, read_body
+from wire.openai_stream import End, Pump, error_response, json_response, parse, read_body, response
 
 STATUS = {pp.BAD_REQUEST: 400, pp.UNAUTHORIZED: 401, pp.FORBIDDEN: 403, pp.NOT_FOUND: 404, pp.TOO_LARGE: 413,
           pp.PROMPT_TOO_LONG: 400, pp.RATE_LIMITED: 429, pp.OVERLOADED: 503, pp.UNAVAILABLE: 503,
@@ -130,11 +127,7 @@ class OpenAIRoutes:
         pump, streams = None, []
         try:
             key = self._auth(request)
-            body = await read_body(request, proxy.cfg.max_frame_bytes)
-            if kind == "infill":
-                plan, ireq = IF.parse(body)
-            else:
-                plan = O.fan_out(O.parse_chat(body) if kind == "chat" else O.parse_completion(body))
+            plan, ireq = parse(kind, await read_body(request, proxy.cfg.max_frame_bytes))
             model = self._model(plan.model if kind != "infill" else None)
             ids = [await _tokenize(tok, p) for p in plan.prompts]
             sampling = O.for_fim(plan, tok)
@@ -162,12 +155,7 @@ class OpenAIRoutes:
             if isinstance(e, ValueError):  # a malformed numeric header
                 e = O.OpenAIError(str(e), None)
             return error_response(openai_error(e) if isinstance(e, pp.ProtocolError) else e)
-        if kind == "infill":
-            resp = IF.InfillResponse(plan, ireq, model, len(ids[0]))
-        else:
-            texts = [O.prompt_text(tok, p, i) for p, i in zip(plan.prompts, ids)] if plan.echo else None
-            resp = Response(plan, cid, model, int(time.time()), tok.piece, ids, texts)
-        return await pump.reply(resp, plan.stream)
+        return await pump.reply(response(kind, plan, ireq, cid, model, tok, ids), plan.stream)
 
 
 async def _tokenize(tokenizer, prompt) -> list[int]:

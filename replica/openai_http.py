@@ -8,16 +8,13 @@ replica.engine_client); the answer is rendered from their messages as they come.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import msgspec
 
-from wire import infill as IF
 from wire import openai as O
 from wire import protocol as P
-from wire.openai_render import Response
-from wire.openai_stream import Pump, error_response, json_response, read_body
+from wire.openai_stream import Pump, error_response, json_response, parse, read_body, response
 
 MAX_BODY_BYTES = 4 << 20
 STATUS = {P.BAD_REQUEST: 400, P.PROMPT_TOO_LONG: 400, P.UNAUTHORIZED: 401, P.NOT_FOUND: 404, P.OVERLOADED: 503,
@@ -64,11 +61,7 @@ class OpenAIRoutes:
     async def _generate(self, request, kind: str):
         tok = self.tokenizer
         try:
-            body = await read_body(request, MAX_BODY_BYTES)
-            if kind == "infill":
-                plan, ireq = IF.parse(body)
-            else:
-                plan = O.fan_out(O.parse_chat(body) if kind == "chat" else O.parse_completion(body))
+            plan, ireq = parse(kind, await read_body(request, MAX_BODY_BYTES))
             if plan.model is not None and plan.model != self.model_name and kind != "infill":
                 raise O.not_found_model(plan.model)
             ids = [O.prompt_ids(tok, p) for p in plan.prompts]
@@ -90,13 +83,7 @@ class OpenAIRoutes:
             pump.abort()
             pump.close()
             return self.error(O.OpenAIError(str(e), status=500, code=P.INTERNAL))
-        model = self.model_name
-        if kind == "infill":
-            resp = IF.InfillResponse(plan, ireq, model, len(ids[0]))
-        else:
-            texts = [O.prompt_text(tok, p, i) for p, i in zip(plan.prompts, ids)] if plan.echo else None
-            resp = Response(plan, rid, model, int(time.time()), tok.piece, ids, texts)
-        return await pump.reply(resp, plan.stream)
+        return await pump.reply(response(kind, plan, ireq, rid, self.model_name, tok, ids), plan.stream)
 
     def _sink(self, pump: Pump, p: int):
         put = pump.put

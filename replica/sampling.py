@@ -17,7 +17,7 @@ its tokens, continues exactly. Rows without such params are not touched (no copy
 Logprobs are the model's raw log-softmax (before any processing), as vLLM returns
 them by default: the sampled token's and the top k. With overlap scheduling the
 token history may end in a placeholder for the token still on the device; it is
-resolved there (`resolve_placeholders`), never on the host.
+resolved there (as replica.graphs.resolve_placeholders does), never on the host.
 
 Prompt logprobs (completions `echo` with `logprobs`): the logits of every prompt
 position are computed in the prefill (`StepPlan.extra_logits`) and the logprob of
@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replica.graphs import resolve_placeholders
 from wire import protocol as P
 
 
@@ -143,7 +142,8 @@ def _counts(shape, histories, prev_tokens, dev):
         flat_r.extend([r] * len(ids))
         flat_t.extend(ids)
     dense = torch.zeros(shape, dtype=torch.float32, device=dev)
-    t = resolve_placeholders(_tensor(flat_t, torch.int64, dev), prev_tokens)
+    t = _tensor(flat_t, torch.int64, dev)
+    t = torch.where(t >= 0, t, prev_tokens[(-t - 1).clamp(0, prev_tokens.numel() - 1)])  # -(j + 1): prev_tokens[j]
     dense.index_put_((_tensor(flat_r, torch.int64, dev), t), torch.ones_like(t, dtype=torch.float32), accumulate=True)
     return None, None, None, dense
 

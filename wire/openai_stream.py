@@ -15,13 +15,16 @@ the generations at once; an error after the stream started is sent as
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
+from wire import infill as IF
+from wire import openai as O
 from wire.openai import OpenAIError
-from wire.openai_render import DONE
+from wire.openai_render import DONE, Response
 
 _enc = msgspec.json.Encoder()
 _GONE = object()
@@ -196,3 +199,18 @@ async def http_error(request, exc):
                                                           "method not allowed" if status == 405 else str(exc))
     return json_response(status, _enc.encode(OpenAIError(message, None, status, code).body()),
                          getattr(exc, "headers", None))
+
+
+def parse(kind: str, body: bytes) -> tuple[O.Plan, IF.InfillRequest | None]:
+    """A chat / completion / infill body as a validated plan (and the /infill request)."""
+    if kind == "infill":
+        return IF.parse(body)
+    return O.fan_out(O.parse_chat(body) if kind == "chat" else O.parse_completion(body)), None
+
+
+def response(kind: str, plan: O.Plan, ireq, rid: str, model: str, tokenizer, ids: list[list[int]]):
+    """The answer's renderer: OpenAI's (wire.openai_render) or llama.cpp's (wire.infill)."""
+    if kind == "infill":
+        return IF.InfillResponse(plan, ireq, model, len(ids[0]))
+    texts = [O.prompt_text(tokenizer, p, i) for p, i in zip(plan.prompts, ids)] if plan.echo else None
+    return Response(plan, rid, model, int(time.time()), tokenizer.piece, ids, texts)
