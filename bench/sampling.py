@@ -5,7 +5,8 @@
 
 Table 1: decode ms per step of the default model at one batch size, every request
 plain versus every request asking for one parameter (penalties, logit_bias, min_p,
-logprobs), side by side in one run, and the overhead over plain.
+logprobs), side by side in one run (interleaved rounds, the best of each), and the
+overhead over plain.
 Table 2: n samples of one prompt as one request (`fork_of`: the prompt computed once,
 replica.forks) versus n independent requests (the same prompt n times, arriving
 together: the prefix cache helps only those scheduled after the first prefills
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--fork-prompt", type=int, default=1000)
     args = ap.parse_args()
@@ -93,13 +95,15 @@ def main() -> None:
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; default model on CPU, float32\n")
     eng = engine(ckpt)
     decode_ms(eng, args.batch, args.prompt, 4, {})  # warm-up
-    print(f"| every request asks for (batch {args.batch}) | decode ms/step | overhead vs plain |")
+    best = {name: float("inf") for name in PARAMS}
+    for _ in range(args.rounds):  # interleaved, best of the rounds: others' load hits every row alike
+        for name, params in PARAMS.items():
+            best[name] = min(best[name], decode_ms(eng, args.batch, args.prompt, args.steps, params))
+    print(f"| every request asks for (batch {args.batch}) | decode ms/step (best of {args.rounds}) | "
+          "overhead vs plain |")
     print("|---|---:|---:|")
-    base = None
-    for name, params in PARAMS.items():
-        ms = decode_ms(eng, args.batch, args.prompt, args.steps, params)
-        base = base or ms
-        print(f"| {name} | {ms:.1f} | {100 * (ms / base - 1):+.1f} % |")
+    for name, ms in best.items():
+        print(f"| {name} | {ms:.1f} | {100 * (ms / best['plain'] - 1):+.1f} % |")
     print(f"\n| {args.n} samples of a {args.fork_prompt}-token prompt | prompt tokens computed | "
           "s until every sample has a token |")
     print("|---|---:|---:|")
