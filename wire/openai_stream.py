@@ -60,20 +60,28 @@ class Pump:
         self.q: asyncio.Queue = asyncio.Queue()
         self.abort: Callable[[], None] = lambda: None  # stops every generation (set once they are started)
         self.hold = hold  # Finished waits for End (the proxy: its Done adds to the last chunk)
-        self.gone = False
+        self._first = None  # the item `reply` looked at, not consumed yet
         self._watch = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
-
-    def sink(self, p: int) -> Callable[[object], None]:
-        put = self.q.put_nowait
-        return lambda msg: put((p, msg))
 
     def put(self, item) -> None:
         self.q.put_nowait(item)
 
+    async def get(self):
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
+        return await self.q.get()
+
+    def get_nowait(self):
+        """The next item if one is in, else None."""
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
+        return None if self.q.empty() else self.q.get_nowait()
+
     async def _watch_disconnect(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.gone = True
         self.abort()
         self.q.put_nowait(_GONE)
 
@@ -90,15 +98,8 @@ class Pump:
             self.abort()
             self.close()
             return error_response(first)
-        self._requeue_first(first)
+        self._first = first
         return _Streamed(self, resp) if stream else _Whole(self, resp)
-
-    def _requeue_first(self, first) -> None:
-        rest = []
-        while not self.q.empty():
-            rest.append(self.q.get_nowait())
-        for item in [first] + rest:
-            self.q.put_nowait(item)
 
     def feed(self, resp, item) -> tuple[bytes, OpenAIError | None]:
         """Render one item; (bytes, the error that ends the answer or None)."""
@@ -122,14 +123,14 @@ class _Streamed:
         self.pump, self.resp = pump, resp
 
     async def __call__(self, scope, receive, send) -> None:
-        pump, resp, q = self.pump, self.resp, self.pump.q
+        pump, resp = self.pump, self.resp
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]})
             out = [resp.start()]
             while True:
-                item = await q.get()
+                item = await pump.get()
                 while True:
                     if item is _GONE:
                         return
@@ -143,9 +144,9 @@ class _Streamed:
                         out.append(resp.close())
                         await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
                         return
-                    if q.empty():
+                    item = pump.get_nowait()
+                    if item is None:
                         break
-                    item = q.get_nowait()
                 body = b"".join(out)
                 out.clear()
                 if body:
@@ -165,7 +166,7 @@ class _Whole:
         pump, resp = self.pump, self.resp
         try:
             while not resp.done:
-                item = await pump.q.get()
+                item = await pump.get()
                 if item is _GONE:
                     return
                 _, err = pump.feed(resp, item)
