@@ -30,6 +30,7 @@ from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
 from edge_proxy.prompt import INLINE_CHARS
 from wire import openai as O
+from wire import openai_prompts as OP
 from wire import protocol as rp
 from wire.openai_stream import End, Pump, error_response, json_response, parse, read_body, response
 
@@ -130,7 +131,7 @@ class OpenAIRoutes:
             plan, ireq = parse(kind, await read_body(request, proxy.cfg.max_frame_bytes))
             model = self._model(plan.model if kind != "infill" else None)
             ids = [await _tokenize(tok, p) for p in plan.prompts]
-            sampling = O.for_fim(plan, tok)
+            sampling = OP.for_fim(plan, tok)
             cid = {"chat": "chatcmpl-", "completion": "cmpl-", "infill": "infill-"}[kind] + secrets.token_hex(12)
             h = request.headers
             pump = Pump(request.receive, hold=True)
@@ -159,7 +160,7 @@ class OpenAIRoutes:
 
 
 async def _tokenize(tokenizer, prompt) -> list[int]:
-    """O.prompt_ids, in a thread for long prompts (the relay of every other stream must not wait)."""
-    if O.prompt_chars(prompt) <= INLINE_CHARS:
-        return O.prompt_ids(tokenizer, prompt)
-    return await asyncio.to_thread(O.prompt_ids, tokenizer, prompt)
+    """OP.prompt_ids, in a thread for long prompts (the relay of every other stream must not wait)."""
+    if OP.prompt_chars(prompt) <= INLINE_CHARS:
+        return OP.prompt_ids(tokenizer, prompt)
+    return await asyncio.to_thread(OP.prompt_ids, tokenizer, prompt)

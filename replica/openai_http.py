@@ -13,6 +13,7 @@ import uuid
 import msgspec
 
 from wire import openai as O
+from wire import openai_prompts as OP
 from wire import protocol as P
 from wire.openai_stream import Pump, error_response, json_response, parse, read_body, response
 
@@ -64,8 +65,8 @@ class OpenAIRoutes:
             plan, ireq = parse(kind, await read_body(request, MAX_BODY_BYTES))
             if plan.model is not None and plan.model != self.model_name and kind != "infill":
                 raise O.not_found_model(plan.model)
-            ids = [O.prompt_ids(tok, p) for p in plan.prompts]
-            sampling = O.for_fim(plan, tok)
+            ids = [OP.prompt_ids(tok, p) for p in plan.prompts]
+            sampling = OP.for_fim(plan, tok)
         except O.OpenAIError as e:
             return self.error(e)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex

@@ -383,51 +383,6 @@ def fan_out(plan: Plan) -> Plan:
     return plan
 
 
-# -- tokenizing ------------------------------------------------------------------------------
-def prompt_ids(tokenizer, prompt) -> list[int]:
-    """Token ids of one prompt of a plan (chat messages, text, ids or FIM) with the model's tokenizer.
-    Raises OpenAIError when the model cannot do it (no chat template, no FIM tokens)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        try:
-            return list(tokenizer.encode_chat(prompt))
-        except ValueError as e:  # replica.tokenizer.ChatTemplateError
-            raise OpenAIError(str(e), "messages") from None
-    if isinstance(prompt, Fim):
-        fim = getattr(tokenizer, "fim", None)
-        if fim is None:
-            raise OpenAIError("fill-in-the-middle (suffix, /infill) needs a model whose tokenizer has FIM tokens "
-                              "(StarCoder <fim_prefix>, Qwen2.5-Coder <|fim_prefix|>, CodeLlama <PRE>, "
-                              "DeepSeek-Coder <｜fim▁begin｜>); this model's has none", "suffix")
-        return fim.encode(tokenizer, prompt.prefix, prompt.suffix, prompt.extra, prompt.middle)
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
-    return list(prompt)
-
-
-def prompt_chars(prompt) -> int:
-    """How much text a prompt holds (to tokenize long ones off the event loop)."""
-    if isinstance(prompt, Fim):
-        return len(prompt.prefix) + len(prompt.suffix) + len(prompt.middle) + sum(len(t) for _, t in prompt.extra)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        return sum(len(m["content"]) for m in prompt)
-    return len(prompt) if isinstance(prompt, str) else 0
-
-
-def prompt_text(tokenizer, prompt, ids: list[int]) -> str:
-    """What `echo` shows of a prompt: its text, or its ids decoded."""
-    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-
-
-def for_fim(plan: Plan, tokenizer) -> P.SamplingParams:
-    """The plan's sampling, with the FIM convention's end-of-infill token as a stop id when it has one."""
-    sp = plan.sampling
-    fim = getattr(tokenizer, "fim", None)
-    if plan.prompts and isinstance(plan.prompts[0], Fim) and fim is not None and fim.end is not None \
-            and fim.end not in sp.stop_token_ids:
-        sp = msgspec.structs.replace(sp, stop_token_ids=[*sp.stop_token_ids, fim.end])
-    return sp
-
-
 SAMPLING_FIELDS = frozenset(P.SamplingParams.__struct_fields__)
 
 

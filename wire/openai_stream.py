@@ -23,6 +23,7 @@ import msgspec
 
 from wire import infill as IF
 from wire import openai as O
+from wire import openai_prompts as OP
 from wire.openai import OpenAIError
 from wire.openai_render import DONE, Response
 
@@ -213,5 +214,5 @@ def response(kind: str, plan: O.Plan, ireq, rid: str, model: str, tokenizer, ids
     """The answer's renderer: OpenAI's (wire.openai_render) or llama.cpp's (wire.infill)."""
     if kind == "infill":
         return IF.InfillResponse(plan, ireq, model, len(ids[0]))
-    texts = [O.prompt_text(tokenizer, p, i) for p, i in zip(plan.prompts, ids)] if plan.echo else None
+    texts = [OP.prompt_text(tokenizer, p, i) for p, i in zip(plan.prompts, ids)] if plan.echo else None
     return Response(plan, rid, model, int(time.time()), tokenizer.piece, ids, texts)

@@ -12,6 +12,7 @@ from edge_proxy.prompt import ByteTokenizer
 from replica.fim import FimTokens
 from wire import infill as IF
 from wire import openai as O
+from wire import openai_prompts as OP
 from wire import protocol as P
 from wire.openai_render import Response
 
@@ -114,7 +115,7 @@ def test_malformed_bodies():
 def test_fim_needs_fim_tokens_and_names_why():
     plan = O.parse_completion(b'{"prompt": "def f(", "suffix": "\\n    return x"}')
     with pytest.raises(O.OpenAIError) as e:
-        O.prompt_ids(ByteTokenizer(), plan.prompts[0])
+        OP.prompt_ids(ByteTokenizer(), plan.prompts[0])
     assert e.value.param == "suffix" and "FIM tokens" in e.value.message
 
 
