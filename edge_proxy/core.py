@@ -25,6 +25,7 @@ from time import perf_counter
 
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
+from edge_proxy.discovery import DnsDiscovery
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
@@ -71,6 +72,7 @@ class Proxy:
         self.sessions = SessionTable()
         self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost, getattr(tokenizer, "fingerprint", ""))
         self.pool.state_listeners.append(self._on_pool_change)
+        self.discovery = DnsDiscovery(cfg.discovery, self.pool, self.metrics) if cfg.discovery else None
         self.streams: set[Stream] = set()
         self.forwarding: set[Forwarded] = set()  # requests relayed to a peer region, until their end
         self.draining = False
@@ -82,12 +84,16 @@ class Proxy:
 
     async def start(self) -> None:
         await self.pool.start()
+        if self.discovery is not None:
+            self.discovery.start()
 
     async def stop(self) -> None:
         for s in list(self.streams):
             self.fail(s, pp.SHUTTING_DOWN, "the proxy is shutting down")
         if self.peers is not None:
             await self.peers.close()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.pool.stop()
 
     async def drain(self, timeout: float) -> bool:
