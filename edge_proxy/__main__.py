@@ -6,6 +6,8 @@ Secrets come from the environment, never the command line:
   EDGECHAT_REPLICA_SECRET shared secret for the replicas' /v1/replica endpoint
   EDGECHAT_PEER_KEY       API key this proxy presents to --peer proxies that require keys; a key of tier
                           "peer" there, so forwarded requests keep their tenant (cache salt)
+Tracing: OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) sends spans to that OTLP/HTTP
+collector; the other OTEL_* variables (headers, OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_*) apply as usual.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from edge_proxy.server import serve_workers
 
 SECRET_ENV = "EDGECHAT_REPLICA_SECRET"
 PEER_KEY_ENV = "EDGECHAT_PEER_KEY"
+OTLP_TRACES_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 
 
 def _peer(spec: str):
@@ -77,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
         api_keys_file=a.api_keys, allow_anonymous=a.allow_anonymous, allowed_origins=tuple(a.allowed_origin),
         max_frame_bytes=a.max_frame_bytes, max_prompt_tokens=a.max_prompt_tokens,
         failover_attempts=a.failover_attempts, drain_timeout_s=a.drain_timeout, otel_console=a.otel_console,
+        otel_otlp=bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(OTLP_TRACES_ENV)),
         log_level=a.log_level, peers=tuple(sorted(a.peer, key=lambda q: (q.rtt_ms, q.region))),
         peer_key=os.environ.get(PEER_KEY_ENV, ""),
         pool=PoolConfig(secret=os.environ.get(SECRET_ENV, ""), stall_timeout_s=a.stall_timeout,

@@ -35,6 +35,7 @@ class ProxyConfig:
     failover_wait_s: float = 5.0  # how long a stream waits for any replica to come back
     drain_timeout_s: float = 60.0
     otel_console: bool = False
+    otel_otlp: bool = False  # export spans to OTEL_EXPORTER_OTLP_ENDPOINT (set when that variable is)
     log_level: str = "info"
     peers: tuple[Peer, ...] = ()  # other regions' proxies, nearest first: forwarded to with no replica ready here
     peer_key: str = ""  # API key presented to peers (EDGECHAT_PEER_KEY); "" when they allow anonymous access

@@ -34,7 +34,7 @@ from edge_proxy.prompt import encode_prompt, encode_reply
 from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.stream import Stream
-from edge_proxy.tracing import console_processor, make_tracer, start_request_span, traceparent_of
+from edge_proxy.tracing import console_processor, make_tracer, otlp_processor, start_request_span, traceparent_of
 from wire import protocol as rp
 from wire.hashing import block_hashes
 
@@ -67,7 +67,8 @@ class Proxy:
         self.tokenizer = tokenizer
         self.keys = keys
         self.metrics = metrics or ProxyMetrics()
-        self.tracer = tracer or make_tracer(cfg.region, [console_processor()] if cfg.otel_console else [])
+        self.tracer = tracer or make_tracer(cfg.region, ([console_processor()] if cfg.otel_console else [])
+                                            + ([otlp_processor()] if cfg.otel_otlp else []))
         self.router = make_router(cfg.router)
         self.sessions = SessionTable()
         self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost, getattr(tokenizer, "fingerprint", ""))
