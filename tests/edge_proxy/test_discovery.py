@@ -9,8 +9,6 @@ as pods behind a headless Service do.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 from types import SimpleNamespace
 from time import perf_counter
 
@@ -18,70 +16,11 @@ import pytest
 
 from edge_proxy.client import EdgeClient
 from edge_proxy.discovery import DiscoveryConfig, DnsDiscovery, replica_url
-from regions.dns_zone import DnsZone
-from stub_replica.server import StubConfig, StubReplica
 
-from conftest import SECRET, proxy_for
+from conftest import proxy_for
+from dns_pods import INTERVAL, NAME, discovery, pods, refreshes, zone
 
 pytestmark = pytest.mark.anyio
-NAME = "edgechat-replica.edgechat.test"
-INTERVAL = 0.25
-STORY = [{"role": "user", "content": "tell me a long story"}]
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@contextlib.asynccontextmanager
-async def zone():
-    z = await DnsZone().start("127.0.0.1")
-    try:
-        yield z
-    finally:
-        await z.stop()
-
-
-class Pods:
-    """Stub replicas at 127.0.0.N:port, started and stopped like pods."""
-
-    def __init__(self, port: int, step_s: float = 0.01):
-        self.port, self.step_s = port, step_s
-        self.live: dict[str, StubReplica] = {}  # address -> stub
-
-    async def start(self, address: str, rid: str) -> StubReplica:
-        stub = StubReplica(StubConfig(replica_id=rid, secret=SECRET, step_s=self.step_s))
-        self.live[address] = await stub.start(address, self.port)
-        return stub
-
-    async def stop(self, address: str) -> None:
-        await self.live.pop(address).stop()
-
-    async def close(self) -> None:
-        for a in list(self.live):
-            await self.stop(a)
-
-
-@contextlib.asynccontextmanager
-async def pods(step_s: float = 0.01):
-    p = Pods(free_port("127.0.0.2"), step_s)
-    try:
-        yield p
-    finally:
-        await p.close()
-
-
-def discovery(z: DnsZone, port: int, name: str = NAME) -> DiscoveryConfig:
-    return DiscoveryConfig(name, port, INTERVAL, z.server)
-
-
-async def refreshes(d: DnsDiscovery, n: int = 1) -> None:
-    """Wait for `n` more refreshes to complete."""
-    for _ in range(n):
-        d.refreshed.clear()
-        await asyncio.wait_for(d.refreshed.wait(), 10)
 
 
 def urls(p) -> set[str]:
@@ -160,7 +99,7 @@ async def test_a_replica_added_is_used_within_one_refresh():
                          ids=["greedy", "seeded"])
 async def test_a_replica_removed_mid_stream_finishes_elsewhere_with_identical_text(sampling):
     async with zone() as z, pods(step_s=0.02) as k:
-        a, b = await k.start("127.0.0.2", "a"), await k.start("127.0.0.3", "b")
+        a, _ = await k.start("127.0.0.2", "a"), await k.start("127.0.0.3", "b")
         z.set(NAME, ["127.0.0.2", "127.0.0.3"])
         async with proxy_for([], wait_ready=2, discovery=discovery(z, k.port)) as p:
             prompts = [f"story {i}" for i in range(6)]
