@@ -25,11 +25,6 @@ class Stage:
         return json.loads(self.all(instruction)[-1])
 
 
-    def healthcheck(self) -> list[str]:
-        """The exec form of the stage's HEALTHCHECK command."""
-        return json.loads(self.all("HEALTHCHECK")[-1].split(" CMD ", 1)[1])
-
-
 def stages(path: Path = DOCKERFILE) -> dict[str, Stage]:
     lines, buf = [], ""
     for raw in path.read_text().splitlines():
@@ -53,6 +48,11 @@ def stages(path: Path = DOCKERFILE) -> dict[str, Stage]:
         elif cur is not None:
             cur.steps.append((ins, rest.strip()))
     return out
+
+
+def inherited(all_stages: dict[str, Stage], name: str, instruction: str) -> str:
+    """The last `instruction` that applies to stage `name` (its own or one it builds on)."""
+    return next(s.all(instruction)[-1] for s in lineage(all_stages, name) if s.all(instruction))
 
 
 def lineage(all_stages: dict[str, Stage], name: str) -> list[Stage]:

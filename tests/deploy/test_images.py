@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -25,10 +26,10 @@ from packaging.utils import canonicalize_name
 
 from regions.dns_zone import DnsZone
 from stub_replica.server import StubConfig, StubReplica
-from tests.deploy.dockerfile import DOCKERFILE, ROOT, lineage, stages
+from tests.deploy.dockerfile import DOCKERFILE, ROOT, inherited, lineage, stages
 from tests.replica.server import free_port
 
-BUILDS = {"proxy": "build-proxy", "replica-cpu": "build-replica-cpu", "replica-cuda": "build-replica-cuda"}
+BUILDS = {"proxy": "build-proxy", "replica-cpu": "build-replica", "replica-cuda": "build-replica"}
 TORCH_FAMILY = ("torch", "triton", "safetensors")
 
 
@@ -48,7 +49,7 @@ def test_hadolint_finds_nothing():
 def test_each_image_installs_with_make_install_and_runs_as_non_root(target):
     st = stages()
     build = BUILDS[target]
-    runs = [r for s in lineage(st, build) for r in s.all("RUN")] + st[target].all("RUN")
+    runs = [r for s in lineage(st, build) + lineage(st, target) for r in s.all("RUN")]
     assert not [r for r in runs if "pip" in r], "images install through `make install` only"
     (make,) = [r for r in runs if r.startswith("make ")]
     args = {k: v for k, _, v in (w.partition("=") for w in shlex.split(make)[2:])}
@@ -62,9 +63,9 @@ def test_each_image_installs_with_make_install_and_runs_as_non_root(target):
     else:
         assert args["TORCH"] == _make_default("TORCH")  # the torch `make` installs, the code is written for
         assert f'pip install -q "{args["TORCH"]}"' in dry and "-e '.[replica]'" in dry
-    assert f"--from={build} /opt/venv /opt/venv" in st[target].all("COPY")
-    assert st[target].all("USER") == ["10001:10001"] and "useradd --uid 10001" in st["base"].all("RUN")[0]
-    assert "/healthz" in st[target].all("HEALTHCHECK")[0]
+    assert f"--from={build} /opt/venv /opt/venv" in [c for s in lineage(st, target) for c in s.all("COPY")]
+    assert st[target].all("USER")[-1] == "10001:10001" and "useradd --uid 10001" in st["base"].all("RUN")[0]
+    assert "/healthz" in inherited(st, target, "HEALTHCHECK") and inherited(st, target, "EXPOSE") == "8000"
 
 
 def test_the_image_copies_every_package_and_the_cmds_parse():
@@ -77,7 +78,7 @@ def test_the_image_copies_every_package_and_the_cmds_parse():
     assert copied == set(pyproject["tool"]["setuptools"]["packages"]) | {"pyproject.toml"}
     assert proxy_args(st["proxy"].exec_form("CMD")).discovery.name == "edgechat-replica"
     for target in ("replica-cpu", "replica-cuda"):
-        assert st[target].exec_form("ENTRYPOINT") == ["python", "-m", "replica"]
+        assert json.loads(inherited(st, target, "ENTRYPOINT")) == ["python", "-m", "replica"]
         a = replica_args(st[target].exec_form("CMD"))
         assert (a.host, a.port, a.model) == ("0.0.0.0", 8000, "default")
 
@@ -124,7 +125,8 @@ async def test_the_proxy_entrypoint_serves_without_torch_and_its_healthcheck_tel
             "--dns-interval", "0.2", "--allow-anonymous", "--log-level", "warning"]
     proc = await asyncio.create_subprocess_exec(*argv, env={**os.environ, "EDGECHAT_REPLICA_SECRET": secret},
                                                 stdout=asyncio.subprocess.DEVNULL)
-    check = [sys.executable] + [w.replace(":8000/", f":{port}/") for w in stages()["proxy"].healthcheck()[1:]]
+    health = json.loads(inherited(stages(), "proxy", "HEALTHCHECK").split(" CMD ", 1)[1])
+    check = [sys.executable] + [w.replace(":8000/", f":{port}/") for w in health[1:]]
     try:
         await _until_healthz(port, proc, 200)
         assert await _exit_code(check) == 0
