@@ -1,10 +1,13 @@
 """python -m edge_proxy --replica ws://127.0.0.1:9001/v1/replica --replica ws://... --port 8000
+python -m edge_proxy --replicas-dns edgechat-replica:8000 --host 0.0.0.0     (Kubernetes headless Service)
 
 Secrets come from the environment, never the command line:
   EDGECHAT_API_KEYS       key=tenant[:tier[:rate_per_s[:burst]]],...   (or --api-keys FILE)
   EDGECHAT_REPLICA_SECRET shared secret for the replicas' /v1/replica endpoint
   EDGECHAT_PEER_KEY       API key this proxy presents to --peer proxies that require keys; a key of tier
                           "peer" there, so forwarded requests keep their tenant (cache salt)
+Tracing: OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) sends spans to that OTLP/HTTP
+collector; the other OTEL_* variables (headers, OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_*) apply as usual.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 
 from edge_proxy.admission import AdmissionConfig
 from edge_proxy.config import ProxyConfig
+from edge_proxy.discovery import DiscoveryConfig
 from edge_proxy.pool import PoolConfig
 from edge_proxy.peering import parse_peer
 from edge_proxy.routing import MODES, RouterConfig
@@ -22,6 +26,7 @@ from edge_proxy.server import serve_workers
 
 SECRET_ENV = "EDGECHAT_REPLICA_SECRET"
 PEER_KEY_ENV = "EDGECHAT_PEER_KEY"
+OTLP_TRACES_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 
 
 def _peer(spec: str):
@@ -34,8 +39,14 @@ def _peer(spec: str):
 def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     p = argparse.ArgumentParser(prog="python -m edge_proxy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replica", action="append", required=True, metavar="URL",
+    p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="replica WebSocket URL (repeat for each replica)")
+    p.add_argument("--replicas-dns", default="", metavar="NAME[:PORT]",
+                   help="find replicas live by DNS: a headless Service's A/AAAA records (port 8000 unless given) "
+                        "or SRV records (_port._proto.NAME); added and removed while serving")
+    p.add_argument("--dns-interval", type=float, default=2.0, metavar="S", help="--replicas-dns refresh period")
+    p.add_argument("--dns-server", default="", metavar="IP[:PORT]",
+                   help="DNS server for --replicas-dns (default: the system's /etc/resolv.conf)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
@@ -63,11 +74,13 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     p.add_argument("--otel-console", action="store_true", help="print finished spans to stdout")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
+    discovery = DiscoveryConfig.parse(a.replicas_dns, a.dns_interval, a.dns_server) if a.replicas_dns else None
     return ProxyConfig(
-        replicas=a.replica, host=a.host, port=a.port, workers=a.workers, region=a.region, tokenizer=a.tokenizer,
+        replicas=a.replica, discovery=discovery, host=a.host, port=a.port, workers=a.workers, region=a.region, tokenizer=a.tokenizer,
         api_keys_file=a.api_keys, allow_anonymous=a.allow_anonymous, allowed_origins=tuple(a.allowed_origin),
         max_frame_bytes=a.max_frame_bytes, max_prompt_tokens=a.max_prompt_tokens,
         failover_attempts=a.failover_attempts, drain_timeout_s=a.drain_timeout, otel_console=a.otel_console,
+        otel_otlp=bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(OTLP_TRACES_ENV)),
         log_level=a.log_level, peers=tuple(sorted(a.peer, key=lambda q: (q.rtt_ms, q.region))),
         peer_key=os.environ.get(PEER_KEY_ENV, ""),
         pool=PoolConfig(secret=os.environ.get(SECRET_ENV, ""), stall_timeout_s=a.stall_timeout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge_proxy.admission import AdmissionConfig
+from edge_proxy.discovery import DiscoveryConfig
 from edge_proxy.peering import Peer
 from edge_proxy.pool import PoolConfig
 from edge_proxy.routing import RouterConfig
@@ -16,7 +17,7 @@ from edge_proxy.routing import RouterConfig
 
 @dataclass
 class ProxyConfig:
-    replicas: list[str]
+    replicas: list[str]  # static replica URLs (--replica)
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1  # >1: that many processes share the port (SO_REUSEPORT)
@@ -34,16 +35,19 @@ class ProxyConfig:
     failover_wait_s: float = 5.0  # how long a stream waits for any replica to come back
     drain_timeout_s: float = 60.0
     otel_console: bool = False
+    otel_otlp: bool = False  # export spans to OTEL_EXPORTER_OTLP_ENDPOINT (set when that variable is)
     log_level: str = "info"
     peers: tuple[Peer, ...] = ()  # other regions' proxies, nearest first: forwarded to with no replica ready here
     peer_key: str = ""  # API key presented to peers (EDGECHAT_PEER_KEY); "" when they allow anonymous access
+    discovery: DiscoveryConfig | None = None  # replicas found live by DNS (--replicas-dns), besides `replicas`
     pool: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self):
-        if not self.replicas:
-            raise ValueError("at least one --replica ws://host:port/v1/replica is needed")
+        if not self.replicas and self.discovery is None:
+            raise ValueError("give replicas: --replica ws://host:port/v1/replica (repeat) and/or "
+                             "--replicas-dns NAME[:PORT]")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.port == 0:

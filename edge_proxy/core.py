@@ -27,6 +27,7 @@ import msgspec
 
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
+from edge_proxy.discovery import DnsDiscovery
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
@@ -35,7 +36,7 @@ from edge_proxy.prompt import encode_prompt, encode_reply
 from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.stream import Stream
-from edge_proxy.tracing import console_processor, make_tracer, start_request_span, traceparent_of
+from edge_proxy.tracing import console_processor, make_tracer, otlp_processor, start_request_span, traceparent_of
 from wire import protocol as rp
 from wire.hashing import block_hashes
 
@@ -71,11 +72,13 @@ class Proxy:
         self.tokenizer = tokenizer
         self.keys = keys
         self.metrics = metrics or ProxyMetrics()
-        self.tracer = tracer or make_tracer(cfg.region, [console_processor()] if cfg.otel_console else [])
+        self.tracer = tracer or make_tracer(cfg.region, ([console_processor()] if cfg.otel_console else [])
+                                            + ([otlp_processor()] if cfg.otel_otlp else []))
         self.router = make_router(cfg.router)
         self.sessions = SessionTable()
         self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost, getattr(tokenizer, "fingerprint", ""))
         self.pool.state_listeners.append(self._on_pool_change)
+        self.discovery = DnsDiscovery(cfg.discovery, self.pool, self.metrics) if cfg.discovery else None
         self.streams: set[Stream] = set()
         self.forwarding: set[Forwarded] = set()  # requests relayed to a peer region, until their end
         self.draining = False
@@ -87,12 +90,16 @@ class Proxy:
 
     async def start(self) -> None:
         await self.pool.start()
+        if self.discovery is not None:
+            self.discovery.start()
 
     async def stop(self) -> None:
         for s in list(self.streams):
             self.fail(s, pp.SHUTTING_DOWN, "the proxy is shutting down")
         if self.peers is not None:
             await self.peers.close()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.pool.stop()
 
     async def drain(self, timeout: float) -> bool:

@@ -44,5 +44,8 @@ class ProxyMetrics(Registry):
                                  LATENCY_BUCKETS))
         self.inflight = add(Gauge(p + "inflight", "Requests in flight."))
         self.replicas_ready = add(Gauge(p + "replicas_ready", "Replicas connected and healthy."))
+        self.dns_refreshes = add(Counter(p + "dns_refreshes_total",
+                                         "Replica discovery refreshes (--replicas-dns) by outcome: ok, outage.",
+                                         ("outcome",)))
         self.replica_load = add(Gauge(p + "replica_load", "Effective outstanding requests per replica.",
                                       ("replica",)))

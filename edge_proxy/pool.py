@@ -18,6 +18,9 @@ size, and its `/healthz` passes. It is *lost* (its streams handed to
   ~0.5 s and between steps, so silence means a stuck engine);
 - `/healthz` failed `healthz_failures` times in a row (`healthz`).
 
+Replicas join and leave while serving (`add`, `remove`: `discovery.DnsDiscovery`);
+one that leaves has its streams handed to `on_lost` at once (cause `removed`).
+
 The reader is the per-token hot path: decode a frame, look each message's id up
 in one dict, hand it to its stream. Nothing on it awaits a client.
 """
@@ -341,8 +344,6 @@ class ReplicaConn:
 
 class ReplicaPool:
     def __init__(self, urls: list[str], cfg: PoolConfig, on_lost, tokenizer: str = ""):
-        if not urls:
-            raise ValueError("at least one replica URL is needed (--replica ws://host:port/v1/replica)")
         self.cfg = cfg
         self.tokenizer = tokenizer  # our tokenizer's fingerprint; a replica announcing another is refused
         self.on_lost = on_lost  # (conn, streams, cause) -> None
@@ -351,6 +352,7 @@ class ReplicaPool:
         self.max_model_len = 0
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
+        self._runs: dict[ReplicaConn, asyncio.Task] = {}  # each connection's run() (added and removed live)
         self._http: httpx.AsyncClient | None = None
         self.state_listeners: list = []
 
@@ -407,21 +409,47 @@ class ReplicaPool:
 
     async def start(self) -> None:
         self._http = httpx.AsyncClient(trust_env=False, timeout=max(self.cfg.healthz_interval_s, 0.5))
-        self._tasks = [asyncio.create_task(c.run()) for c in self.conns]
-        self._tasks.append(asyncio.create_task(self._watchdog()))
+        self._runs = {c: asyncio.create_task(c.run()) for c in self.conns}
+        self._tasks = [asyncio.create_task(self._watchdog())]
         if self.cfg.healthz_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._healthz_loop()))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + list(self._runs.values())
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._runs = [], {}
         for c in self.conns:
             if c.link is not None:
                 c.link.abort()
         if self._http is not None:
             await self._http.aclose()
+
+    def add(self, url: str) -> ReplicaConn:
+        """A replica joins live (discovery): it connects, says Hello (tokenizer and block size
+        checked) and sends its KV snapshot and Load, as the replicas given at start do."""
+        conn = ReplicaConn(url, self)
+        self.conns.append(conn)
+        if self._tasks:  # started
+            self._runs[conn] = asyncio.create_task(conn.run())
+        return conn
+
+    def remove(self, url: str) -> None:
+        """A replica leaves live (discovery): no new request goes to it, and its streams fail
+        over at once, resuming exactly on other replicas, as when a replica is lost."""
+        conn = next((c for c in self.conns if c.url == url), None)
+        if conn is None:
+            return
+        self.conns.remove(conn)  # out of routing before its streams look for a new home
+        run = self._runs.pop(conn, None)
+        if run is not None:
+            run.cancel()
+        if conn.connected:
+            conn.lose("removed")
+        elif conn.link is not None:
+            conn.link.abort()
+        self.on_state_change()
 
     async def _watchdog(self) -> None:
         period = min(0.1, self.cfg.stall_timeout_s / 4)

@@ -3,7 +3,9 @@ and forwarding the span's own context to the replica in `Generate.traceparent`.
 
 No global provider is installed: the app owns its `TracerProvider`, so tests and
 several apps in one process stay apart. Span work happens once per request and
-per failover, never per token.
+per failover, never per token. Spans go to stdout (`--otel-console`) and/or to an
+OTLP collector (`OTEL_EXPORTER_OTLP_ENDPOINT`); `OTEL_RESOURCE_ATTRIBUTES` (pod,
+node) joins the resource.
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ def console_processor() -> SpanProcessor:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
     return BatchSpanProcessor(ConsoleSpanExporter())
+
+
+def otlp_processor() -> SpanProcessor:
+    """Spans to an OTLP/HTTP collector, set up by the standard variables
+    (OTEL_EXPORTER_OTLP_ENDPOINT or ..._TRACES_ENDPOINT, ..._HEADERS, OTEL_BSP_*)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as e:
+        raise ValueError("OTEL_EXPORTER_OTLP_ENDPOINT is set but the OTLP exporter is not installed: "
+                         "pip install 'edgechat[otlp]' (the proxy image has it)") from e
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    return BatchSpanProcessor(OTLPSpanExporter())
 
 
 def start_request_span(tracer: trace.Tracer, traceparent: str | None, attrs: dict) -> trace.Span:

@@ -15,7 +15,7 @@ import json
 import signal
 import sys
 
-from regions.launch import LaunchError, Stack
+from regions.launch import DISCOVERY, LaunchError, Stack
 from regions.topology import ROUTING_MODES, TopologyError, load, shift_ports
 
 
@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=None,
                     help="move every port so the first region's proxy listens here (the rest keep their offsets)")
     up.add_argument("--routing", default="auto", choices=ROUTING_MODES, help="proxy routing mode")
+    up.add_argument("--discovery", default="static", choices=DISCOVERY,
+                    help="how proxies find replicas: static --replica URLs, or dns: --replicas-dns against a zone "
+                         "the launcher serves, as on Kubernetes")
     up.add_argument("--no-relays", action="store_true", help="no latency relays (clients talk to proxies directly)")
     up.add_argument("--log-dir", default=None, help="component logs (default: a fresh temporary folder)")
     up.add_argument("--targets", default=None, metavar="FILE",
@@ -41,7 +44,7 @@ async def _up(a) -> int:
     topo = load(a.topology)
     if a.port is not None:
         topo = shift_ports(topo, a.port)
-    stack = Stack(topo, routing=a.routing, log_dir=a.log_dir, relays=not a.no_relays)
+    stack = Stack(topo, routing=a.routing, log_dir=a.log_dir, relays=not a.no_relays, discovery=a.discovery)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = [0]

@@ -10,6 +10,11 @@ whatever group is still there after `grace_s`. No orphans.
 Ready checks: a replica is up when `GET /healthz` answers 200 (the model is
 loaded); a proxy when its `/healthz` reports every one of its replicas ready.
 
+Discovery: proxies get their replicas as `--replica` URLs ("static"), or ("dns")
+find them as Kubernetes proxies do, by `--replicas-dns`: the launcher serves a
+small DNS zone (`dns_zone.DnsZone`) where each replica's SRV record appears once
+it is ready (`_ws._tcp.<region>.edgechat.test`).
+
     stack = Stack(topology.load(), routing="auto")
     await stack.start()          # prints one line per component
     ...
@@ -32,6 +37,7 @@ from time import perf_counter
 
 import httpx
 
+from regions.dns_zone import DnsZone
 from regions.relay import Relay
 from regions.topology import ROUTING_MODES, Topology
 
@@ -39,6 +45,8 @@ SECRET_ENV = "EDGECHAT_REPLICA_SECRET"
 API_KEYS_ENV = "EDGECHAT_API_KEYS"
 PEER_KEY_ENV = "EDGECHAT_PEER_KEY"
 _PR_SET_PDEATHSIG = 1
+DISCOVERY = ("static", "dns")
+DNS_DOMAIN = "edgechat.test"  # RFC 6761: never a real name
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -84,9 +92,13 @@ def speculation_note(model: str) -> str:
 class Stack:
     def __init__(self, topo: Topology, routing: str = "auto", log_dir: str | Path | None = None,
                  out=None, python: str = sys.executable, ready_timeout_s: float | None = None,
-                 relays: bool = True, grace_s: float = 10.0):
+                 relays: bool = True, grace_s: float = 10.0, discovery: str = "static"):
         if routing not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
+        if discovery not in DISCOVERY:
+            raise ValueError(f"discovery must be one of {', '.join(DISCOVERY)}, got {discovery!r}")
+        self.discovery = discovery
+        self.zone: DnsZone | None = None
         self.topo, self.routing, self.python = topo, routing, python
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="edgechat-regions-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +157,9 @@ class Stack:
         argv = [self.python, "-m", "edge_proxy", "--routing", self.routing, "--host", t.host,
                 "--port", str(region.proxy_port), "--region", region.name, "--workers", str(region.proxy_workers),
                 "--drain-timeout", "5", "--log-level", "warning"]
-        for rep in region.replicas:
+        if self.zone is not None:
+            argv += ["--replicas-dns", srv_name(region.name), "--dns-server", self.zone.server, "--dns-interval", "1"]
+        for rep in region.replicas if self.zone is None else ():
             argv += ["--replica", f"ws://{t.host}:{rep.port}/v1/replica"]
         for peer in t.peers(region.name):  # cross-region failover, through the inter-region link relay
             port = t.relay_ports[("link", region.name, peer)] if self.with_relays else t.region(peer).proxy_port
@@ -159,6 +173,9 @@ class Stack:
     async def start(self) -> None:
         """Bring everything up; on any failure stop what started and raise `LaunchError`."""
         try:
+            if self.discovery == "dns":
+                self.zone = await DnsZone().start(self.topo.host)
+                self._say(f"dns      {DNS_DOMAIN:<10} udp+tcp {self.zone.server:<26} replicas listed once ready")
             await self._start_replicas()
             await self.start_proxies()
             if self.with_relays:
@@ -184,8 +201,15 @@ class Stack:
                 await self._spawn(c, self._replica_argv(rep, region.name), env)
                 self.replicas.append(c)
 
+        listed: dict[str, list[tuple[str, int]]] = {}
+
         async def ready(c: Component) -> None:
             await self._wait_http(c, lambda r: r.status_code == 200)
+            if self.zone is not None:  # listed once ready, as a headless Service lists ready pods
+                host = f"{c.name}.{c.region}.{DNS_DOMAIN}"
+                self.zone.set(host, [self.topo.host])
+                listed.setdefault(c.region, []).append((host, int(c.url.rsplit(":", 1)[1])))
+                self.zone.set_srv(srv_name(c.region), listed[c.region])
             self._say(f"replica  {c.name:<10} {c.url:<34} ready in {perf_counter() - t0:5.1f} s  "
                       f"(pid {c.proc.pid}{', ' + c.note if c.note else ''})")
 
@@ -269,6 +293,9 @@ class Stack:
             await c.relay.stop()
         await self._terminate(self.proxies)
         await self._terminate(self.replicas)
+        if self.zone is not None:
+            await self.zone.stop()
+            self.zone = None
         self._stopping = False
 
     async def kill(self) -> None:
@@ -290,6 +317,11 @@ class Stack:
             await c.proc.wait()
 
         await asyncio.gather(*(reap(c) for c in live))
+
+
+def srv_name(region: str) -> str:
+    """The SRV name of a region's replicas under `--discovery dns`."""
+    return f"_ws._tcp.{region}.{DNS_DOMAIN}"
 
 
 def targets_for(topo: Topology, relays: bool = True) -> dict:

@@ -181,3 +181,20 @@ def test_with_api_keys_the_proxies_get_a_generated_peer_key(tmp_path, monkeypatc
     keys = KeyStore(parse_env(stack.env["EDGECHAT_API_KEYS"]))
     assert keys.check(peer_key).peer and not keys.check("sk-a").peer
     assert keys.on_behalf_of(keys.check(peer_key), "alice").cache_salt == keys.check("sk-a").cache_salt
+
+
+async def test_proxies_can_find_their_replicas_by_dns(tmp_path):
+    topo = parse(stub_topology(free_block(12)), "stub.toml")
+    out = io.StringIO()
+    stack = Stack(topo, log_dir=tmp_path, out=out, relays=False, discovery="dns")
+    await stack.start()  # proxies are ready only once they resolved and connected all their replicas
+    try:
+        assert any(ln.startswith("dns ") for ln in out.getvalue().splitlines())
+        argv = stack._proxy_argv(topo.region("eu"))
+        assert "--replica" not in argv and argv[argv.index("--replicas-dns") + 1] == "_ws._tcp.eu.edgechat.test"
+        async with await EdgeClient.connect(ws_url(stack.proxy_url("eu"))) as c:
+            _, done = await c.complete(messages=HI, max_tokens=2)
+        assert done.region == "eu" and done.replica.startswith("eu-")
+    finally:
+        await stack.stop()
+    assert stack.zone is None
