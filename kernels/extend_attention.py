@@ -87,6 +87,7 @@ def _prefill_kernel(
     cu_q_ptr,  # (B+1,) int32 query offsets: sequence b owns rows [cu_q[b], cu_q[b+1])
     tile_cu_ptr,  # (B+1,) int32 cumulative count of BLOCK_M query tiles per sequence
     lens_ptr,  # (B,) int32: total keys (extend) or prefix lengths (TREE)
+    tree_lens_ptr,  # (B,) int32 drafts after the prefix, queries being the last of them (TREE_LENS only)
     mask_ptr,  # (T, max_n) uint8 tree mask (TREE only)
     out_ptr,  # (T, H, D) output, contiguous
     scale_log2e,  # softmax scale * log2(e)
@@ -106,6 +107,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TREE: tl.constexpr,
+    TREE_LENS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -126,14 +128,17 @@ def _prefill_kernel(
     q_len = tl.where(idle, 0, tl.load(cu_q_ptr + b + 1) - q_start)
     if TREE:
         prefix = tl.load(lens_ptr + b)
-        kv_len = prefix + q_len
+        if TREE_LENS:
+            kv_len = prefix + tl.where(idle, 0, tl.load(tree_lens_ptr + b))
+        else:
+            kv_len = prefix + q_len
     else:
         kv_len = tl.load(lens_ptr + b)
         prefix = kv_len - q_len
     m0 = (tile - tl.load(tile_cu_ptr + b)) * BLOCK_M
     i = m0 + tl.arange(0, BLOCK_M)  # query index within its sequence
     row_valid = i < q_len
-    q_pos = prefix + i  # position of each query
+    q_pos = prefix + i  # position of each query (extend; TREE masks by tree_mask instead)
     rows = (q_start + i).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     q_mask = row_valid[:, None] & (d < D)[None, :]
@@ -171,9 +176,9 @@ def _prefill_kernel(
              mask=q_mask)  # fmt: skip
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale, tree_mask=None):
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale, tree_mask=None, tree_lens=None):
     """Launch _prefill_kernel: extend when tree_mask is None (lens = seq_lens), tree
-    verification otherwise (lens = prefix_lens)."""
+    attention otherwise (lens = prefix_lens; tree_lens: see tree_attention.py)."""
     t, h, d = q.shape
     _, page, hkv, _ = k_cache.shape
     b = cu_seqlens_q.shape[0] - 1
@@ -194,11 +199,12 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, sca
         mask, stride_mask = tree_mask.view(torch.uint8), tree_mask.stride(0)
     grid = (triton.cdiv(t, block_m) + b, h)  # >= the total tile count sum(cdiv(q_len_b, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, tile_cu, lens, mask, out, scale * 1.4426950408889634,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, tile_cu, lens, lens if tree_lens is None else tree_lens, mask,
+        out, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         stride_mask, b, (b - 1).bit_length(),
         G=h // hkv, D=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
-        TREE=tree_mask is not None, DOT_DTYPE=dot_dtype(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        TREE=tree_mask is not None, TREE_LENS=tree_lens is not None, DOT_DTYPE=dot_dtype(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

@@ -10,6 +10,11 @@ q), column j = draft j of that query's own sequence; True = may attend. Columns
 j >= n_b are ignored. The diagonal must be True (a draft sees itself). A chain
 of drafts is the lower-triangular mask.
 
+Verification queries every draft (n_b = the sequence's query count). Drafting a
+tree level queries only the newest nodes: with `tree_lens`, sequence b has
+tree_lens[b] drafts after its prefix and its q_len_b queries are the last q_len_b
+of them (an EAGLE-2 level: earlier levels' nodes are keys, masked like the rest).
+
 The Triton kernel is extend_attention's, with TREE=True: keys below prefix_len
 need no mask, keys among the drafts use the tree mask instead of causality.
 """
@@ -20,24 +25,30 @@ from kernels.extend_attention import prefill_attention
 from kernels.paged import attend_ref, gather_kv
 
 
-def paged_tree_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale: float):
+def paged_tree_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale: float,
+                             tree_lens=None):
     """q (T, H, D); block_tables (B, max_blocks) int32; cu_seqlens_q (B+1,) int32;
-    prefix_lens (B,) int32; tree_mask bool (T, max_n) -> (T, H, D) in q's dtype."""
+    prefix_lens (B,) int32; tree_mask bool (T, max_n); tree_lens (B,) int32 or None
+    (= the query counts) -> (T, H, D) in q's dtype."""
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
+    drafts = tree_lens.tolist() if tree_lens is not None else [cu[b + 1] - cu[b] for b in range(len(cu) - 1)]
     for b, prefix in enumerate(prefix_lens.tolist()):
         start, end = cu[b], cu[b + 1]
-        n = end - start
-        if n == 0:
+        m, n = end - start, drafts[b]
+        if m == 0:
             continue
+        assert m <= n, "the queries are the last of the tree's drafts"
         k, v = gather_kv(k_cache, v_cache, block_tables[b], prefix + n)
         allowed = torch.cat(
-            [torch.ones(n, prefix, dtype=torch.bool, device=q.device), tree_mask[start:end, :n].bool()], dim=1
-        )  # (n, prefix + n)
+            [torch.ones(m, prefix, dtype=torch.bool, device=q.device), tree_mask[start:end, :n].bool()], dim=1
+        )  # (m, prefix + n)
         out[start:end] = attend_ref(q[start:end], k, v, allowed, scale)
     return out
 
 
-def paged_tree_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale: float):
+def paged_tree_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale: float,
+                                tree_lens=None):
     """Same contract as paged_tree_attention_ref; one launch for all sequences."""
-    return prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, tree_mask)
+    return prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, scale, tree_mask,
+                             tree_lens)

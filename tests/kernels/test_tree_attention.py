@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import kernels
 from kernels.extend_attention import paged_extend_attention_ref
 from kernels.tree_attention import paged_tree_attention_ref
 from tests.kernels.pool import ATTENTION_TOL, DEVICES, DTYPES, assert_close, cu_seqlens, make_pool, triton_ops
@@ -61,3 +62,25 @@ def test_chain_mask_is_extend(device):
         q, k_cache, v_cache, block_tables, cu, torch.tensor(lens, dtype=torch.int32, device=device), 0.25
     )
     assert_close(out, ref, torch.float32, ATTENTION_TOL)
+
+
+@pytest.mark.parametrize("device", ["ref"] + DEVICES)
+def test_queries_can_be_the_newest_drafts(device):
+    """With tree_lens, a sequence's queries are the last of its drafts (a drafting level):
+    they see what the same rows see when every draft is queried."""
+    impl, device = ("ref", "cpu") if device == "ref" else ("triton", device)
+    ops = kernels.ops(device, impl=impl)
+    gen = torch.Generator().manual_seed(2)
+    prefix, n_drafts, n_new = [9, 0, 40], [12, 5, 3], [4, 5, 1]
+    k_cache, v_cache, block_tables = make_pool([p + n for p, n in zip(prefix, n_drafts)], 1, 16, 16, torch.float32,
+                                               device)
+    q = torch.randn(sum(n_drafts), 3, 16, generator=gen).to(device)
+    mask = random_tree_mask(n_drafts, max(n_drafts), gen).to(device)
+    prefix_t = torch.tensor(prefix, dtype=torch.int32, device=device)
+    full = ops.paged_tree_attention(q, k_cache, v_cache, block_tables, cu_seqlens(n_drafts, device), prefix_t, mask,
+                                    0.25)
+    starts = cu_seqlens(n_drafts, "cpu").tolist()
+    rows = torch.tensor([r for b, m in enumerate(n_new) for r in range(starts[b + 1] - m, starts[b + 1])])
+    newest = ops.paged_tree_attention(q[rows], k_cache, v_cache, block_tables, cu_seqlens(n_new, device), prefix_t,
+                                      mask[rows], 0.25, torch.tensor(n_drafts, dtype=torch.int32, device=device))
+    assert_close(newest, full[rows], torch.float32, ATTENTION_TOL)
