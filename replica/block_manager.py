@@ -40,9 +40,6 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
 
-    def usage(self) -> float:
-        return 1.0 - self.num_free / self.num_blocks
-
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed + num_new_tokens) // self.block_size)
         return max(0, total - len(seq.block_table))
@@ -88,9 +85,6 @@ class BlockManager:
         seq.num_computed = len(seq.block_table) * bs
         self.prefix_hit_tokens += seq.num_computed
         return seq.num_computed
-
-    def can_allocate(self, n_blocks: int) -> bool:
-        return n_blocks <= self.num_free
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow seq's block table to hold num_computed + num_new_tokens tokens."""

@@ -7,7 +7,7 @@ SmolLM2); loaders fill it from GGUF metadata or a Hugging Face config.json.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Without a measured policy (speculative/policy.py: `bench/speculative.py
 # --write-policy` on the serving device type saves one beside the head), speculation
@@ -88,7 +88,9 @@ class EngineConfig:
     spec_budget: int = 0  # EAGLE-3: draft tokens kept per tree (0: spec_depth, a chain)
     spec_max_batch: int = SPEC_MAX_BATCH  # taper: speculation off while more sequences decode
     spec_policy: str = "auto"  # "auto": policy.json beside the head when measured on this device; "taper"; a folder
-    extra: dict = field(default_factory=dict)
+    # EAGLE-3 chains draw their drafts from the head at the request's temperature and are verified by
+    # rejection sampling: lossless, but a seeded output is no longer the plain decoder's tokens.
+    spec_sample: bool = False
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -103,5 +105,7 @@ class EngineConfig:
             raise ValueError(f"speculative must be off, eagle3, ngram or auto, got {self.speculative!r}")
         if self.spec_depth < 1 or self.spec_top_k < 1 or self.spec_budget < 0 or self.spec_max_batch < 0:
             raise ValueError("spec_depth and spec_top_k must be >= 1, spec_budget and spec_max_batch >= 0")
+        if self.spec_sample and (self.speculative not in ("eagle3", "auto") or self.spec_top_k != 1):
+            raise ValueError("spec_sample draws chains from the EAGLE-3 head: use speculative=eagle3 and spec_top_k=1")
         if self.speculative not in ("off", "auto") and self.tp > 1:
             raise ValueError("speculative decoding runs on a single rank for now: use tp=1")

@@ -11,7 +11,6 @@ import random
 import time
 from dataclasses import dataclass, replace
 
-import msgspec
 import torch
 
 from wire import protocol as P
@@ -19,28 +18,11 @@ from replica import sampling
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
 from replica.forks import Forks
-from replica.runner import DTYPES, Runner, build_model, kv_bytes_per_block
+from replica.plan import plan_step
+from replica.runner import Runner
 from replica.scheduler import Scheduler
 from replica.sequence import Sequence, Status
-from replica.tp import TensorParallel, local_config, shard
-
-
-def kv_budget(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
-    """Bytes for the KV pool. On CUDA: what the weights left of the allowed fraction
-    of the GPU, minus a reserve for activations, logits and the CUDA-graph pool."""
-    if cfg.kv_memory_bytes:
-        return cfg.kv_memory_bytes
-    if not cfg.device.startswith("cuda"):
-        return 1 << 30
-    free, total = torch.cuda.mem_get_info(torch.device(cfg.device))
-    act = 4 * cfg.max_num_batched_tokens * (model_cfg.hidden_size * 8 + model_cfg.intermediate_size * 3)
-    logits = 4 * 2 * cfg.max_num_seqs * model_cfg.vocab_size
-    reserve = act + logits + (512 << 20)  # graphs share one pool; 512 MiB covers its bookkeeping
-    budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
-    if budget <= 0:
-        raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
-                           f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or use a smaller model")
-    return int(budget)
+from replica.tp import TensorParallel
 
 
 @dataclass
@@ -59,57 +41,63 @@ class _Launched:
     prompt_logits: torch.Tensor | None = None
 
 
+@dataclass
+class EngineStats:
+    """Counters since start-up (bench/speculative.py reads tau from them)."""
+
+    steps: int = 0  # target forwards
+    decode_rows: int = 0  # sum over steps of the sequences that decoded (speculating or not)
+    decode_tokens: int = 0  # tokens those rows emitted (accepted drafts + bonus), before stop cuts
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens kept
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: tokens per decoding sequence per target forward."""
+        return self.decode_tokens / max(1, self.decode_rows)
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, weights: dict | None = None, *, ops=None,
-                 model: torch.nn.Module | None = None, tp: TensorParallel | None = None):
+                 model: torch.nn.Module | None = None, tp: TensorParallel | None = None, features=None,
+                 workers=()):
         """Build from a model config and Hugging Face-named weights (None: random init).
 
         `model` replaces the Llama model with any object of the same interface
-        (bench/engine.py passes one whose forward costs nothing). With `tp`, this
-        rank holds its shard of the weights and KV heads; rank 0 schedules and
-        broadcasts each step's plan.
+        (bench/engine.py passes one whose forward costs nothing). With `tp`, this is
+        rank 0: it schedules, and its Runner broadcasts each step's plan to the ranks
+        in `workers` (processes, joined by close()). `features` is an aux-feature hook
+        for plain decoding: `.aux_layers`, `.keep_hidden` and `.feed(batch, StepOutput)`
+        after every step (speculative.train records self-distillation data with it).
         """
-        import kernels
-
-        self.cfg, self.model_cfg = cfg, model_cfg
-        self.tp = tp or TensorParallel()
-        local_cfg = local_config(model_cfg, self.tp.world) if self.tp.world > 1 else model_cfg
-        self.ops = ops if ops is not None else kernels.ops(torch.device(cfg.device).type)
-        max_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
-        if model is None:
-            if weights is None:
-                from replica.loader import random_weights
-
-                weights = random_weights(model_cfg, seed=cfg.seed)
-            if self.tp.world > 1:
-                weights = shard(weights, self.tp.rank, self.tp.world)
-            model = build_model(local_cfg, cfg, weights, self.ops, max_len, self.tp)
-            del weights
-        per_block = kv_bytes_per_block(local_cfg, cfg.block_size, DTYPES[cfg.dtype])
-        num_blocks = cfg.num_blocks or max(1, kv_budget(cfg, model_cfg) // per_block)
-        self.max_model_len = min(max_len, num_blocks * cfg.block_size)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.cfg, self.model_cfg, self.workers = cfg, model_cfg, list(workers)
+        self.runner = Runner(cfg, model_cfg, weights, model=model, ops=ops, tp=tp)
         self.speculator = None
         kind = cfg.speculative
         if kind == "auto":
             from replica.speculation import auto_kind
 
-            kind = auto_kind(cfg, model_cfg) if self.tp.world == 1 else "off"
-            cfg = replace(cfg, speculative=kind)
-            self.cfg = cfg
+            kind = auto_kind(cfg, model_cfg) if self.runner.tp.world == 1 else "off"
+            cfg = self.cfg = replace(cfg, speculative=kind)
         if kind != "off":
             from replica.speculation import Speculator
 
-            self.speculator = Speculator(cfg, model_cfg, model, self.ops, num_blocks)
+            self.speculator = features = Speculator(cfg, model_cfg, self.runner.model.embed_tokens.weight,
+                                                    self.runner.ops)
+        self.features = features
+        layout = self.runner.allocate_kv(aux_layers=features.aux_layers if features is not None else (),
+                                         draft_kv=self.speculator.kv_shape if self.speculator is not None else None,
+                                         keep_hidden=features is not None and features.keep_hidden)
+        if self.speculator is not None and self.speculator.kv_shape is not None:
+            self.speculator.bind_kv(self.runner.draft_kv, self.runner.model.cos_sin)
+        self.max_model_len = self.runner.max_model_len
+        self.blocks = BlockManager(layout.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    speculation=self.speculator)
-        self.runner = Runner(local_cfg, cfg, model, self.ops, num_blocks, self.max_model_len,
-                             self.speculator.aux_layers if self.speculator is not None else ())
-        self._plan_encoder = msgspec.msgpack.Encoder()
-        # Overlap: with TP every rank samples each step itself (StepPlan.sampling), so the
-        # next step's placeholders resolve on every rank's device. With speculation it
-        # covers the plain steps; a verify step drains the pipeline first (drafting needs
-        # the tokens, and how many a verify emits is known only once read back).
+        # Overlap: with TP every rank samples each step itself, so the next step's
+        # placeholders resolve on every rank's device. With speculation it covers the
+        # plain steps; a verify step drains the pipeline first (drafting needs the
+        # tokens, and how many a verify emits is known only once read back).
         self.overlap = cfg.overlap if cfg.overlap is not None else self.runner.device.type == "cuda"
         self._inflight: _Launched | None = None
         self.seqs: dict[str, Sequence] = {}
@@ -117,8 +105,7 @@ class LLMEngine:
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
         self.step_ms = 0.0  # exponential moving average
-        self.num_steps = 0
-        self.tokens_generated = 0
+        self.stats = EngineStats()
 
     # -- requests ---------------------------------------------------------------------
     def validate(self, req: P.Generate) -> tuple[str, str] | None:
@@ -143,7 +130,7 @@ class LLMEngine:
         problem = req.sampling.validate(self.max_model_len, V)
         if problem is None and self.speculator is not None and req.sampling.prompt_logprobs is not None:
             problem = "prompt_logprobs (echo with logprobs) need a replica without speculative decoding"
-        if problem is None and self.tp.world > 1 and self.overlap and req.sampling.processed():
+        if problem is None and self.runner.tp.world > 1 and self.overlap and req.sampling.processed():
             problem = ("penalties, logit_bias, min_p and min_tokens need overlap scheduling off with tensor "
                        "parallelism (every rank samples on its own)")
         return (P.BAD_REQUEST, problem) if problem else None
@@ -226,31 +213,25 @@ class LLMEngine:
         if not batch.seqs:
             return None
         t0 = time.perf_counter()
-        plan = self.runner.plan(batch)
+        plan = plan_step(batch)
         prompt_rows = sampling.prompt_rows(plan, batch)
-        seqs = [batch.seqs[i] for i in plan.sample_rows]
-        params = self.runner.sampling_of(seqs)
-        if self.tp.world > 1:
-            if self.overlap:
-                plan.sampling = params  # the other ranks sample this step too
-            self.tp.broadcast_bytes(self._plan_encoder.encode(plan))
-        if self.speculator is not None and self.speculator.aux_layers:  # the head sees every token computed
-            logits, aux = self.runner.forward_logits(plan, prev.tokens if prev is not None else None,
-                                                     self.speculator.aux_layers)
-            self.speculator.feed(batch, aux)
-        else:
-            logits = self.runner.forward_logits(plan, prev.tokens if prev is not None else None)
-        logits, prompt_logits = logits[: len(seqs)], logits[len(seqs):]
-        tokens, logprobs = sampling.sample(self.runner, logits, seqs, params, prev.tokens if prev is not None else None)
-        host, event = self.runner.to_host(tokens)
+        out = self.runner.execute(plan, prev.tokens if prev is not None else None,
+                                  [batch.seqs[i] for i in plan.sample_rows])
+        if self.features is not None:  # the head (or a recorder) sees every token computed
+            self.features.feed(batch, out)
+        host, event = self.runner.to_host(out.tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
         sampled = []
-        for j, seq in enumerate(seqs):
+        for j, i in enumerate(plan.sample_rows):
+            seq = batch.seqs[i]
             sampled.append((seq, len(seq.token_ids)))
             seq.token_ids.append(-(j + 1))  # placeholder: this step's j-th token
             seq.num_unresolved += 1
-        return _Launched(batch.seqs, sampled, tokens, host, event, logits, t0, logprobs, prompt_rows, prompt_logits)
+        self.stats.decode_rows += batch.num_decodes
+        self.stats.decode_tokens += batch.num_decodes
+        return _Launched(batch.seqs, sampled, out.tokens, host, event, out.logits, t0, out.logprobs, prompt_rows,
+                         out.prompt_logits)
 
     def _resolve(self, step: _Launched) -> list:
         """Read a launched step's tokens back, replace its placeholders, check stops."""
@@ -278,17 +259,24 @@ class LLMEngine:
                 self.blocks.commit(seq)
         for seq, _ in step.sampled:  # their prompts are cached: their samples may start
             self._release_forks(seq)
-        self.tokens_generated += len(tokens)
-        self.num_steps += 1
-        dt = (time.perf_counter() - step.t0) * 1e3
-        self.step_ms = dt if self.num_steps == 1 else 0.9 * self.step_ms + 0.1 * dt
+        self._count_step(step.t0)
         return out
+
+    def _count_step(self, t0: float) -> None:
+        self.stats.steps += 1
+        dt = (time.perf_counter() - t0) * 1e3
+        self.step_ms = dt if self.stats.steps == 1 else 0.9 * self.step_ms + 0.1 * dt
 
     def _step_speculative(self, batch) -> list:
         """Draft, verify and append: rows [0, batch.num_spec) may emit several tokens."""
         t0 = time.perf_counter()
-        results = self.speculator.step(self.runner, batch)
-        out: list = []
+        trees = self.speculator.draft(batch)
+        plan = plan_step(batch, trees)
+        out = self.runner.execute(plan, seqs=[batch.seqs[i] for i in plan.sample_rows])
+        sampling.keep_logprobs([batch.seqs[i] for i in plan.sample_rows], out.logprobs)  # plain rows only
+        results, src, dst = self.speculator.accept(batch, trees, plan, out)
+        self.runner.move_kv(src, dst)
+        msgs: list = []
         now = time.monotonic()
         for i, (seq, n, (tokens, accepted)) in enumerate(zip(batch.seqs, batch.num_tokens, results)):
             seq.num_computed += n  # a speculating row: its root (the accepted drafts follow below)
@@ -307,11 +295,10 @@ class LLMEngine:
                 # Accepted drafts are verified tokens with their KV in place: all but the newest are computed.
                 seq.num_computed = len(seq) - 1
                 seq.num_accepted_drafts += min(accepted, len(emitted))
-            self.tokens_generated += len(emitted)
             if reason:
-                out.append(self._finish(seq, reason, emitted, length=len(seq)))
+                msgs.append(self._finish(seq, reason, emitted, length=len(seq)))
                 continue
-            out.append(sampling.attach(P.Tokens(id=seq.id, ids=emitted), seq))
+            msgs.append(sampling.attach(P.Tokens(id=seq.id, ids=emitted), seq))
             if i < batch.num_spec:
                 self.blocks.truncate(seq, len(seq))  # rejected drafts' blocks go back
         for seq, (tokens, _) in zip(batch.seqs, results):
@@ -319,10 +306,13 @@ class LLMEngine:
                 self.blocks.commit(seq)  # hashes cover computed (verified) tokens only
             if tokens:
                 self._release_forks(seq)
-        self.num_steps += 1
-        dt = (time.perf_counter() - t0) * 1e3
-        self.step_ms = dt if self.num_steps == 1 else 0.9 * self.step_ms + 0.1 * dt
-        return out
+        st = self.stats
+        st.decode_rows += batch.num_decodes
+        st.decode_tokens += batch.num_decodes - len(trees) + sum(len(r[0]) for r in results[: len(trees)])
+        st.drafted += sum(len(t) - 1 for t in trees)
+        st.accepted += sum(r[1] for r in results[: len(trees)])
+        self._count_step(t0)
+        return msgs
 
     def _finished(self, seq: Sequence, reason: str, last_ids: list[int] = (), length: int = 0) -> P.Finished:
         ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
@@ -341,9 +331,10 @@ class LLMEngine:
         return self._finished(seq, reason, last_ids, length)
 
     def close(self) -> None:
-        """Release tensor-parallel workers (rank 0)."""
-        if self.tp.world > 1 and self.tp.rank == 0:
-            self.tp.broadcast_bytes(None)
+        """Release the tensor-parallel ranks and wait for their processes."""
+        self.runner.close()
+        for w in self.workers:
+            w.wait(timeout=60)
 
     # -- reports ----------------------------------------------------------------------
     def load(self) -> P.Load:

@@ -17,7 +17,6 @@ Imports no torch: the engine runs in its own process.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import subprocess
 import sys
@@ -72,7 +71,6 @@ class EngineClient:
         self.cached_blocks: set[int] = set()  # mirror of the engine's prefix cache, for new routers
         self.subscribers: set[Sink] = set()  # receive Load and KvEvents
         self._codec = P.FrameCodec()
-        self._ids = itertools.count()
         self._proc: subprocess.Popen | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -121,9 +119,6 @@ class EngineClient:
         self._tmpdir.cleanup()
 
     # -- requests --------------------------------------------------------------------
-    def new_id(self) -> str:
-        return f"r{next(self._ids)}"
-
     def submit(self, req: P.Generate, sink: Sink) -> None:
         """Send a request to the engine; `sink` then receives its messages.
         req.id must be unique among live requests (callers prefix per connection)."""

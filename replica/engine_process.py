@@ -26,28 +26,12 @@ from wire import protocol as P
 from replica.config import EngineConfig
 
 
-def load_model_for(cfg: EngineConfig):
-    """(ModelConfig, Hugging Face-named weights) for this engine config."""
-    import torch
-
-    from replica.loader import load_checkpoint, load_config, random_weights
-    from replica.runner import DTYPES
-
-    torch.manual_seed(cfg.seed)
-    if cfg.device == "cpu":
-        # A pool spinning on every core starves the API process: leave it one.
-        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
-    if cfg.random_weights:
-        model_cfg = load_config(cfg.model)
-        return model_cfg, random_weights(model_cfg, dtype=DTYPES[cfg.dtype], seed=cfg.seed)
-    ckpt = load_checkpoint(cfg.model, dtype=DTYPES[cfg.dtype])
-    return ckpt.config, ckpt.weights
-
-
 def build_engine(cfg: EngineConfig):
-    """The engine; with cfg.tp > 1 also starts worker ranks 1..tp-1 and joins them."""
+    """The engine; with cfg.tp > 1 it is rank 0 and starts ranks 1..tp-1 (replica.worker)."""
     from replica import tp as TP
     from replica.engine import LLMEngine
+    from replica.loader import load_model_for
+    from replica.worker import spawn_workers
 
     model_cfg, weights = load_model_for(cfg)
     if cfg.tp == 1:
@@ -55,8 +39,8 @@ def build_engine(cfg: EngineConfig):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    TP.spawn_workers(cfg, init_method)
-    return LLMEngine(cfg, model_cfg, weights, tp=TP.init(0, cfg.tp, init_method, cfg.device))
+    workers = spawn_workers(cfg, init_method)
+    return LLMEngine(cfg, model_cfg, weights, tp=TP.init(0, cfg.tp, init_method, cfg.device), workers=workers)
 
 
 def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:

@@ -8,12 +8,15 @@ padded up to the next bucket, and replays: one launch instead of hundreds.
 Padding rows are inert: slot -1 writes no KV and seq_len 0 attends to nothing
 (the decode kernel returns zeros for them); their logits are never read.
 
-With `aux_layers` (an EAGLE-3 head drafts from the residual streams after those
-layers), the graphs also write those features, (b, 3h), so plain decode steps of
-a speculating engine replay too: the head sees every token the target computes.
+With the runner's `aux_layers` (an EAGLE-3 head drafts from the residual streams
+after those layers), the graphs also write those features, (b, 3h), so plain
+decode steps of a speculating engine replay too: the head sees every token the
+target computes.
 
 On CPU (or with graphs disabled) the same padded-buffer path runs eagerly, which
-is how the padding logic is tested without a GPU.
+is how the padding logic is tested without a GPU. A step compiled per bucket
+(the CPU fast path) fits the same seam: `_forward(b)` over the same persistent
+buffers, compiled once per bucket where CUDA captures it.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int, max_model_len: int, capture: bool, aux_layers: tuple = ()):
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, capture: bool):
         self.runner = runner
-        self.aux_layers = tuple(aux_layers)
+        self.aux_layers = runner.aux_layers
         self.buckets = default_buckets(max_num_seqs)
         dev, n = runner.device, self.buckets[-1]
         self.max_blocks = -(-max_model_len // runner.block_size)
@@ -100,9 +103,9 @@ class DecodeGraphs:
               f"{self.capture_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
 
     @torch.inference_mode()
-    def run(self, plan, prev_tokens: torch.Tensor | None = None):
-        """Logits (B, V) of a pure-decode plan with B <= the largest bucket; with
-        aux_layers, (logits, aux (B, 3h))."""
+    def run(self, plan, prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits (B, V), aux (B, 3h) or None without aux_layers) of a pure-decode
+        plan with B <= the largest bucket."""
         n = len(plan.starts)
         b = self.bucket_for(n)
         bs = self.runner.block_size
@@ -124,4 +127,4 @@ class DecodeGraphs:
             out = self.outputs[b]
         else:
             out = self._forward(b)
-        return out[0][:n] if len(out) == 1 else (out[0][:n], out[1][:n])
+        return out[0][:n], (out[1][:n] if len(out) > 1 else None)

@@ -19,19 +19,20 @@ Spec resolution and config.json parsing live in the torch-free
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from replica.config import ModelConfig, RopeScaling
+from replica.config import EngineConfig, ModelConfig, RopeScaling
 from replica.gguf_file import GGUFFile
 from replica.hf_checkpoint import ModelNotFoundError, config_from_hf, model_config, resolve_model, safetensors_files
 from replica.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "ModelNotFoundError", "PRESETS", "load_checkpoint", "load_config",
-           "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
+           "load_model_for", "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
 
 
 @dataclass
@@ -239,3 +240,16 @@ def _check_complete(expected: dict, found: dict, source: str) -> None:
 
 def _more(n_missing: int) -> str:
     return f" (and {n_missing - 1} more)" if n_missing > 1 else ""
+
+
+def load_model_for(cfg: EngineConfig):
+    """(ModelConfig, Hugging Face-named weights) for this engine config."""
+    torch.manual_seed(cfg.seed)
+    if cfg.device == "cpu":
+        # A pool spinning on every core starves the API process: leave it one.
+        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+    if cfg.random_weights:
+        model_cfg = load_config(cfg.model)
+        return model_cfg, random_weights(model_cfg, dtype=getattr(torch, cfg.dtype), seed=cfg.seed)
+    ckpt = load_checkpoint(cfg.model, dtype=getattr(torch, cfg.dtype))
+    return ckpt.config, ckpt.weights

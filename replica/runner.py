@@ -1,129 +1,163 @@
-"""Runs one scheduled batch: builds step metadata, runs the model, samples.
+"""The Runner: the one place that runs the target model.
 
-Owns the model, the KV pool (one tensor: layers x {k, v} x blocks x block_size x
-Hkv x D) and the op set chosen for the device at start-up.
+It owns the model (built from Hugging Face-named weights; under tensor
+parallelism this rank's shard), the op set chosen for the device, the KV pool
+(sized here), the decode graphs and the sampler. Every forward is
+`execute(plan)` over a `replica.plan.StepPlan`: prefill chunks, decodes (eager,
+or replayed per batch-size bucket) and draft-tree verification, then sampling.
+
+KV pool: one tensor, layers x {k, v} x blocks x block_size x Hkv x D, plus the
+EAGLE-3 head's one layer (`draft_kv`, same blocks) when a head drafts: the head
+addresses its KV through the sequence's own block table.
+
+Tensor parallel (nano-vllm's ModelRunner.loop): on rank 0 `execute` broadcasts
+the plan first; ranks 1..N-1 run `loop()`, executing every plan they receive and
+sampling the same tokens from the same all-gathered logits (so with overlap each
+rank resolves the next plan's placeholders from its own copy). `allocate_kv` is
+collective: each rank says how many blocks its memory holds, rank 0 takes the
+smallest and broadcasts the layout, so a block id means the same on every rank.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 import torch
 
+import kernels
+from replica import sampling
 from replica.config import EngineConfig, ModelConfig
 from replica.graphs import DecodeGraphs, resolve_placeholders
-from replica import sampling
+from replica.loader import random_weights
 from replica.model import Context, LlamaModel
-from replica.scheduler import Batch
-
-
-class StepPlan(msgspec.Struct, array_like=True):
-    """One step as plain data. Row i computes num_tokens[i] tokens starting at
-    position starts[i]; decode rows (one token each) come first."""
-
-    input_ids: list[int]  # all rows' tokens, flattened
-    starts: list[int]
-    num_tokens: list[int]
-    block_tables: list[list[int]]
-    sample_rows: list[int]  # rows whose last token's logits are sampled
-    num_decodes: int
-    # Tensor parallel with overlap: every rank samples the step itself (the logits are
-    # all-gathered, sampling is a pure function of them and of these), so each has the
-    # tokens its next step's placeholders stand for. Per sampled row:
-    sampling: list[tuple[float, int, float, int, int]] = []  # (temperature, top_k, top_p, seed, position)
-    extra_logits: list[int] = []  # flat token indices whose logits follow the sampled rows' (prompt logprobs)
-
+from replica.plan import StepPlan, slot
+from replica.tp import TensorParallel, local_config, shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KvLayout(msgspec.Struct, array_like=True):
+    """The KV pool every rank allocates (rank 0 decides, see `Runner.allocate_kv`)."""
+
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # (plan.num_logits, V) fp32: every tree node, then the sampled rows
+    tokens: torch.Tensor  # (plan.num_logits,) the token sampled from each logits row, on the device
+    aux: torch.Tensor | None = None  # (T, 3h): residual streams after the aux layers, every token of the step
+    hidden: torch.Tensor | None = None  # (T, h): final hidden states, every token (keep_hidden only)
+    logprobs: sampling.StepLogprobs | None = None  # the sample rows that ask for them
+    prompt_logits: torch.Tensor | None = None  # (len(plan.extra_logits), V): prompt logprobs' positions
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.kv_size * dtype.itemsize
 
 
+def kv_budget(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Bytes this rank may give the KV pool. On CUDA: what the weights left of the
+    allowed fraction of the GPU, minus a reserve for activations, logits and the
+    CUDA-graph pool."""
+    if cfg.kv_memory_bytes:
+        return cfg.kv_memory_bytes
+    if not cfg.device.startswith("cuda"):
+        return 1 << 30
+    free, total = torch.cuda.mem_get_info(torch.device(cfg.device))
+    act = 4 * cfg.max_num_batched_tokens * (model_cfg.hidden_size * 8 + model_cfg.intermediate_size * 3)
+    logits = 4 * 2 * cfg.max_num_seqs * model_cfg.vocab_size
+    reserve = act + logits + (512 << 20)  # graphs share one pool; 512 MiB covers its bookkeeping
+    budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
+    if budget <= 0:
+        raise RuntimeError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                           f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or use a smaller model")
+    return int(budget)
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """(n, n) bool: [i, j] = node j is node i or one of its ancestors (parents[i] < i)."""
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            m[i] = m[p]
+        m[i, i] = True
+    return m
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for i, p in enumerate(parents[1:], 1):
+        depths[i] = depths[p] + 1
+    return depths
+
+
 class Runner:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model: torch.nn.Module, ops, num_blocks: int,
-                 max_model_len: int, aux_layers: tuple = ()):
-        self.model_cfg, self.cfg, self.model, self.ops = model_cfg, cfg, model, ops
-        self.device = torch.device(cfg.device)
-        self.dtype = DTYPES[cfg.dtype]
-        self.block_size = cfg.block_size
-        self.kv_cache = torch.zeros(model_cfg.num_layers, 2, num_blocks, cfg.block_size, model_cfg.num_kv_heads,
-                                    model_cfg.head_dim, dtype=self.dtype, device=self.device)
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, weights: dict | None = None, *,
+                 model: torch.nn.Module | None = None, ops=None, tp: TensorParallel | None = None):
+        """Build the model from Hugging Face-named weights (None: random init), or take
+        `model`, any object with LlamaModel's interface (bench/engine.py passes one
+        whose forward costs nothing). The KV pool comes with `allocate_kv`."""
+        self.cfg, self.tp = cfg, tp or TensorParallel()
+        self.model_cfg = local_config(model_cfg, self.tp.world) if self.tp.world > 1 else model_cfg  # this rank's
+        self.device, self.dtype, self.block_size = torch.device(cfg.device), DTYPES[cfg.dtype], cfg.block_size
+        self.ops = ops if ops is not None else kernels.ops(self.device.type)
+        mpe = model_cfg.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or mpe, mpe)  # cut to the pool's size by allocate_kv
+        if model is None:
+            if weights is None:
+                weights = random_weights(model_cfg, seed=cfg.seed)
+            if self.tp.world > 1:
+                weights = shard(weights, self.tp.rank, self.tp.world)
+            model = build_model(self.model_cfg, cfg, weights, self.ops, self.max_model_len, self.tp)
+            del weights
+        self.model = model
+        self.kv_cache: torch.Tensor | None = None
+        self.draft_kv: torch.Tensor | None = None  # (2, blocks, block_size, Hkv', D'): the EAGLE-3 head's layer
+        self.graphs: DecodeGraphs | None = None
+        self.aux_layers: tuple[int, ...] = ()
+        self.keep_hidden = False
+        self._encoder = msgspec.msgpack.Encoder()
+
+    # -- KV pool --------------------------------------------------------------------------
+    def allocate_kv(self, aux_layers: tuple[int, ...] = (), draft_kv: tuple[int, int] | None = None,
+                    keep_hidden: bool = False) -> KvLayout:
+        """Size and allocate the KV pool (collective under tensor parallelism), then
+        build the decode graphs. aux_layers: every forward also returns the residual
+        streams after these layers (what an EAGLE-3 head reads); draft_kv: (Hkv, D)
+        of the head's one layer, which shares the blocks; keep_hidden: every forward
+        also returns its final hidden states (training data; decodes run eagerly)."""
+        cfg, bs = self.cfg, self.block_size
+        per_block = kv_bytes_per_block(self.model_cfg, bs, self.dtype)
+        if draft_kv is not None:
+            per_block += 2 * bs * draft_kv[0] * draft_kv[1] * self.dtype.itemsize
+        capacity = cfg.num_blocks or max(1, kv_budget(cfg, self.model_cfg) // per_block)
+        layout = self._agree(KvLayout(num_blocks=capacity, block_size=bs))
+        n = layout.num_blocks
+        c = self.model_cfg
+        self.kv_cache = torch.zeros(c.num_layers, 2, n, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+                                    device=self.device)
+        if draft_kv is not None:
+            self.draft_kv = torch.zeros(2, n, bs, *draft_kv, dtype=self.dtype, device=self.device)
+        self.max_model_len = min(self.max_model_len, n * bs)
+        self.aux_layers, self.keep_hidden = tuple(aux_layers), keep_hidden
         on_cuda = self.device.type == "cuda"
-        use_graphs = (cfg.graph_mode == "auto" and on_cuda) or cfg.graph_mode == "buffers"
-        capture = on_cuda and cfg.graph_mode == "auto"
-        self.graphs = DecodeGraphs(self, cfg.max_num_seqs, max_model_len, capture, aux_layers) \
-            if use_graphs and isinstance(model, LlamaModel) else None
+        use_graphs = ((cfg.graph_mode == "auto" and on_cuda) or cfg.graph_mode == "buffers") and not keep_hidden
+        if use_graphs and isinstance(self.model, LlamaModel):
+            self.graphs = DecodeGraphs(self, cfg.max_num_seqs, self.max_model_len,
+                                       capture=on_cuda and cfg.graph_mode == "auto")
+        return layout
 
-    def _tensor(self, data, dtype):
-        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
-
-    def block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        """(B, max_blocks) int32, rows padded with block 0 (never read past a length)."""
-        width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
-
-    @staticmethod
-    def plan(batch: Batch) -> StepPlan:
-        """The step as plain data: what rank 0 broadcasts to tensor-parallel ranks."""
-        ids, starts, tables, sample_rows = [], [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            start = seq.num_computed
-            ids.extend(seq.token_ids[start : start + n])
-            starts.append(start)
-            tables.append(seq.block_table)
-            if start + n == len(seq):
-                sample_rows.append(i)
-        return StepPlan(input_ids=ids, starts=starts, num_tokens=list(batch.num_tokens), block_tables=tables,
-                        sample_rows=sample_rows, num_decodes=batch.num_decodes)
-
-    def prepare(self, plan: StepPlan):
-        """Input ids, positions, the attention Context, and the rows to compute logits for."""
-        bs = self.block_size
-        pos, slots, last = [], [], []
-        for start, n, table in zip(plan.starts, plan.num_tokens, plan.block_tables):
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            last.append(len(pos) - 1)
-        nd = plan.num_decodes
-        ext_n = plan.num_tokens[nd:]
-        cu = [0]
-        for n in ext_n:
-            cu.append(cu[-1] + n)
-        ctx = Context(
-            slot_mapping=self._tensor(slots, torch.int64),
-            num_decode_tokens=nd,
-            decode_block_tables=self.block_tables(plan.block_tables[:nd]) if nd else None,
-            # a decode computes the token at position `start`: the sequence holds start + 1
-            decode_seq_lens=self._tensor([s + 1 for s in plan.starts[:nd]], torch.int32) if nd else None,
-            extend_block_tables=self.block_tables(plan.block_tables[nd:]) if ext_n else None,
-            extend_cu_seqlens_q=self._tensor(cu, torch.int32) if ext_n else None,
-            extend_seq_lens=self._tensor([s + n for s, n in zip(plan.starts[nd:], ext_n)], torch.int32)
-            if ext_n else None,
-        )
-        sample_idx = [last[i] for i in plan.sample_rows] + plan.extra_logits
-        return self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx, sample_idx
-
-    @torch.inference_mode()
-    def forward_logits(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, aux_layers: tuple = ()):
-        """fp32 logits for the last token of each row in plan.sample_rows (the
-        sequences whose uncomputed tokens all run this step). With overlap, input id
-        -(j + 1) stands for prev_tokens[j], the previous step's j-th sampled token,
-        still on the device: it is resolved there, without waiting for the host.
-
-        With aux_layers (an EAGLE-3 head drafts), returns (logits, aux): aux (T, 3h)
-        holds the residual streams after those layers for every token of the step
-        (the decode graphs capture them when built with the same aux_layers)."""
-        if self.graphs is not None and tuple(aux_layers) == self.graphs.aux_layers \
-                and plan.num_decodes == len(plan.starts) and self.graphs.bucket_for(plan.num_decodes) is not None:
-            return self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
-        input_ids, positions, ctx, sample_idx = self.prepare(plan)
-        input_ids = resolve_placeholders(input_ids, prev_tokens)
-        if not aux_layers:
-            hidden = self.model(input_ids, positions, ctx, self.kv_cache)
-            return self.model.compute_logits(hidden[sample_idx]).float()
-        hidden, aux = self.model(input_ids, positions, ctx, self.kv_cache, aux_layers)
-        return self.model.compute_logits(hidden[sample_idx]).float(), torch.cat(aux, -1)
+    def _agree(self, mine: KvLayout) -> KvLayout:
+        """Rank 0 learns every rank's capacity, keeps the smallest and broadcasts the layout."""
+        if self.tp.world == 1:
+            return mine
+        capacities = self.tp.gather_int(mine.num_blocks)
+        payload = self._encoder.encode(KvLayout(min(capacities), mine.block_size)) if self.tp.rank == 0 else b""
+        return msgspec.msgpack.decode(self.tp.broadcast_bytes(payload), type=KvLayout)
 
     @torch.inference_mode()
     def move_kv(self, src: list[int], dst: list[int]) -> None:
@@ -135,19 +169,103 @@ class Runner:
         flat = self.kv_cache.flatten(2, 3)  # (L, 2, slots, Hkv, D), a view
         flat[:, :, self._tensor(dst, torch.int64)] = flat[:, :, self._tensor(src, torch.int64)]
 
-    @staticmethod
-    def sampling_of(seqs) -> list[tuple[float, int, float, int, int]]:
-        """(temperature, top_k, top_p, seed, position of the sampled token) per sequence."""
-        return [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.seed, len(s)) for s in seqs]
+    # -- the step --------------------------------------------------------------------------
+    def _tensor(self, data, dtype):
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, seqs) -> torch.Tensor:
-        """Sample one token per row as the engine does (logits processing, logprobs kept
-        on the sequences); randomness depends on (seed, position, tokens so far) only."""
-        return sampling.sample_now(self, logits, seqs)
+    def block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """(B, max_blocks) int32, rows padded with block 0 (never read past a length)."""
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    def _prepare(self, plan: StepPlan):
+        """Input ids, positions, the attention Context, and the logits rows (token indices)."""
+        bs, nt = self.block_size, len(plan.trees)
+        pos, slots, last = [], [], []
+        for i, (start, n, table) in enumerate(zip(plan.starts, plan.num_tokens, plan.block_tables)):
+            tree = i < nt
+            pos.extend([start + d for d in tree_depths(plan.trees[i])] if tree else range(start, start + n))
+            slots.extend(slot(table, p, bs) for p in range(start, start + n))  # node j: the slot of start + j
+            last.append(len(pos) - 1)
+        cu = [0]
+        for n in plan.num_tokens:
+            cu.append(cu[-1] + n)
+        rows = list(range(cu[nt])) + [last[i] for i in plan.sample_rows] + list(plan.extra_logits)
+        slot_mapping = self._tensor(slots, torch.int64)
+        if nt:  # every row through tree attention: a plain row is a chain (the causal mask)
+            masks = [ancestor_mask(p) for p in plan.trees] + [torch.ones(n, n, dtype=torch.bool).tril()
+                                                              for n in plan.num_tokens[nt:]]
+            mask = torch.zeros(cu[-1], max(plan.num_tokens), dtype=torch.bool)
+            for i, m in enumerate(masks):
+                mask[cu[i] : cu[i + 1], : m.shape[0]] = m
+            prefix = self._tensor(plan.starts, torch.int32)
+            cu_t = self._tensor(cu, torch.int32)
+            ctx = Context(slot_mapping=slot_mapping, num_decode_tokens=0, decode_block_tables=None,
+                          decode_seq_lens=None, extend_block_tables=self.block_tables(plan.block_tables),
+                          extend_cu_seqlens_q=cu_t, extend_seq_lens=prefix + (cu_t[1:] - cu_t[:-1]),
+                          tree_mask=mask.to(self.device), tree_prefix_lens=prefix)
+        else:
+            nd = plan.num_decodes
+            ext_n = plan.num_tokens[nd:]
+            ctx = Context(
+                slot_mapping=slot_mapping,
+                num_decode_tokens=nd,
+                decode_block_tables=self.block_tables(plan.block_tables[:nd]) if nd else None,
+                # a decode computes the token at position `start`: the sequence holds start + 1
+                decode_seq_lens=self._tensor([s + 1 for s in plan.starts[:nd]], torch.int32) if nd else None,
+                extend_block_tables=self.block_tables(plan.block_tables[nd:]) if ext_n else None,
+                extend_cu_seqlens_q=self._tensor([c - cu[nd] for c in cu[nd:]], torch.int32) if ext_n else None,
+                extend_seq_lens=self._tensor([s + n for s, n in zip(plan.starts[nd:], ext_n)], torch.int32)
+                if ext_n else None,
+            )
+        return (self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx,
+                self._tensor(rows, torch.int64))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, seqs=None) -> StepOutput:
+        """Run one step and sample each logits row. With overlap, input id -(j + 1)
+        stands for prev_tokens[j], the previous step's j-th sampled token, still on
+        the device: it is resolved there, without waiting for the host. seqs (rank 0):
+        the sequences of plan.sample_rows, whose params beyond temperature/top-k/top-p
+        (penalties, logit bias, logprobs: replica.sampling) apply to their rows."""
+        if self.tp.world > 1 and self.tp.rank == 0:
+            self.tp.broadcast_bytes(self._encoder.encode(plan))
+        if (self.graphs is not None and not plan.trees and not plan.extra_logits
+                and plan.num_decodes == len(plan.starts) and self.graphs.bucket_for(plan.num_decodes) is not None):
+            logits, aux = self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
+            hidden = None
+        else:
+            input_ids, positions, ctx, rows = self._prepare(plan)
+            input_ids = resolve_placeholders(input_ids, prev_tokens)
+            out = self.model(input_ids, positions, ctx, self.kv_cache, self.aux_layers)
+            hidden, aux = (out[0], torch.cat(out[1], -1)) if self.aux_layers else (out, None)
+            logits = self.model.compute_logits(hidden[rows]).float()
+        n = len(plan.sampling)
+        logits, prompt_logits = logits[:n], (logits[n:] if plan.extra_logits else None)
+        tokens, logprobs = self._sample(logits, plan, prev_tokens, seqs)
+        return StepOutput(logits, tokens, aux, hidden if self.keep_hidden else None, logprobs, prompt_logits)
+
+    def _sample(self, logits: torch.Tensor, plan: StepPlan, prev_tokens, seqs):
+        """The token of every logits row: tree nodes plainly (speculating sequences are
+        `Sequence.plain`), sample rows through replica.sampling when their sequences
+        are known (rank 0), plainly on the other ranks."""
+        nt = len(plan.sampling) - len(plan.sample_rows)
+        if seqs is None:
+            return self.sample_params(logits, plan.sampling), None
+        rows, logprobs = sampling.sample(self, logits[nt:], seqs, plan.sampling[nt:], prev_tokens)
+        if not nt:
+            return rows, logprobs
+        return torch.cat([self.sample_params(logits[:nt], plan.sampling[:nt]), rows]), logprobs
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states (StepOutput.hidden)."""
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def sample_params(self, logits: torch.Tensor, params: list[tuple[float, int, float, int, int]]) -> torch.Tensor:
-        """Greedy rows take a plain argmax; only rows that sample pay for filtering
+        """Sample one token per row; randomness depends on (seed, position) only.
+        Greedy rows take a plain argmax; only rows that sample pay for filtering
         and hashed noise (which rows is known on the host: no device sync)."""
         hot = [i for i, p in enumerate(params) if p[0] > 0]
         tokens = logits.argmax(-1)
@@ -173,6 +291,21 @@ class Runner:
         event = torch.cuda.Event()
         event.record()
         return host, event
+
+    # -- tensor-parallel ranks -------------------------------------------------------------
+    def loop(self) -> None:
+        """Ranks 1..N-1: execute every plan rank 0 broadcasts, until it broadcasts the end."""
+        decoder = msgspec.msgpack.Decoder(StepPlan)
+        prev = None  # this rank's copy of the previous step's tokens (overlap placeholders)
+        while (payload := self.tp.broadcast_bytes(b"")) is not None:
+            prev = self.execute(decoder.decode(payload), prev).tokens
+        self.tp.close()
+
+    def close(self) -> None:
+        """Rank 0: release the other ranks' loops and leave the group."""
+        if self.tp.world > 1:
+            self.tp.broadcast_bytes(None)
+            self.tp.close()
 
 
 def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None, ops, max_positions: int, tp=None):

@@ -180,7 +180,7 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs) -> StepLogprobs |
 
 
 def sample(runner, logits: torch.Tensor, seqs, params, prev_tokens: torch.Tensor | None = None):
-    """One step's tokens for `seqs` (params: Runner.sampling_of(seqs)) and their logprobs, on the device."""
+    """One step's tokens for `seqs` (params: their StepPlan.sampling rows) and their logprobs, on the device."""
     tokens = runner.sample_params(process(logits, seqs, prev_tokens), params)
     return tokens, logprobs(logits, tokens, seqs)
 
@@ -236,10 +236,3 @@ def attach(msg, seq):
         if not st.prompt_sent and seq.sampling.prompt_logprobs is not None:
             msg.prompt_logprobs, st.prompt_sent = st.prompt, True
     return msg
-
-
-def sample_now(runner, logits: torch.Tensor, seqs) -> torch.Tensor:
-    """Synchronous variant (speculative steps' plain rows): logprobs go straight to the sequences."""
-    tokens, lp = sample(runner, logits, seqs, runner.sampling_of(seqs))
-    keep_logprobs(seqs, lp)
-    return tokens

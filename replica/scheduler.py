@@ -36,13 +36,6 @@ class Batch:
     spec: object = None  # the draft shape of rows [0, num_spec) (TreeSpec | NgramDrafter); None: no speculation
     num_spec: int = 0  # speculating decodes, first among the decodes
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,

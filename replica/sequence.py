@@ -24,14 +24,14 @@ class Sequence:
 
     __slots__ = (
         "id", "token_ids", "num_prompt_tokens", "sampling", "priority", "cache_salt",
-        "seed", "arrival", "deadline", "status", "block_table", "block_hashes",
+        "seed", "arrival", "status", "block_table", "block_hashes",
         "num_computed", "num_cached_prompt", "first_token_time", "finish_reason",
         "eos_ids", "num_preemptions", "num_unresolved", "draft_state", "num_accepted_drafts", "logprob_state",
     )
 
     def __init__(self, id: str, prompt_ids: list[int], sampling: SamplingParams, *,
                  seed: int, eos_ids: frozenset[int], priority: int = 0, cache_salt: str = "",
-                 resume_ids: list[int] = (), deadline: float = 0.0):
+                 resume_ids: list[int] = ()):
         self.id = id
         self.token_ids = list(prompt_ids) + list(resume_ids)
         self.num_prompt_tokens = len(prompt_ids)  # resume ids count as completion tokens
@@ -40,7 +40,6 @@ class Sequence:
         self.cache_salt = cache_salt
         self.seed = seed
         self.arrival = time.monotonic()
-        self.deadline = deadline
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the full blocks registered so far

@@ -1,33 +1,26 @@
-"""Tensor parallelism (Megatron-style), one process per device.
+"""Tensor parallelism (Megatron-style): sharding and collectives, one process per device.
 
     q/k/v, gate/up     column-parallel: each rank holds 1/N of the heads / FFN rows
     o_proj, down_proj  row-parallel: partial sums, then all-reduce
     embed_tokens       vocab-parallel: each rank embeds its vocab slice, all-reduce
     lm_head            vocab-parallel: each rank's logit slice, all-gather
 
-Rank 0 runs the scheduler and broadcasts each step's `StepPlan` (msgspec bytes
-over a gloo group, so NCCL only ever carries activations); ranks 1..N-1 run
-`worker_loop`. With overlap scheduling every rank also samples each step (same
-all-gathered logits, same seeded sampler, parameters in the plan), so each holds
-the tokens the next plan's placeholders stand for: no token broadcast, no sync.
-NCCL on GPUs, gloo on CPU (tests).
-
-    python -m replica.tp --rank R --world N --init-method tcp://H:P --config JSON   # a worker rank
+Step plans and the KV layout travel from rank 0 as msgspec bytes over a gloo
+group (`broadcast_bytes`), so NCCL only ever carries activations. NCCL on GPUs,
+gloo on CPU (tests). Who runs what: replica.runner (rank 0's engine calls
+`Runner.execute`, the other ranks run `Runner.loop`), replica.worker (their
+processes).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import subprocess
-import sys
 
-import msgspec
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from replica.config import EngineConfig, ModelConfig
+from replica.config import ModelConfig
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 _ROW = ("o_proj", "down_proj")
@@ -73,6 +66,20 @@ class TensorParallel:
         dist.broadcast(buf, 0, group=self.plan_group)
         return payload if self.rank == 0 else buf.numpy().tobytes()
 
+    def gather_int(self, value: int) -> list[int]:
+        """Every rank's value on rank 0 (other ranks get [])."""
+        mine = torch.tensor([value], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(mine, parts, dst=0, group=self.plan_group)
+        return [int(p) for p in parts] if self.rank == 0 else []
+
+    def close(self) -> None:
+        """Leave the group together: a barrier first, so no rank tears its connections
+        down while another is still inside a collective (gloo aborts the process,
+        "terminate called without an active exception", when that happens)."""
+        dist.barrier(group=self.plan_group)
+        dist.destroy_process_group()
+
 
 def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """The per-rank shape of the model."""
@@ -105,49 +112,3 @@ def init(rank: int, world: int, init_method: str, device: str) -> TensorParallel
     dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank)
     plan_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return TensorParallel(rank, world, plan_group)
-
-
-def spawn_workers(cfg: EngineConfig, init_method: str) -> list[subprocess.Popen]:
-    """Start ranks 1..tp-1 of the engine (rank 0 is the caller)."""
-    conf = msgspec.json.encode(cfg).decode()
-    return [subprocess.Popen([sys.executable, "-m", "replica.tp", "--rank", str(r), "--world", str(cfg.tp),
-                              "--init-method", init_method, "--config", conf]) for r in range(1, cfg.tp)]
-
-
-def worker_loop(runner, tp: TensorParallel) -> None:
-    """Run every step rank 0 plans, until it broadcasts the end."""
-    from replica.runner import StepPlan
-
-    decoder = msgspec.msgpack.Decoder(StepPlan)
-    prev = None  # with overlap: this rank's copy of the previous step's tokens
-    while (payload := tp.broadcast_bytes(b"")) is not None:
-        plan = decoder.decode(payload)
-        logits = runner.forward_logits(plan, prev)
-        prev = runner.sample_params(logits, plan.sampling) if plan.sampling else None
-
-
-def main(argv: list[str] | None = None) -> None:
-    from replica.engine_process import load_model_for
-
-    ap = argparse.ArgumentParser(description="one worker rank of a tensor-parallel engine")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--init-method", required=True)
-    ap.add_argument("--config", required=True)
-    args = ap.parse_args(argv)
-    cfg = msgspec.json.decode(args.config, type=EngineConfig)
-    if cfg.device.startswith("cuda"):
-        cfg.device = f"cuda:{args.rank}"
-    tp = init(args.rank, args.world, args.init_method, cfg.device)
-    model_cfg, weights = load_model_for(cfg)
-    from replica.engine import LLMEngine
-
-    engine = LLMEngine(cfg, model_cfg, weights, tp=tp)
-    try:
-        worker_loop(engine.runner, tp)
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

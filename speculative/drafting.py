@@ -3,10 +3,11 @@
 A round starts at the sequence's newest token x_{n-1}, the tree's root: emitted,
 not yet in the target's KV. Node i holds a token for position n - 1 + depth(i);
 the target verifies the whole tree in one forward, node i's KV at slot n - 1 + i,
-attending to the prefix and to `ancestor_mask()[i]` (speculative.decode).
+attending to the prefix and to its ancestors (replica.plan, replica.runner).
 
-Head KV. The head keeps one layer of K/V in a paged pool addressed by the
-sequence's own block table (the target's slots). Entries [0, length) are
+Head KV. The head keeps one layer of K/V in the target's paged pool (the
+Runner allocates it beside the target's layers), addressed by the sequence's own
+block table. Entries [0, length) are
 committed: computed from the target's features, so final. `propose` first
 commits the pending entries (one per token the target has processed since the
 last round; see HeadState), which yields q for the root's children, then drafts.
@@ -29,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.paged import attend_ref, gather_kv
 from speculative.head import Eagle3Head
 from speculative.verify import DRAFT_STREAM, gumbel_draw
 
@@ -96,16 +96,6 @@ class DraftTree:
             kids[p].append(i)
         return kids
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """(n, n) bool: [i, j] = j is i or an ancestor of i (the tree-attention mask)."""
-        n = len(self.tokens)
-        m = torch.zeros(n, n, dtype=torch.bool)
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                m[i] = m[p]
-            m[i, i] = True
-        return m
-
 
 def chain(root: int, drafts: list[int], q: torch.Tensor | None = None) -> DraftTree:
     return DraftTree([root, *drafts], list(range(-1, len(drafts))), q=q)
@@ -131,15 +121,15 @@ class HeadState:
 
 
 class Drafter:
-    """Runs the head over a batch of sequences: commit pending entries, then draft."""
+    """Runs the head over a batch of sequences: commit pending entries, then draft.
+    kv (2, num_blocks, block_size, Hkv, D): the head's layer of the paged pool
+    (replica.runner.Runner.draft_kv), in the head's dtype."""
 
-    def __init__(self, head: Eagle3Head, cos_sin: torch.Tensor, num_blocks: int, block_size: int, ops):
-        self.head, self.cos_sin, self.ops, self.block_size = head, cos_sin, ops, block_size
-        w = head.fc.weight
-        kvh, d = head.kv_shape()
-        self.k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=w.dtype, device=w.device)
-        self.v_cache = torch.zeros_like(self.k_cache)
-        self.scale = d**-0.5
+    def __init__(self, head: Eagle3Head, cos_sin: torch.Tensor, kv: torch.Tensor, ops):
+        assert kv.shape[-2:] == head.kv_shape() and kv.dtype == head.fc.weight.dtype, "the head's KV layer"
+        self.head, self.cos_sin, self.ops, self.block_size = head, cos_sin, ops, kv.shape[2]
+        self.k_cache, self.v_cache = kv[0], kv[1]
+        self.scale = head.cfg.head_dim**-0.5
 
     def new_state(self, cached: int = 0) -> HeadState:
         """State for a sequence whose first `cached` tokens already have head KV in
@@ -193,16 +183,18 @@ class Drafter:
         scratch = lens[:, None] + e0 + torch.arange(K, device=dev)  # (B, K)
         rows = torch.arange(B, device=dev)[:, None].expand(B, K)
         slots = self._slots(block_tables, rows.flatten(), scratch.flatten())
-        lens_l = lens.tolist()
+        # Tree attention: a sequence's scratch entries follow its n committed ones; the K
+        # queries are entries e0 .. e0 + K - 1, the newest so far, and see the prefix and
+        # the scratch entries anc allows (their ancestors and themselves).
+        cu = torch.arange(0, (B + 1) * K, K, dtype=torch.int32, device=dev)
+        prefix = lens.to(torch.int32)
+        n_tree = torch.full((B,), e0 + K, dtype=torch.int32, device=dev)
+        mask = anc[:, e0 : e0 + K].reshape(B * K, anc.shape[-1]).contiguous()  # (B*K, E)
 
-        def attend(q, k, v):  # q (B*K, H, D): committed prefix + the node's scratch ancestors
+        def attend(q, k, v):  # q (B*K, H, D)
             self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, slots)
-            out = torch.empty_like(q)
-            for b, n in enumerate(lens_l):
-                kk, vv = gather_kv(self.k_cache, self.v_cache, block_tables[b], n + e0 + K)
-                allowed = torch.cat([torch.ones(K, n, dtype=torch.bool, device=dev), anc[b, e0 : e0 + K, : e0 + K]], 1)
-                out[b * K : (b + 1) * K] = attend_ref(q[b * K : (b + 1) * K], kk, vv, allowed, self.scale)
-            return out
+            return self.ops.paged_tree_attention(q, self.k_cache, self.v_cache, block_tables, cu, prefix, mask,
+                                                 self.scale, n_tree)
 
         o = self.head(tok.flatten(), g.flatten(0, 1), pos.flatten(), self.cos_sin, attend)
         return o.view(B, K, -1)

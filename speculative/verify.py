@@ -1,11 +1,13 @@
 """Verification: which drafted tokens the target keeps, and the token after them.
 
 The target scored every tree node in one forward; row i of its logits is the
-target's next-token distribution p_i after the path root..i.
+target's next-token distribution p_i after the path root..i. The engine's
+Speculator (replica/speculation.py) applies these rules per sequence.
 
-Greedy (temperature 0): from the root, step to the child whose token is the
-target's argmax; the first node without one ends the path and its argmax is the
-bonus token. Output == plain greedy decoding, token for token.
+Deterministic drafts (`accept_greedy`): from the root, step to the child whose
+token is the token the target emits after the node (its argmax at temperature 0,
+the engine's seeded draw otherwise); the first node without one ends the path and
+that token is the bonus token. Output == plain decoding, token for token.
 
 Sampling: multi-round rejection sampling (SpecInfer, arXiv 2305.09781; one child
 is Leviathan et al. / Chen et al. 2023). At a node with target distribution p,
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import probs_ref, uniforms_ref
+from kernels.sampling import uniforms_ref
 
 ACCEPT_STREAM = 1
 DRAFT_STREAM = 1 << 30
@@ -71,12 +73,12 @@ class Verdict:
         return [(root_pos + j, root_pos + k) for k, j in enumerate(self.path) if j != k]
 
 
-def accept_greedy(tree, argmax: list[int]) -> Verdict:
-    """argmax[i]: the target's argmax at node i."""
+def accept_greedy(tree, target: list[int]) -> Verdict:
+    """target[i]: the token the target emits after node i (its argmax, or the seeded draw)."""
     children = tree.children()
     node, path, tokens = 0, [0], []
     while True:
-        best = argmax[node]
+        best = target[node]
         tokens.append(best)
         nxt = next((c for c in children[node] if tree.tokens[c] == best), None)
         if nxt is None:
@@ -119,24 +121,3 @@ def accept_sampling(tree, p: torch.Tensor, seed: int, root_pos: int) -> Verdict:
         path.append(accepted)
         tokens.append(tree.tokens[accepted])
         node = accepted
-
-
-def verify(trees, logits: torch.Tensor, temperatures, top_ks, top_ps, seeds, root_positions) -> list[Verdict]:
-    """Verdicts for a batch. logits (sum of tree sizes, V): the target's rows for
-    the trees' nodes, packed in order; per sequence sampling params, seed, and the
-    position of its root (the newest token)."""
-    out, start = [], 0
-    for b, tree in enumerate(trees):
-        rows = logits[start : start + len(tree)]
-        start += len(tree)
-        t = float(temperatures[b])
-        if t <= 0:
-            out.append(accept_greedy(tree, rows.argmax(-1).tolist()))
-            continue
-        n = len(tree)
-        dev = rows.device
-        p = probs_ref(rows, torch.full((n,), t, device=dev), torch.full((n,), int(top_ks[b]), device=dev),
-                      torch.full((n,), float(top_ps[b]), device=dev))
-        out.append(accept_sampling(tree, p, int(seeds[b]), int(root_positions[b])))
-    assert start == logits.shape[0], "logits rows must match the trees' nodes"
-    return out

@@ -1,7 +1,8 @@
 """Speculative decoding inside the engine's continuous batching: with speculation
 on, output is token for token the output with it off (greedy, and seeded
-sampling), through chunked prefill, preemption, abort and stops, at batch 1 and 8;
-rejected drafts' blocks go back; accepted drafts are reported in usage."""
+sampling), through chunked prefill, preemption, abort and stops, at batch 1 and 8
+(tiny target, and the default model); rejected drafts' blocks go back; accepted
+drafts are reported in usage; sampled drafts are reproducible and batch-independent."""
 
 import random
 
@@ -109,7 +110,8 @@ def test_ngram_accepts_drafts_on_a_repetitive_prompt():
     toks, fins = run(spec, reqs, greedy(40))
     assert toks == base
     assert fins["r"].usage.accepted_draft_tokens > 0
-    assert spec.num_steps < plain.num_steps  # several tokens per target forward
+    assert spec.stats.steps < plain.stats.steps and spec.stats.tau > 1.0  # several tokens per target forward
+    assert plain.stats.tau == 1.0 and spec.stats.accepted == fins["r"].usage.accepted_draft_tokens
 
 
 @pytest.mark.parametrize("spec", ["ngram", "eagle3-tree"])
@@ -229,22 +231,59 @@ def test_missing_head_is_named():
         engine("eagle3-chain", "/nonexistent/head")
 
 
-def test_default_model_ngram_same_greedy_text():
+@pytest.fixture(scope="module")
+def default_model():
+    """The default model, built once, and eight chat prompts."""
     import kernels
     from replica.loader import load_checkpoint
     from replica.runner import build_model
 
     ckpt = load_checkpoint("default")
-    model = build_model(ckpt.config, EngineConfig(), ckpt.weights, kernels.ops("cpu"), 512)  # one copy for both
+    model = build_model(ckpt.config, EngineConfig(), ckpt.weights, kernels.ops("cpu"), 1024)
+    prompts = {f"p{i}": ckpt.tokenizer.encode_chat([{"role": "user", "content": q}]) for i, q in enumerate((
+        "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+        "Explain recursion in one sentence.", "Say hello in Spanish.", "What is 2 + 2?",
+        "Name a famous painter.", "Write a Python function that adds two numbers."))}
+    return ckpt, model, prompts
+
+
+def default_engine(ckpt, model, **kw):
+    cfg = dict(num_blocks=96, max_num_batched_tokens=128, max_num_seqs=8, spec_max_batch=8)
+    return LLMEngine(EngineConfig(**(cfg | kw)), ckpt.config, model=model, ops=model.ops)
+
+
+def test_default_model_ngram_same_greedy_text(default_model):
+    ckpt, model, _ = default_model
     ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": "Repeat after me: one two three, one two three."}])
     out = {}
     for spec in ("off", "ngram"):
-        eng = LLMEngine(EngineConfig(num_blocks=32, max_num_batched_tokens=32, max_num_seqs=4, speculative=spec),
-                        ckpt.config, model=model, ops=model.ops)
-        toks, fins = run(eng, {"g": ids}, P.SamplingParams(max_tokens=16, temperature=0.0))
+        toks, fins = run(default_engine(ckpt, model, speculative=spec), {"g": ids},
+                         P.SamplingParams(max_tokens=16, temperature=0.0))
         out[spec] = (ckpt.tokenizer.decode(toks["g"]), fins["g"].usage.accepted_draft_tokens)
     assert out["ngram"][0] == out["off"][0] == "One two three, one two three."
     assert out["off"][1] == 0 and out["ngram"][1] > 0  # the answer quotes the prompt: lookup drafts it
+
+
+def test_default_model_greedy_identical_at_batch_1_and_8(default_model, tmp_path):
+    """EAGLE-2 trees from an untrained head, and oracle trees whose accepted paths leave
+    the first branch, on the real model: the verify forward and KV moves keep every token."""
+    ckpt, model, prompts = default_model
+    sp = P.SamplingParams(max_tokens=12, temperature=0.0)
+    base, _ = run(default_engine(ckpt, model), prompts, sp)
+    head = str(save_head(random_head(model, draft_vocab=2048), tmp_path / "head"))
+    oracle = _Oracle([p + base[k] for k, p in prompts.items()], depth=4, vocab=model.cfg.vocab_size)
+    tree = default_engine(ckpt, model, speculative="eagle3", spec_head=head, spec_depth=3, spec_top_k=2,
+                          spec_budget=6)
+    assert run(tree, prompts, sp)[0] == base  # batch 8
+    assert run(default_engine(ckpt, model, speculative="eagle3", spec_head=head, spec_depth=3), {"p7": prompts["p7"]},
+               sp)[0]["p7"] == base["p7"]  # batch 1, a chain
+    for batch in (prompts, {"p7": prompts["p7"]}):
+        eng = default_engine(ckpt, model, speculative="ngram")
+        eng.speculator._specs = [None] + [oracle] * 8
+        toks, fins = run(eng, batch, sp)
+        assert toks == {k: base[k] for k in batch}
+        assert eng.stats.accepted > 0 and eng.stats.accepted == sum(f.usage.accepted_draft_tokens
+                                                                    for f in fins.values())
 
 
 def test_decodes_near_the_context_end_fall_back_to_plain():
@@ -288,6 +327,25 @@ def test_plain_decodes_of_a_speculating_engine_run_through_the_decode_graphs(hea
     assert eng.runner.graphs.aux_layers == eng.speculator.aux_layers
     toks, _ = run(eng, BATCH8, greedy())
     assert toks == baseline and calls and max(calls) > 2
+
+
+def test_sampled_drafts_are_reproducible_and_batch_independent(head_path, baseline):
+    """spec_sample: chains drawn from the head's q, verified by rejection sampling. Greedy
+    rows keep the plain tokens; sampled rows depend on (seed, position) only."""
+    def sp(k):
+        return P.SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=int(k[1:]), ignore_eos=True)
+
+    def sampled_engine():
+        return engine("eagle3-chain", head_path, spec_sample=True)
+
+    a, fins = run(sampled_engine(), BATCH8, sp)
+    assert run(sampled_engine(), BATCH8, sp)[0] == a and all(len(t) == 16 for t in a.values())
+    assert sum(f.usage.accepted_draft_tokens for f in fins.values()) > 0
+    alone, _ = run(sampled_engine(), {"s3": BATCH8["s3"], "s6": BATCH8["s6"]}, sp)
+    assert alone == {k: a[k] for k in ("s3", "s6")}
+    assert run(sampled_engine(), BATCH8, greedy())[0] == baseline
+    with pytest.raises(ValueError, match="spec_sample"):
+        engine("ngram", spec_sample=True)
 
 
 @pytest.mark.parametrize("spec", ["ngram", "eagle3-chain"])

@@ -2,21 +2,15 @@
 sampling on a synthetic target/draft pair (chi-square, fixed seeds), with the
 biased rules the test must catch."""
 
-import math
+import itertools
 import random
 
 import pytest
 import torch
 
 from speculative.drafting import DraftTree, chain
-from speculative.verify import (ACCEPT_STREAM, Verdict, accept_greedy, accept_sampling, gumbel_draw, hashed_uniforms,
-                                verify)
-
-
-def onehot_logits(argmaxes, vocab=10):
-    x = torch.zeros(len(argmaxes), vocab)
-    x[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
-    return x
+from speculative.verify import ACCEPT_STREAM, Verdict, accept_greedy, accept_sampling, gumbel_draw, hashed_uniforms
+from tests.speculative.util import chi_square_rejects
 
 
 def test_greedy_takes_the_longest_matching_path_whatever_its_branch():
@@ -34,18 +28,6 @@ def test_greedy_takes_the_longest_matching_path_whatever_its_branch():
     assert v.path == [0, 1, 4] and v.tokens == [3, 6, 8] and v.kv_moves(0) == [(4, 2)]
     v = accept_greedy(tree, [2, 0, 0, 0, 0, 0])  # nothing accepted: the bonus is the target's argmax
     assert v == Verdict([0], [2]) and v.kv_moves(5) == []
-
-
-def test_verify_packs_rows_per_tree_and_mixes_greedy_and_sampling():
-    t1, t2 = chain(1, [2, 3]), chain(4, [5])
-    logits = onehot_logits([2, 3, 9, 0, 0])  # t1 accepts both, bonus 9; t2 rejects 5, bonus 0
-    out = verify([t1, t2], logits, [0.0, 0.0], [0, 0], [1.0, 1.0], [0, 0], [10, 20])
-    assert [v.tokens for v in out] == [[2, 3, 9], [0]]
-    # With a peaked target, sampling agrees with greedy (p(argmax) ~ 1).
-    out = verify([t1, t2], logits * 10, [1.0, 0.5], [0, 0], [1.0, 1.0], [3, 4], [10, 20])
-    assert [v.tokens for v in out] == [[2, 3, 9], [0]]
-    with pytest.raises(AssertionError):
-        verify([t1], logits, [0.0], [0], [1.0], [0], [0])
 
 
 # -- losslessness -------------------------------------------------------------------------------
@@ -119,38 +101,28 @@ def no_residual(tree, seed, root):
     return Verdict(path, tokens + [int(bonus[0])])
 
 
-def emitted_counts(draft, rule, n_samples):
-    counts = torch.zeros(V**L)
+def emitted_counts(draft, rule, n_samples) -> dict:
+    """{tokens emitted after the root, first L: count} over n_samples seeds."""
+    counts: dict = {}
     for seed in range(n_samples):
         tokens = [ROOT]
         while len(tokens) < 1 + L:
             tree = draft(tokens, seed)
             tokens += rule(tree, seed, len(tokens) - 1).tokens
-        cell = 0
-        for t in tokens[1 : 1 + L]:
-            cell = cell * V + t
-        counts[cell] += 1
+        cell = tuple(tokens[1 : 1 + L])
+        counts[cell] = counts.get(cell, 0) + 1
     return counts
 
 
-def chi_square_rejects(counts) -> bool:
-    """Pearson's test of counts against the target's joint law at the 0.1 % level
-    (Wilson-Hilferty quantile of chi2)."""
-    expected = torch.ones(V**L)
-    for cell in range(V**L):
-        last, digits = ROOT, [(cell // V ** (L - 1 - i)) % V for i in range(L)]
-        for t in digits:
-            expected[cell] *= P[last, t]
-            last = t
-    expected *= counts.sum()
-    keep = expected >= 5  # pool the rare cells
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = len(obs) - 1
-    z = 3.09  # 0.999 quantile of N(0, 1)
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat > critical
+def target_law() -> dict:
+    """The target's joint law of L tokens after ROOT."""
+    law = {}
+    for cell in itertools.product(range(V), repeat=L):
+        p, last = 1.0, ROOT
+        for t in cell:
+            p, last = p * float(P[last, t]), t
+        law[cell] = p
+    return law
 
 
 N = 2000
@@ -158,12 +130,12 @@ N = 2000
 
 @pytest.mark.parametrize("draft", [sampled_chain, topk_tree])
 def test_rejection_sampling_is_lossless(draft):
-    assert not chi_square_rejects(emitted_counts(draft, lossless, N))
+    assert not chi_square_rejects(emitted_counts(draft, lossless, N), target_law())
 
 
 @pytest.mark.parametrize("rule", [always_accept, no_residual])
 def test_the_chi_square_check_catches_a_biased_rule(rule):
-    assert chi_square_rejects(emitted_counts(sampled_chain, rule, N))
+    assert chi_square_rejects(emitted_counts(sampled_chain, rule, N), target_law())
 
 
 def test_sampling_is_reproducible_and_uses_the_plain_samplers_stream_when_nothing_is_drafted():

@@ -1,7 +1,10 @@
 """Shared builders: a tiny random target (4 layers, so the head's three feature
-layers are distinct), a random EAGLE-3 head for it, and an oracle drafter."""
+layers are distinct), a random EAGLE-3 head for it, an oracle drafter, and the
+chi-square test the losslessness checks use."""
 
 from __future__ import annotations
+
+import math
 
 import kernels
 import torch
@@ -53,3 +56,22 @@ class OracleDrafter:
             parents += [node, node]
             node = len(toks) - 1 if d % 2 == 0 else len(toks) - 2
         return DraftTree(toks, parents)
+
+
+def chi_square_rejects(counts: dict, law: dict, z: float = 3.09) -> bool:
+    """Pearson's test of counts (cell -> n) against a law (cell -> probability) at the
+    0.1 % level (z: the normal quantile; Wilson-Hilferty approximation of chi2). Cells
+    expecting fewer than 5 are pooled; any count in a cell the law gives 0 rejects."""
+    n = sum(counts.values())
+    if any(law.get(cell, 0.0) == 0.0 for cell, k in counts.items() if k):
+        return True
+    kept = [cell for cell, p in law.items() if p * n >= 5]
+    obs = [counts.get(cell, 0) for cell in kept]
+    exp = [law[cell] * n for cell in kept]
+    if n - sum(exp) > 1e-6:  # the pooled rare cells
+        obs.append(n - sum(obs))
+        exp.append(n - sum(exp))
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    df = len(obs) - 1
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical

@@ -1,0 +1,75 @@
+"""One step as plain data: what the Runner computes, and what rank 0 broadcasts to
+tensor-parallel ranks.
+
+Row i of a plan computes num_tokens[i] tokens of one sequence whose first
+starts[i] tokens are in the KV cache. Rows come in this order:
+
+  * draft trees, rows [0, len(trees)): the row's tokens are a tree's nodes, root
+    first (the sequence's newest token); node j sits at position starts[i] +
+    depth(j), its KV at the slot of position starts[i] + j, and it attends to the
+    cached prefix and to its ancestors (trees[i] holds the parents, -1 for the
+    root). Every node gets logits: the target's next-token distribution after it;
+  * decodes, one token each, up to row num_decodes;
+  * extends: prefill chunks.
+
+Logits rows, in order: every tree node, then the last token of each row in
+sample_rows (then, for prompt logprobs, the tokens in extra_logits). sampling[r] says how logits row r is sampled: (temperature, top_k,
+top_p, seed, position of the sampled token); the randomness is a pure function of
+(seed, position), so every rank draws the same token from the same logits.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+Sampling = tuple[float, int, float, int, int]  # (temperature, top_k, top_p, seed, position)
+
+
+class StepPlan(msgspec.Struct, array_like=True):
+    input_ids: list[int]  # all rows' tokens, flattened
+    starts: list[int]
+    num_tokens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # non-tree rows whose last token's logits are sampled
+    num_decodes: int  # rows [0, num_decodes) compute one token each (tree rows excepted)
+    sampling: list[Sampling] = []  # per logits row
+    trees: list[list[int]] = []  # parents of the nodes of each tree row
+    extra_logits: list[int] = []  # flat token indices whose logits follow the sampled rows' (prompt logprobs)
+
+    @property
+    def num_logits(self) -> int:
+        return sum(len(t) for t in self.trees) + len(self.sample_rows)
+
+
+def sampling_of(seq, position: int) -> Sampling:
+    """How `seq`'s token at `position` is drawn."""
+    sp = seq.sampling
+    return (sp.temperature, sp.top_k, sp.top_p, seq.seed, position)
+
+
+def plan_step(batch, trees=()) -> StepPlan:
+    """The plan of a scheduled batch. trees[i] (a speculative.drafting.DraftTree) replaces
+    row i's one decode token by a draft tree rooted at that token."""
+    ids, starts, tables, sample_rows, sampling = [], [], [], [], []
+    num_tokens = list(batch.num_tokens)
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        start = seq.num_computed
+        starts.append(start)
+        tables.append(seq.block_table)
+        if i < len(trees):
+            tree = trees[i]
+            ids.extend(tree.tokens)
+            num_tokens[i] = len(tree)
+            sampling.extend(sampling_of(seq, start + 1 + d) for d in tree.depths)
+            continue
+        ids.extend(seq.token_ids[start : start + n])
+        if start + n == len(seq):
+            sample_rows.append(i)
+    sampling.extend(sampling_of(batch.seqs[i], len(batch.seqs[i])) for i in sample_rows)
+    return StepPlan(input_ids=ids, starts=starts, num_tokens=num_tokens, block_tables=tables, sample_rows=sample_rows,
+                    num_decodes=batch.num_decodes, sampling=sampling, trees=[list(t.parents) for t in trees])
+
+
+def slot(table: list[int], position: int, block_size: int) -> int:
+    """The KV pool slot of a sequence's token at `position`."""
+    return table[position // block_size] * block_size + position % block_size

@@ -1,0 +1,49 @@
+"""Tensor-parallel ranks 1..N-1 as processes: each builds its Runner (its shard of
+the weights, the KV layout rank 0 decides) and runs `Runner.loop()` until rank 0
+closes. Rank 0 is the engine process (`replica.engine_process.build_engine`).
+
+    python -m replica.worker --rank R --world N --init-method tcp://H:P --config JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import msgspec
+
+from replica.config import EngineConfig
+
+
+def spawn_workers(cfg: EngineConfig, init_method: str) -> list[subprocess.Popen]:
+    """Start ranks 1..tp-1 (rank 0 is the caller)."""
+    conf = msgspec.json.encode(cfg).decode()
+    return [subprocess.Popen([sys.executable, "-m", "replica.worker", "--rank", str(r), "--world", str(cfg.tp),
+                              "--init-method", init_method, "--config", conf]) for r in range(1, cfg.tp)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from replica import tp as TP
+    from replica.loader import load_model_for
+    from replica.runner import Runner
+
+    ap = argparse.ArgumentParser(description="one worker rank of a tensor-parallel engine")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--config", required=True, help="EngineConfig as JSON (this rank's: its own memory budget)")
+    args = ap.parse_args(argv)
+    cfg = msgspec.json.decode(args.config, type=EngineConfig)
+    if cfg.device.startswith("cuda"):
+        cfg.device = f"cuda:{args.rank}"
+    tp = TP.init(args.rank, args.world, args.init_method, cfg.device)
+    model_cfg, weights = load_model_for(cfg)
+    runner = Runner(cfg, model_cfg, weights, tp=tp)
+    del weights
+    runner.allocate_kv()
+    runner.loop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
