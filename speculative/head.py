@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica.config import ModelConfig
-from speculative.cache import head_dir  # noqa: F401 - re-exported: heads are filed by target name
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

@@ -3,9 +3,10 @@
     python -m speculative.train [--model default] [--out DIR]
 
 1. Data. The target answers the seed prompts (speculative/data/prompts.json,
-   "train"): all greedy, every third one again at temperature 0.7 (seeded).
-   Each forward of that generation records the three feature layers and the
-   final hidden state h_T of the tokens it processed; the target's output
+   "train") through the engine: all greedy, every third one again at
+   temperature 0.7 (seeded). An aux-feature hook on the engine records, for
+   every token the Runner processes, the three feature layers and the final
+   hidden state h_T; the target's output
    distribution over the draft vocabulary is softmax(h_T W_head[d2t]^T),
    recomputed exactly per batch, which keeps the data 8x smaller than storing
    it. Cached as data.pt with a key of what it was built from (target, prompts,
@@ -44,9 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from replica.config import EngineConfig
-from replica.model import Context, LlamaModel
-from speculative.head import Eagle3Head, HeadConfig, head_dir, save_head
-from speculative.pool import KVPool
+from replica.model import LlamaModel
+from speculative.cache import head_dir
+from speculative.head import Eagle3Head, HeadConfig, save_head
 
 PROMPTS = Path(__file__).parent / "data" / "prompts.json"
 DATA_FILE, STATE_FILE = "data.pt", "train_state.pt"
@@ -62,70 +63,74 @@ def load_prompts(split: str = "train", path: str | os.PathLike = PROMPTS) -> lis
 # -- 1. self-distillation data ----------------------------------------------------------------
 
 
-@torch.inference_mode()
+class FeatureRecorder:
+    """The engine's aux-feature hook during self-distillation: for every token the
+    target processes, per request, the aux features, the final hidden state and the
+    target's argmax (rows in position order; a recompute after preemption replaces
+    the rows from where it restarts)."""
+
+    keep_hidden = True
+
+    def __init__(self, aux_layers):
+        self.aux_layers = tuple(aux_layers)
+        self.runner = None  # the engine's Runner (its lm head gives the argmax)
+        self.rows: dict[str, dict[str, list[torch.Tensor]]] = {}
+
+    def feed(self, batch, out) -> None:
+        off = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            rec = self.rows.setdefault(seq.id, {"aux": [], "hidden": [], "top1": []})
+            if sum(len(x) for x in rec["aux"]) > seq.num_computed:  # recomputed after preemption
+                rec.update({k: [torch.cat(v)[: seq.num_computed]] for k, v in rec.items()})
+            r = slice(off, off + n)
+            rec["aux"].append(out.aux[r].half().cpu())
+            rec["hidden"].append(out.hidden[r].half().cpu())
+            rec["top1"].append(self.runner.compute_logits(out.hidden[r]).argmax(-1).int().cpu())
+            off += n
+
+    def take(self, req_id: str) -> dict[str, torch.Tensor]:
+        return {k: torch.cat(v) for k, v in self.rows.pop(req_id).items()}
+
+
 def self_distill(model: LlamaModel, prompts: list[list[int]], aux_layers, max_tokens: int, temperature: float,
                  seed: int, batch_size: int = 48, progress: bool = False) -> list[dict]:
-    """The target answers the prompts (batched decoding over a paged pool, the
-    engine's seeded sampler) and every forward records, per processed position,
-    the aux features, the final hidden state and the argmax. Per conversation:
-    {"ids": tokens the target processed, "n_prompt", "aux" (T, 3h) fp16,
-    "hidden" (T, h) fp16, "top1" (T,) int32} -- the last sampled token is never
-    processed; row T-1 holds the target's distribution for it."""
+    """The target answers the prompts: the engine (continuous batching, its seeded
+    sampler; request i has seed + i) runs it with a FeatureRecorder hooked to every
+    step. Per conversation: {"ids": tokens the target processed, "n_prompt", "aux"
+    (T, 3h) fp16, "hidden" (T, h) fp16, "top1" (T,) int32} -- the last sampled token
+    is never processed; row T-1 holds the target's distribution for it."""
     from tqdm import tqdm
 
-    cfg, ops, bs = model.cfg, model.ops, 16
-    dev = model.embed_tokens.weight.device
-    eos = set(cfg.eos_token_ids)
-    t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
+    from replica.engine import LLMEngine
+    from wire import protocol as P
+
+    bs = 16
+    blocks_per_seq = -(-(max(map(len, prompts)) + max_tokens) // bs)
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    cfg = EngineConfig(device=str(model.embed_tokens.weight.device), dtype=dtype, block_size=bs,
+                       num_blocks=batch_size * blocks_per_seq, max_num_seqs=batch_size,
+                       max_num_batched_tokens=max(2048, batch_size), graph_mode="off", overlap=False, seed=seed)
+    recorder = FeatureRecorder(aux_layers)
+    engine = LLMEngine(cfg, model.cfg, model=model, ops=model.ops, features=recorder)
+    recorder.runner = engine.runner
+    for i, p in enumerate(prompts):  # a salt each: no request skips computing a prefix another one computed
+        sp = P.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
+        assert engine.add(P.Generate(id=str(i), prompt_ids=p, sampling=sp, cache_salt=str(i))) is None
+    answers: dict[str, list[int]] = {}
+    out: dict[int, dict] = {}
     bar = tqdm(total=len(prompts), disable=not progress, desc=f"answers at T={temperature}", leave=False)
-    out = []
-    for b0 in range(0, len(prompts), batch_size):
-        batch = prompts[b0 : b0 + batch_size]
-        B = len(batch)
-        need = sum(-(-(len(p) + max_tokens) // bs) for p in batch)
-        pool = KVPool(need, bs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.embed_tokens.weight.dtype, dev)
-        toks = [list(p) for p in batch]
-        rec = [{"aux": [], "hidden": [], "top1": []} for _ in batch]
-        seeds = t([seed + b0 + i for i in range(B)])
-        active = list(range(B))
-        while active:
-            first = not rec[0]["aux"]
-            rows, ids, pos, slots, cu = [], [], [], [], [0]
-            for i in active:
-                start = 0 if first else len(toks[i]) - 1
-                pool.reserve(i, len(toks[i]))
-                ids += toks[i][start:]
-                pos += range(start, len(toks[i]))
-                slots += pool.slots(i, range(start, len(toks[i])))
-                cu.append(len(ids))
-            tables = pool.block_tables(active)
-            lens = t([len(toks[i]) for i in active], torch.int32)
-            if first:  # prefill
-                ctx = Context(t(slots), 0, None, None, tables, t(cu, torch.int32), lens)
-            else:
-                ctx = Context(t(slots), len(active), tables, lens, None, None, None)
-            hidden, aux = model(t(ids), t(pos), ctx, pool.kv_cache, aux_layers)
-            aux = torch.cat(aux, -1)
-            logits = model.compute_logits(hidden).float()
-            last = t(cu[1:]) - 1
-            n = len(active)
-            nxt = ops.sample(logits[last], t([temperature] * n, torch.float32), t([0] * n, torch.int32),
-                             t([1.0] * n, torch.float32), seeds[t(active)], t([len(toks[i]) for i in active])).tolist()
-            top1 = logits.argmax(-1).int()
-            for j, i in enumerate(active):
-                r = slice(cu[j], cu[j + 1])
-                rec[i]["aux"].append(aux[r].half().cpu())
-                rec[i]["hidden"].append(hidden[r].half().cpu())
-                rec[i]["top1"].append(top1[r].cpu())
-                toks[i].append(nxt[j])
-            done = [i for i in active if toks[i][-1] in eos or len(toks[i]) - len(batch[i]) >= max_tokens]
-            active = [i for i in active if i not in done]
-            bar.update(len(done))
-        for i, p in enumerate(batch):
-            out.append({"ids": torch.tensor(toks[i][:-1], dtype=torch.int32), "n_prompt": len(p),
-                        **{k: torch.cat(v) for k, v in rec[i].items()}})
+    while engine.has_work():
+        for m in engine.step():
+            answers.setdefault(m.id, []).extend(m.ids)
+            if isinstance(m, P.Finished):
+                i = int(m.id)
+                ids = prompts[i] + answers.pop(m.id)
+                rec = recorder.take(m.id)
+                assert len(rec["aux"]) == len(ids) - 1, "a feature row per processed token"
+                out[i] = {"ids": torch.tensor(ids[:-1], dtype=torch.int32), "n_prompt": len(prompts[i]), **rec}
+                bar.update(1)
     bar.close()
-    return out
+    return [out[i] for i in range(len(prompts))]
 
 
 def build_data(model: LlamaModel, tokenizer, prompts: list[str], aux_layers, max_tokens: int,

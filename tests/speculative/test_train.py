@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 
-from wire.protocol import SamplingParams
-from speculative.decode import SpeculativeGenerator
+from replica.config import EngineConfig
+from replica.engine import LLMEngine
+from wire import protocol as P
+from speculative.cache import head_dir
 from speculative.drafting import Drafter, TreeSpec
-from speculative.head import HeadConfig, aux_layers_for, head_dir, load_head, save_head
-from speculative.pool import KVPool
+from speculative.head import HeadConfig, aux_layers_for, load_head, save_head
 from speculative.train import (DATA_FILE, STATE_FILE, batches, data_key, draft_vocab, init_head, load_data,
                                load_prompts, self_distill, train, ttt_unroll)
 from tests.speculative.util import random_head, tiny_target
@@ -27,11 +28,17 @@ def data():
 
 
 def test_self_distillation_records_what_the_target_computes(data):
-    """Answers are the plain loop's greedy tokens; recorded features are those of a fresh forward."""
+    """Answers are the engine's greedy tokens; recorded features are those of a fresh forward."""
     model, d = data
     prompts = [ids[:n].tolist() for ids, n in zip(d["ids"], d["n_prompt"])]
-    answers, _ = SpeculativeGenerator(model, num_blocks=64).generate(
-        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    engine = LLMEngine(EngineConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32), model.cfg,
+                       model=model, ops=model.ops)
+    for i, p in enumerate(prompts):
+        engine.add(P.Generate(id=str(i), prompt_ids=p, sampling=P.SamplingParams(max_tokens=24, temperature=0.0)))
+    answers = [[] for _ in prompts]
+    while engine.has_work():
+        for m in engine.step():
+            answers[int(m.id)].extend(m.ids)
     for i, (ids, a) in enumerate(zip(d["ids"], answers)):
         assert ids.tolist() + [int(d["top1"][i][-1])] == prompts[i] + a  # the last token is never processed
         assert d["aux"][i].shape == (len(ids), 3 * model.cfg.hidden_size) and d["hidden"][i].shape == (len(ids), 48)
@@ -48,19 +55,18 @@ def test_ttt_unroll_matches_chain_drafting(data):
     ids, n = d["ids"][0].long(), 9
     aux = d["aux"][0].float()
     steps = list(ttt_unroll(head, ids[None], aux[None], model.cos_sin, 3))
-    drafter = Drafter(head, model.cos_sin, 8, 16, model.ops)
-    pool = KVPool(8, 16, 4, 2, 8)
-    pool.reserve(0, len(ids))
+    drafter = Drafter(head, model.cos_sin, torch.zeros(2, 8, 16, *head.kv_shape()), model.ops)
+    tables = torch.arange(8, dtype=torch.int32)[None]  # blocks 0..7 in order
     st = drafter.new_state()
     st.add_features(aux[: n - 1])
     tokens = ids[:n].tolist()
     with torch.inference_mode():
-        o, logits = drafter._commit([tokens], [st], pool.block_tables([0]))
+        o, logits = drafter._commit([tokens], [st], tables)
         torch.testing.assert_close(logits[0], steps[0][0, n - 1], rtol=1e-4, atol=1e-4)
         anc = torch.ones(1, 3, 3, dtype=torch.bool).tril()
         g = o[:, None]
         for k in (1, 2):  # draft the true next token x_{n-1+k} at depth k
-            g = drafter._step(ids[n - 1 + k].view(1, 1), g, torch.tensor([n]), k, k - 1, anc, pool.block_tables([0]))
+            g = drafter._step(ids[n - 1 + k].view(1, 1), g, torch.tensor([n]), k, k - 1, anc, tables)
             torch.testing.assert_close(head.logits(g[:, 0])[0], steps[k][0, n - 1], rtol=1e-4, atol=1e-4)
 
 
