@@ -204,7 +204,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, sca
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         stride_mask, b, (b - 1).bit_length(),
         G=h // hkv, D=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
-        TREE=tree_mask is not None, TREE_LENS=tree_lens is not None, DOT_DTYPE=dot_dtype(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        TREE=tree_mask is not None, TREE_LENS=tree_lens is not None, DOT_DTYPE=dot_dtype(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

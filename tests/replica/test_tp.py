@@ -1,5 +1,7 @@
-"""Tensor parallelism on CPU (gloo): 2 ranks give the same logits and tokens as 1."""
+"""Tensor parallelism on CPU (gloo): 2 ranks give the same logits and tokens as 1,
+and agree on the KV layout when rank 1's memory holds fewer blocks than rank 0's."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,21 +22,24 @@ TINY_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_
            "tie_word_embeddings": False, "eos_token_id": 0, "bos_token_id": 1}
 
 
-def run_workload(engine):
-    """Greedy and seeded requests with chunked prefill; {id: [logits rows]} and tokens."""
+def run_workload(engine, rounds: int = 1):
+    """Rounds of greedy and seeded requests with chunked prefill, one round after the
+    other (finished prompts stay cached, so later rounds take fresh blocks while there
+    are any); {id: [logits rows]} and tokens."""
     sp = [P.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
           P.SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)]
-    for i in range(4):
-        engine.add(P.Generate(id=f"r{i}", prompt_ids=[(5 * i + j) % 120 + 2 for j in range(10 + 9 * i)],
-                              sampling=sp[i % 2]))
     logits, tokens = {}, {}
-    while engine.has_work():
-        res = engine.step(return_logits=True)
-        out, lg = res if isinstance(res, tuple) else (res, {})  # with overlap: tokens only
-        for k, v in lg.items():
-            logits.setdefault(k, []).append(v.clone())
-        for m in out:
-            tokens.setdefault(m.id, []).extend(m.ids)
+    for r in range(rounds):
+        for i in range(4):
+            ids = [(5 * i + 7 * r + j) % 120 + 2 for j in range(10 + 9 * i)]
+            engine.add(P.Generate(id=f"r{r}-{i}", prompt_ids=ids, sampling=sp[i % 2]))
+        while engine.has_work():
+            res = engine.step(return_logits=True)
+            out, lg = res if isinstance(res, tuple) else (res, {})  # with overlap: tokens only
+            for k, v in lg.items():
+                logits.setdefault(k, []).append(v.clone())
+            for m in out:
+                tokens.setdefault(m.id, []).extend(m.ids)
     return {"logits": {k: torch.stack(v) for k, v in logits.items()}, "tokens": tokens}
 
 
@@ -72,3 +77,24 @@ def test_two_ranks_match_one_rank(tmp_path, overlap):
         return  # no logits from an overlapped step
     for k, v in one["logits"].items():
         assert torch.allclose(two["logits"][k], v, atol=1e-5), k
+
+
+@pytest.mark.timeout(240)
+def test_ranks_agree_on_the_kv_layout_rank_1_affords(tmp_path):
+    """Rank 1's budget holds 12 blocks, rank 0's 200: rank 0 decides 12 for both. Three
+    rounds touch more than 12 distinct blocks (finished prompts stay cached), so a rank 0
+    sizing its pool alone would hand rank 1 block ids it does not have."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF))
+    per_block = 2 * 2 * 16 * 16 * 4  # per rank: 2 layers x {k, v} x 16 slots x (1 KV head x 16) x fp32
+    cfg = EngineConfig(model=str(tmp_path), random_weights=True, num_blocks=12, max_num_batched_tokens=16,
+                       max_num_seqs=4, cpu_threads=1)
+    one = run_workload(build_engine(cfg), rounds=3)
+    cfg.num_blocks, cfg.tp, cfg.kv_memory_bytes = 0, 2, 200 * per_block
+    worker = dataclasses.replace(cfg, kv_memory_bytes=12 * per_block)
+    out = tmp_path / "tp2.pt"
+    subprocess.run([sys.executable, "-m", "tests.replica.tp_job", "--config", msgspec.json.encode(cfg).decode(),
+                    "--worker-config", msgspec.json.encode(worker).decode(), "--rounds", "3", "--out", str(out)],
+                   check=True, timeout=200)
+    two = torch.load(out)
+    assert two["num_blocks"] == 12
+    assert two["tokens"] == one["tokens"] and len(one["tokens"]) == 12
