@@ -1,25 +1,29 @@
-"""Speculative decoding on the default model with its trained EAGLE-3 head.
+"""Speculative decoding on the default model with its trained EAGLE-3 head, measured
+on the engine that serves it (continuous batching, the real step).
 
     python bench/speculative.py [--device cpu|cuda] [--head DIR] [--new-tokens 64]
 
 On the held-out prompts of speculative/data/prompts.json (never trained on):
-  1. mean acceptance length tau (tokens per sequence per target forward) for
-     chains of 3/5/7 and EAGLE-2 trees of 16/32/64 draft tokens, greedy and at
-     temperature 0.7 (trees verify with rejection sampling, chains draw their
-     drafts from the head and verify with min(1, p/q)), plus the n-gram drafter;
+  1. mean acceptance length tau (tokens per decoding sequence per target forward)
+     for chains of 3/5/7 and EAGLE-2 trees of 16/32/64 draft tokens, greedy and at
+     temperature 0.7 (chains then draw their drafts from the head and are verified
+     by rejection sampling, spec_sample; trees stay top-k), plus the n-gram drafter;
   2. decode tokens/s with and without speculation at batch 1, 4 and 16, and the
-     speculation policy they imply (speculative.policy: the fastest
-     configuration per batch size; --write-policy saves it beside the head);
+     speculation policy they imply (speculative.policy: the fastest configuration
+     per batch size; --write-policy saves it beside the head, where `--speculative
+     auto` serves it from);
   3. why: the target's matrix multiplies at 1, 4, 16 and 33 rows (a decode
      step, chain 3, tree 16, tree 32 at batch 1), time and weight GB/s -- a
      verify forward is cheap only where several rows cost about what one does.
-Runs speculative.decode (the standalone loop), same model code either way.
+Each configuration is an LLMEngine over one shared copy of the model, its draft
+shape fixed by a one-rule policy (the mechanism `--speculative auto` uses).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,15 +33,16 @@ import torch  # noqa: E402
 
 import kernels  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
+from replica.engine import LLMEngine  # noqa: E402
 from replica.loader import load_checkpoint  # noqa: E402
-from wire.protocol import SamplingParams  # noqa: E402
+from replica.offline import generate  # noqa: E402
 from replica.runner import build_model  # noqa: E402
-from speculative.decode import SpeculativeGenerator  # noqa: E402
+from speculative.cache import head_dir  # noqa: E402
 from speculative.drafting import TreeSpec  # noqa: E402
-from speculative.head import head_dir, load_head  # noqa: E402
 from speculative.ngram import NgramDrafter  # noqa: E402
 from speculative.policy import SpecPolicy  # noqa: E402
 from speculative.train import load_prompts  # noqa: E402
+from wire.protocol import SamplingParams  # noqa: E402
 
 # EAGLE-2-style shapes per token budget: (depth, top_k).
 TREES = {16: (5, 4), 32: (6, 6), 64: (7, 8)}
@@ -50,9 +55,30 @@ def specs():
     return out
 
 
-def sampled(spec):
-    """At temperature > 0 chains draw their drafts from q; trees stay top-k."""
-    return TreeSpec.chain(spec.depth, sample=True) if isinstance(spec, TreeSpec) and spec.top_k == 1 else spec
+class Engines:
+    """LLMEngines over one copy of the model, one draft shape each."""
+
+    def __init__(self, ck, model, head: Path, dev: str, dtype: str, new_tokens: int):
+        self.ck, self.model, self.head, self.dev, self.dtype = ck, model, head, dev, dtype
+        self.new_tokens = new_tokens
+        self.policies = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+
+    def __call__(self, spec, batch: int, max_prompt: int, sample: bool = False) -> LLMEngine:
+        """An engine for `batch` sequences decoding with `spec` (None: plainly) at every batch size."""
+        draft = 0 if spec is None else spec.budget if isinstance(spec, TreeSpec) else spec.k
+        kw = dict(speculative="off")
+        if isinstance(spec, NgramDrafter):
+            kw = dict(speculative="ngram", spec_depth=spec.k, spec_max_batch=1 << 20)  # no taper
+        elif spec is not None:
+            folder = self.policies / f"{spec.depth}-{spec.top_k}-{spec.budget}"
+            folder.mkdir(exist_ok=True)
+            SpecPolicy(((1, spec),), torch.device(self.dev).type).save(folder)
+            kw = dict(speculative="eagle3", spec_head=str(self.head), spec_policy=str(folder), spec_sample=sample,
+                      spec_top_k=spec.top_k)
+        blocks = batch * -(-(max_prompt + self.new_tokens + draft + 1) // 16)
+        cfg = EngineConfig(device=self.dev, dtype=self.dtype, num_blocks=blocks, max_num_seqs=batch, max_model_len=2048,
+                           max_num_batched_tokens=max(512, batch * (1 + draft)), **kw)
+        return LLMEngine(cfg, self.ck.config, model=self.model, ops=self.model.ops)
 
 
 def gemm_table(model, dev: str, rows=(1, 4, 16, 33), reps: int = 20) -> None:
@@ -84,7 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--head", help="head folder (default: speculative.head.head_dir(model))")
+    ap.add_argument("--head", help="head folder (default: speculative.cache.head_dir(model))")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--min-seqs", type=int, default=8, help="sequences timed per batch size (at least)")
@@ -102,16 +128,16 @@ def main() -> None:
     dev = args.device
     dtype = "bfloat16" if dev.startswith("cuda") else "float32"
     ck = load_checkpoint(args.model)
-    ops = kernels.ops(torch.device(dev).type)
-    model = build_model(ck.config, EngineConfig(device=dev, dtype=dtype), ck.weights, ops, 2048)
+    model = build_model(ck.config, EngineConfig(device=dev, dtype=dtype), ck.weights,
+                        kernels.ops(torch.device(dev).type), 2048)
     path = Path(args.head) if args.head else head_dir(ck.config.name)
-    head = load_head(path, ck.config, model.embed_tokens.weight)
     texts = load_prompts(args.split)[: args.limit or None]
     prompts = [ck.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
-    gen = SpeculativeGenerator(model, head, num_blocks=1536)
+    longest = max(map(len, prompts))
+    engines = Engines(ck, model, path, dev, dtype, args.new_tokens)
     name = torch.cuda.get_device_name() if dev.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"# {ck.config.name} on {name}, {dtype}; head {path}; {len(prompts)} {args.split} prompts, "
-          f"{args.new_tokens} new tokens")
+          f"{args.new_tokens} new tokens; the engine (continuous batching)")
     wanted = [s.strip() for s in args.tau_specs.split(",") if s.strip()]
 
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -121,10 +147,11 @@ def main() -> None:
         for label, spec in specs().items():
             if wanted and label not in wanted:
                 continue
-            _, g = gen.generate(prompts, greedy, spec)
+            g = generate(engines(spec, len(prompts), longest), prompts, greedy).stats
             seeded = [SamplingParams(max_tokens=args.new_tokens, temperature=0.7, seed=i, ignore_eos=True)
                       for i in range(len(prompts))]
-            _, s = gen.generate(prompts, seeded, sampled(spec))
+            chain = isinstance(spec, TreeSpec) and spec.top_k == 1
+            s = generate(engines(spec, len(prompts), longest, sample=chain), prompts, seeded).stats
             n = spec.budget if isinstance(spec, TreeSpec) else spec.k
             print(f"| {label} | {n} | {g.tau:.2f} | {s.tau:.2f} | {g.accepted / max(1, g.drafted):.1%} |",
                   flush=True)
@@ -148,18 +175,16 @@ def main() -> None:
             # another), so one prompt's easy or hard text does not decide the figure.
             groups = [[prompts[(g * b + i) % len(prompts)] for i in range(b)]
                       for g in range(max(1, -(-args.min_seqs // b)))]
-            gen.generate(groups[0][:1], SamplingParams(max_tokens=4, temperature=0.0), spec)  # warm-up
-            if dev.startswith("cuda"):
-                torch.cuda.synchronize()
-            made, secs, fwd, emitted = 0, 0.0, 0, 0
+            engine = engines(spec, b, longest)
+            generate(engine, groups[0][:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+            made, secs, rows, emitted = 0, 0.0, 0, 0
             for batch in groups:
-                _, st = gen.generate(batch, greedy, spec)
-                made += st.generated - b  # tokens after the first, which prefill makes
-                secs += st.decode_s
-                fwd, emitted = fwd + st.seq_rounds, emitted + st.emitted
+                run = generate(engine, batch, greedy)
+                made, secs = made + run.decode_tokens, secs + run.decode_s
+                rows, emitted = rows + run.stats.decode_rows, emitted + run.stats.decode_tokens
             rate = made / secs
             rates[b][spec] = rate
-            row.append(f"{rate:.1f}" + (f" (tau {emitted / max(1, fwd):.2f})" if spec is not None else ""))
+            row.append(f"{rate:.1f}" + (f" (tau {emitted / max(1, rows):.2f})" if spec is not None else ""))
         print(f"| {label} | " + " | ".join(row) + " |", flush=True)
     policy = SpecPolicy.from_rates(rates, torch.device(dev).type, name)
     names = {id(s): lab for lab, s in zip(labels, speed)}
