@@ -1,10 +1,14 @@
-"""EAGLE-3 speculative decoding for the replica.
+"""EAGLE-3 speculative decoding for the replica: drafts and acceptance rules. It never
+runs the target: the engine's Speculator (replica/speculation.py) calls it, the
+Runner verifies.
 
 head.py      the draft head (fc over three target layers, one decoder layer, reduced vocabulary), files
-drafting.py  HeadState (the head's paged KV, committed vs draft), Drafter: chains and EAGLE-2 trees
+drafting.py  HeadState (the head's KV layer in the target's pool, committed vs draft), Drafter: chains and
+             EAGLE-2 trees
 verify.py    greedy acceptance and lossless multi-round rejection sampling; KV moves of the kept path
 ngram.py     prompt-lookup drafter
-decode.py    the standalone speculative loop over the target and a paged pool; the engine's reference
-pool.py      the paged KV pool that loop uses
-train.py     `python -m speculative.train`: self-distillation data, training-time test, checkpoints
+policy.py    the measured draft shape per batch size
+cache.py     where heads live
+train.py     `python -m speculative.train`: self-distillation data (the engine with a feature hook),
+             training-time test, checkpoints
 """
