@@ -33,7 +33,6 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.stored: list[int] = []  # KV events since the last drain
         self.removed: list[int] = []
-        self.prefix_hit_tokens = 0  # lifetime counter
 
     # -- capacity ---------------------------------------------------------------
     @property
@@ -83,7 +82,6 @@ class BlockManager:
             seq.block_table.append(b)
             seq.block_hashes.append(h)
         seq.num_computed = len(seq.block_table) * bs
-        self.prefix_hit_tokens += seq.num_computed
         return seq.num_computed
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -16,13 +16,8 @@ from wire import protocol as P
 class Generation:
     outputs: list[list[int]]  # generated ids per prompt
     stats: EngineStats  # the engine's counters over this run
-    prefill_s: float  # until every request had its first token
-    decode_s: float  # the rest
-    decode_tokens: int  # tokens emitted after that point
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / max(1e-9, self.decode_s)
+    decode_s: float  # from the moment every request had its first token to the end
+    decode_tokens: int  # tokens emitted in that time
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], sampling: P.SamplingParams | list[P.SamplingParams],
@@ -37,7 +32,6 @@ def generate(engine: LLMEngine, prompts: list[list[int]], sampling: P.SamplingPa
             raise ValueError(f"request {rid} rejected: {err.message}")
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     waiting_first = set(ids)
-    t0 = time.perf_counter()
     t_decode, decode_tokens = None, 0
     while engine.has_work():
         msgs = engine.step()
@@ -53,4 +47,4 @@ def generate(engine: LLMEngine, prompts: list[list[int]], sampling: P.SamplingPa
     t_decode = t_decode if t_decode is not None else t1
     stats = EngineStats(**{f.name: getattr(engine.stats, f.name) - getattr(before, f.name)
                            for f in dataclasses.fields(EngineStats)})
-    return Generation([out[rid] for rid in ids], stats, t_decode - t0, t1 - t_decode, decode_tokens)
+    return Generation([out[rid] for rid in ids], stats, t1 - t_decode, decode_tokens)

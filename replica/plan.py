@@ -36,10 +36,6 @@ class StepPlan(msgspec.Struct, array_like=True):
     trees: list[list[int]] = []  # parents of the nodes of each tree row
     extra_logits: list[int] = []  # flat token indices whose logits follow the sampled rows' (prompt logprobs)
 
-    @property
-    def num_logits(self) -> int:
-        return sum(len(t) for t in self.trees) + len(self.sample_rows)
-
 
 def sampling_of(seq, position: int) -> Sampling:
     """How `seq`'s token at `position` is drawn."""

@@ -46,8 +46,8 @@ class KvLayout(msgspec.Struct, array_like=True):
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # (plan.num_logits, V) fp32: every tree node, then the sampled rows
-    tokens: torch.Tensor  # (plan.num_logits,) the token sampled from each logits row, on the device
+    logits: torch.Tensor  # (R, V) fp32, R logits rows: every tree node, then the sample rows' last tokens
+    tokens: torch.Tensor  # (R,) the token sampled from each logits row (plan.sampling), on the device
     aux: torch.Tensor | None = None  # (T, 3h): residual streams after the aux layers, every token of the step
     hidden: torch.Tensor | None = None  # (T, h): final hidden states, every token (keep_hidden only)
     logprobs: sampling.StepLogprobs | None = None  # the sample rows that ask for them

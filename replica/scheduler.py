@@ -92,7 +92,6 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.setdefault(seq.priority, deque()).appendleft(seq)
 

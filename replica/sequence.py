@@ -25,8 +25,8 @@ class Sequence:
     __slots__ = (
         "id", "token_ids", "num_prompt_tokens", "sampling", "priority", "cache_salt",
         "seed", "arrival", "status", "block_table", "block_hashes",
-        "num_computed", "num_cached_prompt", "first_token_time", "finish_reason",
-        "eos_ids", "num_preemptions", "num_unresolved", "draft_state", "num_accepted_drafts", "logprob_state",
+        "num_computed", "num_cached_prompt", "first_token_time",
+        "eos_ids", "num_unresolved", "draft_state", "num_accepted_drafts", "logprob_state",
     )
 
     def __init__(self, id: str, prompt_ids: list[int], sampling: SamplingParams, *,
@@ -46,9 +46,7 @@ class Sequence:
         self.num_computed = 0
         self.num_cached_prompt = -1  # prefix-cache hit tokens at first admission (-1: not yet)
         self.first_token_time = 0.0
-        self.finish_reason = ""
         self.eos_ids = eos_ids if not sampling.ignore_eos else frozenset()
-        self.num_preemptions = 0
         self.num_unresolved = 0  # overlap scheduling: placeholder tokens not yet read back
         self.draft_state = None  # EAGLE-3: the head's view of this sequence (speculative.drafting.HeadState)
         self.num_accepted_drafts = 0  # draft tokens accepted and emitted (usage)
