@@ -82,12 +82,15 @@ class LLMEngine:
         if kind != "off":
             from replica.speculation import Speculator
 
+            if features is not None:
+                raise ValueError("a feature hook records plain decoding: build the engine with speculative='off'")
+            # The head (if any) is the feature hook: it sees every token the target computes.
             self.speculator = features = Speculator(cfg, model_cfg, self.runner.model.embed_tokens.weight,
                                                     self.runner.ops)
         self.features = features
         layout = self.runner.allocate_kv(aux_layers=features.aux_layers if features is not None else (),
-                                         draft_kv=self.speculator.kv_shape if self.speculator is not None else None,
-                                         keep_hidden=features is not None and features.keep_hidden)
+                                         keep_hidden=features is not None and features.keep_hidden,
+                                         draft_kv=self.speculator.kv_shape if self.speculator is not None else None)
         if self.speculator is not None and self.speculator.kv_shape is not None:
             self.speculator.bind_kv(self.runner.draft_kv, self.runner.model.cos_sin)
         self.max_model_len = self.runner.max_model_len

@@ -211,24 +211,19 @@ class Speculator:
         num_computed, token ids and blocks are left to the engine."""
         S, seqs = len(trees), batch.seqs
         cu = [0]
-        for i, n in enumerate(plan.num_tokens):
+        for n in plan.num_tokens:
             cu.append(cu[-1] + n)
         tokens = out.tokens.tolist()
-        # Sampled drafts are verified by rejection sampling against the target's sampling
-        # distributions p at their nodes (one probs_ref call for all of them).
-        sampled = {i for i, t in enumerate(trees) if t.q is not None and seqs[i].sampling.temperature > 0}
-        if sampled:
-            rows = [r for i in sorted(sampled) for r in range(cu[i], cu[i + 1])]
-            dev = out.logits.device
-            temp, top_k, top_p = (torch.tensor(x, device=dev) for x in list(zip(*(plan.sampling[r] for r in rows)))[:3])
-            p = probs_ref(out.logits[torch.tensor(rows, device=dev)], temp, top_k, top_p)
+        # Sampled drafts: rejection sampling against the target's sampling distribution p
+        # at each node (one probs_ref call for all of them); the others: the sampler's token.
+        sampled = [i for i, t in enumerate(trees) if t.q is not None and seqs[i].sampling.temperature > 0]
+        p = self._target_probs(out.logits, plan, [r for i in sampled for r in range(cu[i], cu[i + 1])])
         verdicts: list[Verdict] = []
-        off = 0
         for i, tree in enumerate(trees):
-            seq = seqs[i]
-            if i in sampled:
-                verdicts.append(accept_sampling(tree, p[off : off + len(tree)], seq.seed, seq.num_computed))
-                off += len(tree)
+            if sampled and sampled[0] == i:
+                sampled.pop(0)
+                verdicts.append(accept_sampling(tree, p[: len(tree)], seqs[i].seed, seqs[i].num_computed))
+                p = p[len(tree) :]
             else:
                 verdicts.append(accept_greedy(tree, tokens[cu[i] : cu[i + 1]]))
 
@@ -250,3 +245,12 @@ class Speculator:
         for i, tok in zip(plan.sample_rows, tokens[cu[S]:]):
             results[i] = ([tok], 0)
         return results, src, dst
+
+    @staticmethod
+    def _target_probs(logits: torch.Tensor, plan: StepPlan, rows: list[int]) -> torch.Tensor | None:
+        """(len(rows), V): the distributions the sampler draws logits rows `rows` from."""
+        if not rows:
+            return None
+        params = list(zip(*(plan.sampling[r] for r in rows)))  # (temperatures, top_ks, top_ps, seeds, positions)
+        temp, top_k, top_p = (torch.tensor(x, device=logits.device) for x in params[:3])
+        return probs_ref(logits[torch.tensor(rows, device=logits.device)], temp, top_k, top_p)
