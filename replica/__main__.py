@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-policy", default="auto",
                     help="draft shape per batch size: auto (policy.json beside the head when measured on this "
                          "device type by bench/speculative.py --write-policy, else the taper), taper, or a folder")
+    ap.add_argument("--spec-sample", action="store_true",
+                    help="EAGLE-3 chains draw their drafts from the head at the request's temperature, verified by "
+                         "rejection sampling (lossless; seeded outputs then differ from non-speculative ones)")
     ap.add_argument("--random-weights", action="store_true", help="random weights of the model's shape (timing)")
     ap.add_argument("--secret-env", default="EDGECHAT_REPLICA_SECRET",
                     help="env var holding the shared secret proxies must present (unset: no auth)")
@@ -69,7 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode,
                         speculative=args.speculative, spec_head=args.spec_head, spec_depth=args.spec_depth,
                         spec_top_k=args.spec_top_k, spec_budget=args.spec_budget, spec_max_batch=args.spec_max_batch,
-                        spec_policy=args.spec_policy)
+                        spec_policy=args.spec_policy, spec_sample=args.spec_sample)
 
 
 def main(argv: list[str] | None = None) -> None:
