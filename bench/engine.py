@@ -85,34 +85,48 @@ def host_overhead(device: str) -> None:
         print(f"| {batch} | {row[0]:.3f} | {row[1]:.3f} |")
 
 
-def model_speed(device: str, dtype: str) -> None:
-    ckpt = load_checkpoint("default", dtype=getattr(torch, dtype))
-    print(f"\n## Default model decode ({ckpt.config.name}, {device}/{dtype}, prompt 128 tokens)\n")
-    print("| batch | ms/step | ms/token | tokens/s |")
-    print("|---:|---:|---:|---:|")
-    engine = LLMEngine(EngineConfig(device=device, dtype=dtype, num_blocks=1024, max_num_seqs=64,
-                                    max_num_batched_tokens=2048), ckpt.config, ckpt.weights)
-    for batch in (1, 16):
-        decode_steps(engine, batch, prompt_len=128, steps=4, temperature=0.0)  # warm-up
-        t = decode_steps(engine, batch, prompt_len=128, steps=48, temperature=0.0)
-        step = statistics.median(t)
-        print(f"| {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | {batch / step:.1f} |")
+def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16)) -> None:
+    """One row per (variant, batch); a variant is "dtype/quantization", e.g. bfloat16/gguf."""
+    ckpt = load_checkpoint("default", dtype=torch.float32)
+    print(f"\n## Default model decode ({ckpt.config.name}, {device}, {torch.get_num_threads()} threads, "
+          "prompt 128 tokens)\n")
+    print("| dtype / quantization | batch | ms/step | ms/token | tokens/s |")
+    print("|---|---:|---:|---:|---:|")
+    for variant in variants:
+        dtype, _, quant = variant.partition("/")
+        cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=1024,
+                           max_num_seqs=64, max_num_batched_tokens=2048)
+        weights = ckpt.weights if cfg.quantization != "none" else \
+            {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
+        engine = LLMEngine(cfg, ckpt.config, weights)
+        for batch in batches:
+            decode_steps(engine, batch, prompt_len=128, steps=4, temperature=0.0)  # warm-up
+            t = decode_steps(engine, batch, prompt_len=128, steps=48, temperature=0.0)
+            step = statistics.median(t)
+            print(f"| {variant} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | {batch / step:.1f} |",
+                  flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", action="store_true", help="host overhead table only")
+    ap.add_argument("--model-only", action="store_true", help="default-model table only")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="dtype/quantization pairs to time, e.g. float32/none bfloat16/gguf (default: the "
+                         "device's default dtype, unquantized)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="torch threads (default: what the engine process uses, cores - 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
-    host_overhead(args.device)
+    if not args.model_only:
+        host_overhead(args.device)
     if not args.host:
-        model_speed(args.device, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+        model_speed(args.device, args.variants or ["bfloat16" if args.device == "cuda" else "float32"],
+                    tuple(args.batches))
 
 
 if __name__ == "__main__":

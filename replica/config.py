@@ -67,6 +67,7 @@ class EngineConfig:
     model: str = "default"  # "default" | GGUF path | HF folder | hub id
     device: str = "cpu"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    quantization: str = "none"  # "none" | "int8" | "int4" | "gguf" (weight-only, CPU; see replica.quant)
     block_size: int = 16
     kv_memory_bytes: int = 0  # KV pool budget; 0 -> 1 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = 0.85  # fraction of the GPU this replica may fill (weights + KV + graphs)
@@ -101,6 +102,11 @@ class EngineConfig:
             raise ValueError(f"graph_mode must be auto, off or buffers, got {self.graph_mode!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("none", "int8", "int4", "gguf"):
+            raise ValueError(f"quantization must be none, int8, int4 or gguf, got {self.quantization!r}")
+        if self.quantization != "none" and (self.device != "cpu" or self.tp > 1):
+            raise ValueError("weight-only quantization runs on CPU with tp=1 (its kernels are torch's CPU ones); "
+                             "use --quantization none")
         if self.speculative not in ("off", "eagle3", "ngram", "auto"):
             raise ValueError(f"speculative must be off, eagle3, ngram or auto, got {self.speculative!r}")
         if self.spec_depth < 1 or self.spec_top_k < 1 or self.spec_budget < 0 or self.spec_max_batch < 0:

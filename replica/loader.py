@@ -32,7 +32,7 @@ from replica.hf_checkpoint import ModelNotFoundError, config_from_hf, model_conf
 from replica.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "ModelNotFoundError", "PRESETS", "load_checkpoint", "load_config",
-           "load_model_for", "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
+           "load_gguf_int4", "load_model_for", "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
 
 
 @dataclass
@@ -190,6 +190,25 @@ def _load_gguf(gf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[st
     return weights
 
 
+def load_gguf_int4(path: str, config: ModelConfig) -> dict:
+    """The file's Q4_0 / Q4_1 matrices as `replica.quant.Int4Weight`s by Hugging Face
+    name, exactly as stored (Q/K rows un-permuted like the dense weights)."""
+    from replica.quant import gguf_int4
+
+    gf = GGUFFile(path)
+    out = {}
+    for gname, info in gf.tensors.items():
+        name = gguf_to_hf_name(gname)
+        if name is None or info.qtype.name not in ("Q4_0", "Q4_1") or len(info.shape) != 2:
+            continue
+        w = gguf_int4(gf.raw(gname), info.qtype.name)
+        heads = config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else 0
+        if heads:
+            w = type(w)(*(unpermute_qk(t, heads).contiguous() for t in (w.q, w.scale, w.zero)))
+        out[name] = w
+    return out
+
+
 # -- safetensors ----------------------------------------------------------------------
 
 
@@ -248,8 +267,9 @@ def load_model_for(cfg: EngineConfig):
     if cfg.device == "cpu":
         # A pool spinning on every core starves the API process: leave it one.
         torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+    dtype = getattr(torch, cfg.dtype) if cfg.quantization == "none" else torch.float32  # quantized from fp32
     if cfg.random_weights:
         model_cfg = load_config(cfg.model)
-        return model_cfg, random_weights(model_cfg, dtype=getattr(torch, cfg.dtype), seed=cfg.seed)
-    ckpt = load_checkpoint(cfg.model, dtype=getattr(torch, cfg.dtype))
+        return model_cfg, random_weights(model_cfg, dtype=dtype, seed=cfg.seed)
+    ckpt = load_checkpoint(cfg.model, dtype=dtype)
     return ckpt.config, ckpt.weights

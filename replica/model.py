@@ -173,8 +173,9 @@ class LlamaModel(nn.Module):
         return (x, aux) if aux_layers else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_vocab(torch.nn.functional.linear(hidden, w))
+        if self.lm_head is None:  # tied: the embedding is the head
+            return self.tp.gather_vocab(torch.nn.functional.linear(hidden, self.embed_tokens.weight))
+        return self.tp.gather_vocab(self.lm_head(hidden))  # a Linear, or a quantized copy (replica.quant)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

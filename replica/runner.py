@@ -319,4 +319,18 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
         model.load_weights(weights)
     model = model.to(dtype)
     model.cos_sin = model.cos_sin.float()
+    if cfg.quantization != "none":
+        from replica.quant import quantize_model
+
+        quantize_model(model, cfg.quantization, weights, gguf_blocks(cfg, model_cfg))
     return model.eval()
+
+
+def gguf_blocks(cfg: EngineConfig, model_cfg: ModelConfig) -> dict | None:
+    """The GGUF file's own int4 blocks when serving them as-is (--quantization gguf)."""
+    if cfg.quantization != "gguf" or cfg.random_weights:
+        return None
+    from replica.loader import load_gguf_int4, resolve_model
+
+    path = resolve_model(cfg.model)
+    return load_gguf_int4(path, model_cfg) if path.endswith(".gguf") else None
