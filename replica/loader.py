@@ -32,7 +32,7 @@ from replica.hf_checkpoint import ModelNotFoundError, config_from_hf, model_conf
 from replica.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "ModelNotFoundError", "PRESETS", "load_checkpoint", "load_config",
-           "load_gguf_int4", "load_model_for", "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
+           "load_gguf_quantized", "load_model_for", "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
 
 
 @dataclass
@@ -190,21 +190,21 @@ def _load_gguf(gf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[st
     return weights
 
 
-def load_gguf_int4(path: str, config: ModelConfig) -> dict:
-    """The file's Q4_0 / Q4_1 matrices as `replica.quant.Int4Weight`s by Hugging Face
-    name, exactly as stored (Q/K rows un-permuted like the dense weights)."""
-    from replica.quant import gguf_int4
+def load_gguf_quantized(path: str, config: ModelConfig) -> dict:
+    """The file's Q4_0 / Q4_1 / Q8_0 matrices as `replica.quant.QWeight`s by Hugging
+    Face name, exactly as stored (Q/K rows un-permuted like the dense weights)."""
+    from replica.quant import GGUF_TYPES, QWeight, from_gguf
 
     gf = GGUFFile(path)
     out = {}
     for gname, info in gf.tensors.items():
         name = gguf_to_hf_name(gname)
-        if name is None or info.qtype.name not in ("Q4_0", "Q4_1") or len(info.shape) != 2:
+        if name is None or info.qtype.name not in GGUF_TYPES or len(info.shape) != 2:
             continue
-        w = gguf_int4(gf.raw(gname), info.qtype.name)
+        w = from_gguf(gf.raw(gname), info.qtype.name)
         heads = config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else 0
         if heads:
-            w = type(w)(*(unpermute_qk(t, heads).contiguous() for t in (w.q, w.scale, w.zero)))
+            w = QWeight(*(unpermute_qk(t, heads).contiguous() for t in (w.qs, w.d, w.m)), w.bits)
         out[name] = w
     return out
 

@@ -1,18 +1,19 @@
-"""Weight-only quantized linears for CPU decode: weights stay int8/int4 in memory.
+"""Weight-only block quantization for CPU decode: the weights stay 4 or 8 bits in memory.
 
 Decode at small batch reads every weight once per step and does two flops per
-weight, so its time is the bytes read. fp32 SmolLM2-135M is 540 MB per token;
-int8 is a quarter of that, int4 an eighth. torch ships CPU kernels for both:
+weight, so a step costs the bytes it reads: fp32 SmolLM2-135M is 540 MB a token,
+its GGUF (Q4_1 layers, a Q8_0 embedding that is also the head) 97 MB. Every
+quantized weight here has GGUF's block form (`kernels.qgemm_cpu`):
 
-    int8:  y = x @ (q * s[n])^T                 q int8 (N, K), one scale per row n
-    int4:  y = x @ ((q - 8) * s[n, g] + z[n, g])^T   q in 0..15 packed two a byte,
-                                                 scale and zero per group g of 32 columns
+    W[n, 32 b + i] = d[n, b] * u[n, 32 b + i] + m[n, b]
 
-and runs them fast with bf16 activations (AVX-512 BF16); a quantized linear
-casts its input to bf16 and its output back. GGUF's Q4_0 (w = d (q - 8)) and
-Q4_1 (w = d q + m) are the int4 form with s = d, z = 0 or m + 8 d: served as-is
-(`--quantization gguf`). Q8_0's per-32 scales have no int8 kernel; its tensors
-(the default model's embedding, which is also its head) are requantized per row.
+    --quantization int4   Q4_1's recipe on the dense weights (u in 0..15, min/max per block)
+    --quantization int8   Q8_0's recipe (symmetric per block: u = q + 128, m = -128 d)
+    --quantization gguf   a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored; others as int8
+
+The matmul runs on AVX-512 VNNI with the activations quantized per block to int8
+(llama.cpp's recipe); the residual stream, norms, attention and KV stay in the
+model's dtype. Without VNNI or a compiler the PyTorch reference serves (slowly).
 """
 
 from __future__ import annotations
@@ -24,103 +25,120 @@ import torch
 from torch import nn
 
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
-GROUP = 32  # int4 columns per scale/zero; GGUF's block size
-ACT_DTYPE = torch.bfloat16  # the activation dtype the kernels are fast in
+BLOCK = 32  # input columns per scale and offset, GGUF's block
 
 
 @dataclass
-class Int4Weight:
-    """Unpacked int4 weight: q (N, K) uint8 in 0..15; scale, zero (N, K // GROUP) fp32.
-    Dequantized: (q - 8) * scale + zero, per group of GROUP columns."""
+class QWeight:
+    """qs (N, K * bits / 8) uint8 codes (4 bits: GGUF's nibble order per block);
+    d, m (N, K / 32) fp32: W = d * u + m per block."""
 
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    bits: int
 
     @staticmethod
-    def cat(parts: list[Int4Weight]) -> Int4Weight:
-        """Rows of several weights stacked (fused q/k/v or gate/up)."""
-        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+    def cat(parts: list[QWeight]) -> QWeight:
+        """Rows of several weights stacked (fused q/k/v or gate/up); one bit width."""
+        if len({p.bits for p in parts}) != 1:
+            raise ValueError("fused weights must share a bit width")
+        return QWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")), parts[0].bits)
 
     def dequantize(self) -> torch.Tensor:
-        rep = lambda t: t.repeat_interleave(GROUP, dim=1)  # noqa: E731
-        return (self.q.float() - 8) * rep(self.scale) + rep(self.zero)
+        from kernels.qgemm_cpu import unpack_codes
+
+        u = unpack_codes(self.qs, self.bits).float()
+        rep = lambda t: t.repeat_interleave(BLOCK, dim=1)  # noqa: E731
+        return u * rep(self.d) + rep(self.m)
 
 
-def quantize_int4(w: torch.Tensor) -> Int4Weight:
-    """Asymmetric min/max int4 per group of GROUP columns (the Q4_1 recipe)."""
+def _blocks(w: torch.Tensor) -> torch.Tensor:
     N, K = w.shape
-    if K % GROUP:
-        raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {K}")
-    g = w.float().reshape(N, K // GROUP, GROUP)
+    if K % (2 * BLOCK):
+        raise ValueError(f"block quantization needs in_features divisible by {2 * BLOCK}, got {K}")
+    return w.float().reshape(N, K // BLOCK, BLOCK)
+
+
+def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """(N, K/32, 32) codes 0..15 -> (N, K/2) bytes, GGUF order (i low, i + 16 high)."""
+    return (u[..., :16] | (u[..., 16:] << 4)).reshape(u.shape[0], -1)
+
+
+def quantize_int4(w: torch.Tensor) -> QWeight:
+    """Q4_1's recipe: per block, 16 levels from its min to its max."""
+    g = _blocks(w)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-12)
-    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
-    return Int4Weight(q, scale, lo + 8 * scale)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    u = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return QWeight(_pack_nibbles(u), d, lo, 4)
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (q (N, K) int8, scale (N,) fp32)."""
-    scale = (w.float().abs().amax(-1) / 127).clamp_min(1e-12)
-    return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+def quantize_int8(w: torch.Tensor) -> QWeight:
+    """Q8_0's recipe: per block, symmetric codes -127..127 stored offset by 128."""
+    g = _blocks(w)
+    d = g.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = (g * inv[..., None]).round().clamp(-127, 127)
+    return QWeight((q + 128).to(torch.uint8).reshape(w.shape), d, -128 * d, 8)
 
 
-def gguf_int4(raw: np.ndarray, qtype_name: str) -> Int4Weight:
-    """Q4_0 / Q4_1 blocks (rows, bytes per row) as an Int4Weight, without loss.
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
-    A block of 32 weights: fp16 d, (Q4_1: fp16 m), then 16 bytes whose low nibbles
-    are weights 0..15 and high nibbles weights 16..31."""
-    head = {"Q4_0": 2, "Q4_1": 4}[qtype_name]
+
+def from_gguf(raw: np.ndarray, qtype_name: str) -> QWeight:
+    """A GGUF Q4_0 / Q4_1 / Q8_0 matrix (rows, bytes per row) without loss.
+
+    Blocks of 32: fp16 d, (Q4_1: fp16 m), then the codes: Q4_x 16 bytes (code i in the
+    low nibble of byte i, code i + 16 in the high one), Q8_0 32 signed bytes."""
+    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype_name]
+    code_bytes = 32 if qtype_name == "Q8_0" else 16
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, head + 16)  # (N, K/32, block bytes)
+    blocks = raw.reshape(rows, -1, head + code_bytes)
     d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., head:]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, -1)  # (N, K)
-    if qtype_name == "Q4_0":
-        zero = np.zeros_like(d)
-    else:
-        zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
-    return Int4Weight(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(zero))
+    codes = blocks[..., head:].reshape(rows, -1)
+    if qtype_name == "Q8_0":
+        u = (codes.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return QWeight(torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(-128 * d), 8)
+    m = -8 * d if qtype_name == "Q4_0" else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return QWeight(torch.from_numpy(codes.copy()), torch.from_numpy(d), torch.from_numpy(m), 4)
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+class QLinear(nn.Module):
+    """y = x W^T (+ bias) over a QWeight; `gemm` is the kernel chosen at start-up."""
+
+    def __init__(self, w: QWeight, bias: torch.Tensor | None, gemm):
         super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.register_buffer("weight", q.contiguous())
-        self.register_buffer("scale", scale.to(ACT_DTYPE))
+        self.out_features = w.qs.shape[0]
+        self.in_features = w.qs.shape[1] * 8 // w.bits
+        self.bits, self.gemm = w.bits, gemm
+        self.register_buffer("qs", w.qs.contiguous())
+        self.register_buffer("d", w.d.float().contiguous())
+        self.register_buffer("m", w.m.float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(ACT_DTYPE), self.weight,
-                                               self.scale)
+        y = self.gemm(x.reshape(-1, self.in_features).float(), self.qs, self.d, self.m, self.bits)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) must not cast the scales: the kernel reads them as fp32
+        d, m = self.d, self.m
+        super()._apply(fn, recurse)
+        self.d, self.m = d.to(self.qs.device), m.to(self.qs.device)
+        return self
 
-class Int4Linear(nn.Module):
-    def __init__(self, w: Int4Weight, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = w.q.shape
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1))
-        # (K / GROUP, N, 2): scale and zero of each group of each output row
-        self.register_buffer("scale_zero", torch.stack([w.scale.t(), w.zero.t()], -1).to(ACT_DTYPE).contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(ACT_DTYPE), self.weight,
-                                                       GROUP, self.scale_zero)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
 
 
-def quantized_linear(w: torch.Tensor | Int4Weight, bias: torch.Tensor | None, mode: str) -> nn.Module:
-    """The module serving weight `w` (dense, or int4 blocks read from a GGUF file)."""
-    if isinstance(w, Int4Weight):
-        return Int4Linear(w, bias)
-    if mode == "int8" or w.shape[1] % GROUP:
-        return Int8Linear(*quantize_int8(w), bias)
-    return Int4Linear(quantize_int4(w), bias)
+def choose_gemm():
+    """The VNNI kernel where it builds and runs, else the PyTorch reference."""
+    from kernels import qgemm_cpu
+
+    return qgemm_cpu.qgemm_cpu if qgemm_cpu.available() else qgemm_cpu.qgemm_ref
 
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -128,35 +146,36 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, weights: dict[str, torch.Tensor],
-                   blocks: dict[str, Int4Weight] | None = None) -> nn.Module:
-    """Replace the decoder's linears and the LM head by quantized ones, in place.
+                   stored: dict[str, QWeight] | None = None, gemm=None) -> nn.Module:
+    """Replace the decoder's linears and the LM head by QLinears, in place.
 
     `weights`: the checkpoint's dense tensors by Hugging Face name (fp32 is best:
-    they are quantized from these). `blocks` (mode "gguf"): int4 weights read from
-    the file; a linear whose parts are all there is served from them as stored, any
-    other is quantized per row to int8. A tied head becomes its own quantized copy
-    of the embedding (the lookup keeps the dense table)."""
+    they are quantized from these). `stored` (mode "gguf"): the file's quantized
+    tensors; a linear whose parts are all there is served from them as they are,
+    any other is quantized to int8. A tied head becomes its own quantized copy of
+    the embedding (the lookup keeps the dense table: it reads one row a token)."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "none":
         return model
-    if mode == "gguf" and blocks is None:
-        raise ValueError("--quantization gguf serves a GGUF file's own int4 blocks: the model must be a .gguf file")
-    dense_mode = "int8" if mode == "gguf" else mode
-    blocks = blocks or {}
+    if mode == "gguf" and stored is None:
+        raise ValueError("--quantization gguf serves a GGUF file's own blocks: the model must be a .gguf file")
+    gemm = gemm or choose_gemm()
+    quantize = quantize_int4 if mode == "int4" else quantize_int8
+    stored = stored or {}
 
-    def source(names: list[str]) -> torch.Tensor | Int4Weight:
-        if all(n in blocks for n in names):
-            return Int4Weight.cat([blocks[n] for n in names])
-        return torch.cat([weights[n] for n in names])
+    def linear(names: list[str], bias) -> QLinear:
+        if all(n in stored for n in names) and len({stored[n].bits for n in names}) == 1:
+            return QLinear(QWeight.cat([stored[n] for n in names]), bias, gemm)
+        return QLinear(quantize(torch.cat([weights[n] for n in names])), bias, gemm)
 
     for i, layer in enumerate(model.layers):
         for part in ("self_attn", "mlp"):
             parent = getattr(layer, part)
             for name, lin in list(parent.named_children()):
                 if isinstance(lin, nn.Linear):
-                    parts = [f"model.layers.{i}.{part}.{p}.weight" for p in _FUSED.get(name, (name,))]
-                    setattr(parent, name, quantized_linear(source(parts), lin.bias, dense_mode))
+                    names = [f"model.layers.{i}.{part}.{p}.weight" for p in _FUSED.get(name, (name,))]
+                    setattr(parent, name, linear(names, lin.bias))
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-    model.lm_head = quantized_linear(source([head]), None, dense_mode)
+    model.lm_head = linear([head], None)
     return model

@@ -322,15 +322,15 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
     if cfg.quantization != "none":
         from replica.quant import quantize_model
 
-        quantize_model(model, cfg.quantization, weights, gguf_blocks(cfg, model_cfg))
+        quantize_model(model, cfg.quantization, weights, gguf_stored(cfg, model_cfg))
     return model.eval()
 
 
-def gguf_blocks(cfg: EngineConfig, model_cfg: ModelConfig) -> dict | None:
-    """The GGUF file's own int4 blocks when serving them as-is (--quantization gguf)."""
+def gguf_stored(cfg: EngineConfig, model_cfg: ModelConfig) -> dict | None:
+    """The GGUF file's own quantized tensors when serving them as-is (--quantization gguf)."""
     if cfg.quantization != "gguf" or cfg.random_weights:
         return None
-    from replica.loader import load_gguf_int4, resolve_model
+    from replica.loader import load_gguf_quantized, resolve_model
 
     path = resolve_model(cfg.model)
-    return load_gguf_int4(path, model_cfg) if path.endswith(".gguf") else None
+    return load_gguf_quantized(path, model_cfg) if path.endswith(".gguf") else None
