@@ -1,8 +1,9 @@
-"""Hot-path kernels of the replica: Triton on CUDA, PyTorch references elsewhere.
+"""Hot-path kernels of the replica: Triton on CUDA, C++ on CPU, PyTorch references elsewhere.
 
 Each module holds `name_ref` (PyTorch, the definition) beside `name_triton` (the
-kernel and its wrapper, same signature). The engine picks one set once at
-start-up with `ops(device_type)`; tests force either with `impl=`.
+kernel and its wrapper, same signature); `cpu_ops` holds C++ versions of the
+decode step's small ops (`name_cpu`, fp32). The engine picks one set once at
+start-up with `ops(device_type)`; tests force one with `impl=`.
 """
 
 import os
@@ -29,7 +30,7 @@ _SOURCES = {
 class Ops:
     """The kernel set a process runs with; signatures are documented on the `_ref`s."""
 
-    impl: str  # "triton" or "ref"
+    impl: str  # "triton", "cpu" or "ref"
     store_kvcache: Callable
     paged_decode_attention: Callable
     paged_extend_attention: Callable
@@ -44,14 +45,22 @@ class Ops:
 def ops(device_type: str, impl: str | None = None) -> Ops:
     """Kernels for tensors on `device_type` ("cuda", "cpu", ...).
 
-    impl=None: Triton on "cuda", the PyTorch references otherwise. impl="triton" or
-    "ref" forces one (Triton on CPU tensors needs TRITON_INTERPRET=1 set before
-    triton is first imported, as tests/conftest.py does).
+    impl=None: Triton on "cuda"; on "cpu" the C++ ops where they build (the
+    references for ops they lack); the PyTorch references otherwise. impl="triton",
+    "cpu" or "ref" forces one (Triton on CPU tensors needs TRITON_INTERPRET=1 set
+    before triton is first imported, as tests/conftest.py does).
     """
     if impl is None:
-        impl = "triton" if device_type == "cuda" else "ref"
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"kernels.ops: impl must be 'triton' or 'ref', got {impl!r}")
+        from kernels import cpu_ops
+
+        impl = "triton" if device_type == "cuda" else "cpu" if device_type == "cpu" and cpu_ops.available() else "ref"
+    if impl not in ("triton", "cpu", "ref"):
+        raise ValueError(f"kernels.ops: impl must be 'triton', 'cpu' or 'ref', got {impl!r}")
+    if impl == "cpu":
+        from kernels import cpu_ops
+
+        return Ops(impl=impl, **{name: getattr(cpu_ops, f"{name}_cpu", None) or getattr(mod, f"{name}_ref")
+                                 for name, mod in _SOURCES.items()})
     if impl == "triton":
         if not HAS_TRITON:
             raise RuntimeError("kernels.ops: impl='triton' needs the triton package; install it or use impl='ref'")

@@ -22,9 +22,9 @@ CPU with AVX-512 VNNI; `available()` says whether it can run here.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from kernels.cpu_build import load_cpp
 
 BLOCK = 32
 
@@ -158,13 +158,8 @@ def cpu_has_vnni() -> bool:
     return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
 
 
-@functools.cache
 def _extension():
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(name="edgechat_qgemm", cpp_sources=_SOURCE, functions=["qgemm"],
-                       extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-                                     "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return load_cpp("edgechat_qgemm", _SOURCE, ("qgemm",))
 
 
 def available() -> bool:

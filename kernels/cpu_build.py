@@ -1,0 +1,16 @@
+"""Build a C++ CPU kernel source once per machine (torch.utils.cpp_extension,
+cached under ~/.cache/torch_extensions; about a minute the first time) and
+return the loaded module. Callers fall back to their PyTorch reference when the
+build fails (no compiler)."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def load_cpp(name: str, source: str, functions: tuple[str, ...]):
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(name=name, cpp_sources=source, functions=list(functions),
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
