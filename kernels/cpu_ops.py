@@ -6,8 +6,8 @@ PyTorch op costs a few microseconds of dispatch and allocation: the reference
 norm, rotary, SwiGLU, KV store and paged attention spend ~20 ops a layer, more
 than the matmuls. These are the same contracts as the `_ref`s (kernels/*.py),
 written as plain loops the compiler vectorizes; paged decode attention reads
-each key and value once from the pool through the block table (online softmax,
-the G query heads of a kv head together) instead of gathering a padded copy.
+each key and value once from the pool through the block table (scores, softmax,
+weighted values; the G query heads of a kv head together) instead of gathering a padded copy.
 fp32 only: other dtypes use the references (`cpu_ops()` wraps both).
 """
 
@@ -124,30 +124,38 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const float* vc = v_cache.data_ptr<float>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t w0, int64_t w1) {
     float acc[16][256], mx[16], den[16];
+    std::vector<float> sc;  // (L, G) scores, then their exps
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / Hkv, kvh = w % Hkv, L = lens.data_ptr<int32_t>()[b];
+      if (L == 0) continue;  // padding row: zeros
       const int32_t* table = bt.data_ptr<int32_t>() + b * bt.size(1);
       const float* qb = q.data_ptr<float>() + b * q.stride(0) + kvh * G * q.stride(1);
+      sc.resize(L * G);
       for (int g = 0; g < G; ++g) { mx[g] = -INFINITY; den[g] = 0.f; for (int64_t i = 0; i < D; ++i) acc[g][i] = 0.f; }
-      for (int64_t p = 0; p < L; ++p) {
-        const int64_t slot = (int64_t)table[p / page] * page + p % page;
-        const float* kp = kc + (slot * Hkv + kvh) * D;
-        const float* vp = vc + (slot * Hkv + kvh) * D;
+      for (int64_t p = 0; p < L; ++p) {  // scores: each key read once for the G heads
+        const float* __restrict__ kp = kc + (((int64_t)table[p / page] * page + p % page) * Hkv + kvh) * D;
         for (int g = 0; g < G; ++g) {
-          const float* qg = qb + g * q.stride(1);
+          const float* __restrict__ qg = qb + g * q.stride(1);
           float s = 0.f;
+#pragma omp simd reduction(+ : s)
           for (int64_t i = 0; i < D; ++i) s += qg[i] * kp[i];
           s *= (float)scale;
-          // online softmax: rescale what was accumulated when the running max grows
-          const float m_new = s > mx[g] ? s : mx[g];
-          const float corr = std::exp(mx[g] - m_new), e = std::exp(s - m_new);
-          den[g] = den[g] * corr + e;
-          for (int64_t i = 0; i < D; ++i) acc[g][i] = acc[g][i] * corr + e * vp[i];
-          mx[g] = m_new;
+          sc[p * G + g] = s;
+          mx[g] = s > mx[g] ? s : mx[g];
+        }
+      }
+      for (int64_t p = 0; p < L; ++p)
+        for (int g = 0; g < G; ++g) { sc[p * G + g] = std::exp(sc[p * G + g] - mx[g]); den[g] += sc[p * G + g]; }
+      for (int64_t p = 0; p < L; ++p) {  // weighted values: each value read once
+        const float* __restrict__ vp = vc + (((int64_t)table[p / page] * page + p % page) * Hkv + kvh) * D;
+        for (int g = 0; g < G; ++g) {
+          const float e = sc[p * G + g];
+          float* __restrict__ a = acc[g];
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) a[i] += e * vp[i];
         }
       }
       for (int g = 0; g < G; ++g) {
-        if (L == 0) continue;  // padding row: zeros
         float* o = out.data_ptr<float>() + (b * H + kvh * G + g) * D;
         for (int64_t i = 0; i < D; ++i) o[i] = acc[g][i] / den[g];
       }
