@@ -23,6 +23,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
                                                   "bfloat16 on CUDA)")
+    ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
+                    help="weight-only quantization on CPU (see replica/quant.py): gguf serves a GGUF file's own "
+                         "Q4_0/Q4_1/Q8_0 blocks as stored; int8/int4 quantize the weights per block of 32 "
+                         "(default: gguf for a .gguf model on CPU, else none)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-memory-gb", type=float, default=0.0,
                     help="KV pool budget (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
@@ -65,7 +69,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    return EngineConfig(model=args.model, device=device, dtype=dtype, block_size=args.block_size,
+    quantization = args.quantization or default_quantization(args.model, device, args.tp, args.random_weights)
+    return EngineConfig(model=args.model, device=device, dtype=dtype, quantization=quantization,
+                        block_size=args.block_size,
                         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         random_weights=args.random_weights, tp=args.tp,
@@ -73,6 +79,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         speculative=args.speculative, spec_head=args.spec_head, spec_depth=args.spec_depth,
                         spec_top_k=args.spec_top_k, spec_budget=args.spec_budget, spec_max_batch=args.spec_max_batch,
                         spec_policy=args.spec_policy, spec_sample=args.spec_sample)
+
+
+def default_quantization(model: str, device: str, tp: int, random_weights: bool) -> str:
+    """The fastest setting that keeps quality (docs/perf.md): a GGUF file's own blocks,
+    or int4 for other checkpoints, on CPU; unquantized on CUDA, with tensor
+    parallelism and for random weights (the quantized kernels are CPU ones)."""
+    if device != "cpu" or tp > 1 or random_weights:
+        return "none"
+    from replica.hf_checkpoint import resolve_model
+
+    return "gguf" if resolve_model(model, config_only=True).endswith(".gguf") else "int4"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}, "
+    print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}/{cfg.quantization}, "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, ws="websockets-sansio", log_level="warning",
                 timeout_graceful_shutdown=5)
