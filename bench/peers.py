@@ -219,6 +219,7 @@ def start(server: Server, timeout: float = 900.0) -> list[subprocess.Popen]:
             r = httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=2,
                           headers={"Authorization": f"Bearer {API_KEY}"})
             if r.status_code == 200:
+                server.model = r.json()["data"][0]["id"]  # each server names the model its own way
                 return procs
         except httpx.HTTPError:
             pass
@@ -321,6 +322,7 @@ def main() -> None:
                 log(f"{server.name}: {n} stream(s) x {args.turns} turns ...")
                 row[n] = asyncio.run(drive(server.port, server.model, n, args.turns))
             rows.append(row)
+            log(json.dumps(row))
         finally:
             stop(procs)
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; "

@@ -7,11 +7,16 @@ blocks of 32 input columns, each with a float scale d and offset m:
     W[n, 32 b + i] = d[n, b] * u[n, 32 b + i] + m[n, b]      u unsigned: 0..15 or 0..255
 
 (Q4_1 is exactly this; Q4_0 is m = -8 d; Q8_0 is u = q + 128, m = -128 d.) The
-activations are quantized per block too (symmetric int8, scale dx, sum of codes
-sx), as llama.cpp does, so one block's dot product is integer work for VNNI's
-`vpdpbusd` (64 u8 x s8 products per instruction):
+activations are quantized per block too (symmetric int16, scale dx, sum of codes
+sx), so one block's dot product is integer work for VNNI's `vpdpwssd` (32
+int16 products per instruction):
 
     y[m, n] = sum_b  d[n, b] dx[m, b] * sum_i u[n, 32 b + i] q[m, 32 b + i]  +  m[n, b] dx[m, b] sx[m, b]
+
+llama.cpp rounds activations to int8 (Q8_1) for `vpdpbusd`'s 64 products; on
+SmolLM2 that moves logits by up to ~3 and changes the greedy answer, int16 by
+~0.01 (tests/replica/test_quant.py). At batch 1 the step is bound by the weight
+bytes, not by these instructions, so the wider activations cost nothing there.
 
 4-bit rows store block b's 32 codes in 16 bytes, code i in the low nibble of byte
 i and code i + 16 in the high nibble (GGUF's order). `qgemm_ref` is the
@@ -39,14 +44,14 @@ def unpack_codes(qs: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize_activations_ref(x: torch.Tensor):
-    """Per block of 32: (codes int8 (M, K), dx (M, K/32), sx = dx * sum of codes)."""
+    """Per block of 32: (codes int16 (M, K), dx (M, K/32), sx = dx * sum of codes)."""
     M, K = x.shape
     g = x.float().reshape(M, K // BLOCK, BLOCK)
     amax = g.abs().amax(-1)
-    dx = amax / 127
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    q = torch.round(g * inv[..., None]).clamp(-127, 127)
-    return q.to(torch.int8).reshape(M, K), dx, dx * q.sum(-1)
+    dx = amax / 32767
+    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv[..., None]).clamp(-32767, 32767)
+    return q.to(torch.int16).reshape(M, K), dx, dx * q.sum(-1)
 
 
 def qgemm_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
@@ -55,7 +60,8 @@ def qgemm_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     q, dx, sx = quantize_activations_ref(x)
     u = unpack_codes(qs, bits).float()  # (N, K)
     N, K = u.shape
-    dots = torch.einsum("mbi,nbi->mnb", q.float().reshape(-1, K // BLOCK, BLOCK), u.reshape(N, K // BLOCK, BLOCK))
+    dots = torch.einsum("mbi,nbi->mnb", q.double().reshape(-1, K // BLOCK, BLOCK),
+                        u.double().reshape(N, K // BLOCK, BLOCK)).float()  # exact integer sums
     return (dots * d[None] * dx[:, None]).sum(-1) + sx @ m.T
 
 
@@ -65,35 +71,35 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <cmath>
 
-// One row of x -> int8 codes, scale and scaled code sum per 32-block (K % 64 == 0).
-static void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
+// One row of x -> int16 codes, scale and scaled code sum per 32-block (K % 32 == 0).
+static void quantize_row(const float* x, int64_t K, int16_t* q, float* dx, float* sx) {
   for (int64_t b = 0; b < K / 32; ++b) {
     __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-    float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
     __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
     __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
-    _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(qc));
+    _mm256_storeu_si256((__m256i*)(q + 32 * b), _mm512_cvtsepi32_epi16(qa));
+    _mm256_storeu_si256((__m256i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi16(qc));
     dx[b] = d;
     sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
   }
 }
 
-// 64 unsigned codes of blocks b, b+1 of one weight row, in the activations' order.
+// The 32 unsigned codes of block b of one weight row, widened to int16, in the activations' order.
 template <int BITS>
 static inline __m512i load_codes(const uint8_t* row, int64_t b) {
-  if (BITS == 8) return _mm512_loadu_si512(row + 32 * b);
-  __m512i r = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(row + 16 * b)));
-  r = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), r);  // [b lo | b hi | b+1 lo | b+1 hi]
-  __m512i hi = _mm512_srli_epi16(r, 4);
-  return _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, r, hi), _mm512_set1_epi8(0x0F));
+  if (BITS == 8) return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row + 32 * b)));
+  __m128i v = _mm_loadu_si128((const __m128i*)(row + 16 * b));
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));  // [lo | hi]
+  return _mm512_cvtepu8_epi16(u);
 }
 
 // Rows [m0, m0 + MT) of the output for weight rows [n0, n1).
 template <int BITS, int MT>
-static void tile(const int8_t* q, const float* dx, const float* sx, const uint8_t* w, const float* d, const float* mo,
-                 float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+static void tile(const int16_t* q, const float* dx, const float* sx, const uint8_t* w, const float* d,
+                 const float* mo, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t nb = K / 32, row_bytes = K * BITS / 8;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -102,15 +108,14 @@ static void tile(const int8_t* q, const float* dx, const float* sx, const uint8_
     __m512 acc[MT];
     float off[MT];
     for (int t = 0; t < MT; ++t) { acc[t] = _mm512_setzero_ps(); off[t] = 0.f; }
-    for (int64_t b = 0; b < nb; b += 2) {
+    for (int64_t b = 0; b < nb; ++b) {
       __m512i u = load_codes<BITS>(row, b);
       for (int t = 0; t < MT; ++t) {
         const int64_t r = (m0 + t) * nb + b;
         __m512i xv = _mm512_loadu_si512(q + (m0 + t) * K + 32 * b);
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv);  // lanes 0-7: block b, 8-15: b+1
-        __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(dn[b] * dx[r]), _mm256_set1_ps(dn[b + 1] * dx[r + 1]), 1);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[t]);
-        off[t] += mn[b] * sx[r] + mn[b + 1] * sx[r + 1];
+        __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), u, xv);  // 16 lanes, 2 products each
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dn[b] * dx[r]), acc[t]);
+        off[t] += mn[b] * sx[r];
       }
     }
     for (int t = 0; t < MT; ++t) y[(m0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]) + off[t];
@@ -118,8 +123,8 @@ static void tile(const int8_t* q, const float* dx, const float* sx, const uint8_
 }
 
 template <int BITS>
-static void run(const int8_t* q, const float* dx, const float* sx, const uint8_t* w, const float* d, const float* mo,
-                float* y, int64_t M, int64_t K, int64_t N) {
+static void run(const int16_t* q, const float* dx, const float* sx, const uint8_t* w, const float* d,
+                const float* mo, float* y, int64_t M, int64_t K, int64_t N) {
   // Split the weight rows among threads; each thread streams its rows once per 4 rows of x.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t m = 0;
@@ -133,16 +138,16 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::T
   TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  TORCH_CHECK(K % 64 == 0 && qs.size(1) == K * bits / 8 && d.size(1) == K / 32, "qgemm: shapes do not match");
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  TORCH_CHECK(K % 32 == 0 && qs.size(1) == K * bits / 8 && d.size(1) == K / 32, "qgemm: shapes do not match");
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kShort));
   auto dx = torch::empty({M, K / 32}, x.options());
   auto sx = torch::empty({M, K / 32}, x.options());
   for (int64_t i = 0; i < M; ++i)
-    quantize_row(x.data_ptr<float>() + i * K, K, q.data_ptr<int8_t>() + i * K, dx.data_ptr<float>() + i * K / 32,
+    quantize_row(x.data_ptr<float>() + i * K, K, q.data_ptr<int16_t>() + i * K, dx.data_ptr<float>() + i * K / 32,
                  sx.data_ptr<float>() + i * K / 32);
   auto y = torch::empty({M, N}, x.options());
   auto f = bits == 4 ? run<4> : run<8>;
-  f(q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), qs.data_ptr<uint8_t>(), d.data_ptr<float>(),
+  f(q.data_ptr<int16_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), qs.data_ptr<uint8_t>(), d.data_ptr<float>(),
     m.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
   return y;
 }

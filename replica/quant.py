@@ -7,12 +7,12 @@ quantized weight here has GGUF's block form (`kernels.qgemm_cpu`):
 
     W[n, 32 b + i] = d[n, b] * u[n, 32 b + i] + m[n, b]
 
-    --quantization int4   Q4_1's recipe on the dense weights (u in 0..15, min/max per block)
+    --quantization int4   Q4_1's recipe on the dense weights (u in 0..15, min/max per block); head int8
     --quantization int8   Q8_0's recipe (symmetric per block: u = q + 128, m = -128 d)
     --quantization gguf   a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored; others as int8
 
-The matmul runs on AVX-512 VNNI with the activations quantized per block to int8
-(llama.cpp's recipe); the residual stream, norms, attention and KV stay in the
+The matmul runs on AVX-512 VNNI with the activations quantized per block to int16
+(kernels/qgemm_cpu.py); the residual stream, norms, attention and KV stay in the
 model's dtype. Without VNNI or a compiler the PyTorch reference serves (slowly).
 """
 
@@ -166,10 +166,10 @@ def quantize_model(model: nn.Module, mode: str, weights: dict[str, torch.Tensor]
     quantize = quantize_int4 if mode == "int4" else quantize_int8
     stored = stored or {}
 
-    def linear(names: list[str], bias) -> QLinear:
+    def linear(names: list[str], bias, recipe=quantize) -> QLinear:
         if all(n in stored for n in names) and len({stored[n].bits for n in names}) == 1:
             return QLinear(QWeight.cat([stored[n] for n in names]), bias, gemm)
-        return QLinear(quantize(torch.cat([weights[n] for n in names])), bias, gemm)
+        return QLinear(recipe(torch.cat([weights[n] for n in names])), bias, gemm)
 
     for i, layer in enumerate(model.layers):
         for part in ("self_attn", "mlp"):
@@ -178,6 +178,7 @@ def quantize_model(model: nn.Module, mode: str, weights: dict[str, torch.Tensor]
                 if isinstance(lin, nn.Linear):
                     names = [f"model.layers.{i}.{part}.{p}.weight" for p in _FUSED.get(name, (name,))]
                     setattr(parent, name, linear(names, lin.bias))
+    # The head stays 8-bit: int4 logits moved SmolLM2's greedy answer (tests/replica/test_quant.py).
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-    model.lm_head = linear([head], None)
+    model.lm_head = linear([head], None, quantize_int8)
     return model

@@ -1,0 +1,74 @@
+"""The C++ CPU kernels against their PyTorch references on fresh random inputs:
+block-quantized matmul (kernels/qgemm_cpu.py) and the decode step's small ops
+(kernels/cpu_ops.py). Skipped where they cannot build (no compiler, no VNNI)."""
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_ops, qgemm_cpu
+
+needs_qgemm = pytest.mark.skipif(not qgemm_cpu.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason="needs a C++ compiler")
+
+
+@needs_qgemm
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 960), (3, 32, 7), (5, 1536, 576), (9, 96, 130)])
+def test_qgemm_matches_reference(bits, M, K, N):
+    g = torch.Generator().manual_seed(M * K + N)
+    x = torch.randn(M, K, generator=g) * 3
+    qs = torch.randint(0, 256, (N, K * bits // 8), dtype=torch.uint8, generator=g)
+    d, m = torch.rand(N, K // 32, generator=g) * 0.01, torch.randn(N, K // 32, generator=g) * 0.01
+    ref = qgemm_cpu.qgemm_ref(x, qs, d, m, bits)
+    out = qgemm_cpu.qgemm_cpu(x, qs, d, m, bits)
+    # Same integer codes on both sides: only the fp32 summation order differs.
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+def test_qgemm_reference_is_the_dequantized_matmul_up_to_activation_rounding():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 256, generator=g)
+    qs = torch.randint(0, 256, (32, 128), dtype=torch.uint8, generator=g)
+    d, m = torch.rand(32, 8, generator=g) * 0.1, -torch.rand(32, 8, generator=g)
+    w = qgemm_cpu.unpack_codes(qs, 4).float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+    exact = x @ w.T
+    # int16 activations per block of 32: relative error ~ 1/65534 per element
+    err = (qgemm_cpu.qgemm_ref(x, qs, d, m, 4) - exact).abs().max() / exact.abs().max()
+    assert 0 < err < 1e-4
+
+
+@needs_ops
+def test_cpu_ops_match_references():
+    c, r = kernels.ops("cpu", impl="cpu"), kernels.ops("cpu", impl="ref")
+    g = torch.Generator().manual_seed(1)
+    x, res, w = torch.randn(3, 576, generator=g), torch.randn(3, 576, generator=g), torch.rand(576, generator=g)
+    torch.testing.assert_close(c.rms_norm(x, w, 1e-5), r.rms_norm(x, w, 1e-5))
+    for a, b in zip(c.fused_add_rms_norm(x, res, w, 1e-5), r.fused_add_rms_norm(x, res, w, 1e-5)):
+        torch.testing.assert_close(a, b)
+    gate_up = torch.randn(3, 3072, generator=g)
+    torch.testing.assert_close(c.silu_and_mul(gate_up), r.silu_and_mul(gate_up))
+    # rotary in place on strided views of a fused qkv row, as the model calls it
+    qkv = torch.randn(3, 960, generator=g)
+    views = []
+    for _ in range(2):
+        q, k, _ = qkv.clone().split([576, 192, 192], -1)
+        views.append((q.reshape(3, 9, 64), k.reshape(3, 3, 64)))
+    cs, pos = torch.randn(100, 64, generator=g), torch.tensor([5, 7, 99])
+    c.apply_rotary(*views[0], pos, cs)
+    r.apply_rotary(*views[1], pos, cs)
+    torch.testing.assert_close(views[0], views[1])
+    # KV store with a padding slot (-1), then paged decode attention over ragged lengths
+    caches = [(torch.full((20, 16, 3, 64), float("nan")), torch.full((20, 16, 3, 64), float("nan"))) for _ in range(2)]
+    k, v = torch.randn(320, 3, 64, generator=g), torch.randn(320, 3, 64, generator=g)
+    slots = torch.randperm(320, generator=g)
+    slots[3] = -1
+    c.store_kvcache(k, v, *caches[0], slots)
+    r.store_kvcache(k, v, *caches[1], slots)
+    torch.testing.assert_close(caches[0], caches[1], equal_nan=True)
+    kc, vc = caches[0][0].nan_to_num(0.0), caches[0][1].nan_to_num(0.0)
+    q = torch.randn(4, 9, 64, generator=g)
+    tables = torch.randint(0, 20, (4, 7), dtype=torch.int32, generator=g)
+    lens = torch.tensor([1, 17, 100, 0], dtype=torch.int32)  # 0: a padding row gets zeros
+    torch.testing.assert_close(c.paged_decode_attention(q, kc, vc, tables, lens, 0.125),
+                               r.paged_decode_attention(q, kc, vc, tables, lens, 0.125))
