@@ -1,7 +1,11 @@
 """Build a C++ CPU kernel source once per machine (torch.utils.cpp_extension,
 cached under ~/.cache/torch_extensions; about a minute the first time) and
 return the loaded module. Callers fall back to their PyTorch reference when the
-build fails (no compiler)."""
+build fails (no compiler).
+
+-ffp-contract=off: GCC would otherwise fuse a * b + c into an FMA in some
+instantiations of a template and not in others, and a row's result would depend
+on how many rows share its batch (seeded sampling must not)."""
 
 from __future__ import annotations
 
@@ -13,4 +17,4 @@ def load_cpp(name: str, source: str, functions: tuple[str, ...]):
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(name=name, cpp_sources=source, functions=list(functions),
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])

@@ -72,3 +72,14 @@ def test_cpu_ops_match_references():
     lens = torch.tensor([1, 17, 100, 0], dtype=torch.int32)  # 0: a padding row gets zeros
     torch.testing.assert_close(c.paged_decode_attention(q, kc, vc, tables, lens, 0.125),
                                r.paged_decode_attention(q, kc, vc, tables, lens, 0.125))
+
+
+@needs_qgemm
+def test_qgemm_row_does_not_depend_on_its_batch():
+    """Seeded sampling must not depend on batch composition: each row bit-for-bit alone."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 576, generator=g)
+    qs = torch.randint(0, 256, (96, 288), dtype=torch.uint8, generator=g)
+    d, m = torch.rand(96, 18, generator=g), torch.randn(96, 18, generator=g)
+    full = qgemm_cpu.qgemm_cpu(x, qs, d, m, 4)
+    assert all(torch.equal(full[i:i + 1], qgemm_cpu.qgemm_cpu(x[i:i + 1], qs, d, m, 4)) for i in range(11))
