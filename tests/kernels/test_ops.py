@@ -9,9 +9,16 @@ import kernels
 
 
 def test_default_choice():
-    assert kernels.ops("cpu").impl == "ref"
+    from kernels import cpu_ops
+
+    cpu = kernels.ops("cpu")
     assert kernels.ops("cuda").impl == "triton"
-    assert kernels.ops("cpu").rms_norm is kernels.rmsnorm.rms_norm_ref
+    assert kernels.ops("meta").impl == "ref"
+    if cpu_ops.available():  # C++ where it builds; the references for the ops it lacks
+        assert cpu.impl == "cpu" and cpu.rms_norm is cpu_ops.rms_norm_cpu
+        assert cpu.paged_extend_attention is kernels.extend_attention.paged_extend_attention_ref
+    else:
+        assert cpu.impl == "ref" and cpu.rms_norm is kernels.rmsnorm.rms_norm_ref
 
 
 def test_triton_on_cpu_needs_the_interpreter():
