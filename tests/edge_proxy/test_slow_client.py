@@ -39,7 +39,8 @@ class FakeStream:
 
 
 def conn(ws, max_pending=1 << 20):
-    proxy = SimpleNamespace(cfg=SimpleNamespace(max_pending_bytes=max_pending, region="t"), metrics=ProxyMetrics())
+    cfg = SimpleNamespace(max_pending_bytes=max_pending, region="t", max_open_per_connection=16, cancel_rate_per_s=10.0)
+    proxy = SimpleNamespace(cfg=cfg, metrics=ProxyMetrics())
     return ClientConnection(None, ws, proxy, key=None)
 
 
