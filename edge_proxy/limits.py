@@ -13,6 +13,7 @@ its token count is then checked against the context (`Proxy._check_lengths`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from edge_proxy import protocol as pp
@@ -24,7 +25,7 @@ class Limits:
     max_messages: int = 1024
     max_role_chars: int = 64
     max_prompt_ids: int = 1 << 17  # a prompt given as token ids (OpenAI /v1/completions)
-    tokenizer_threads: int = 2
+    tokenizer_threads: int = max(1, min(4, (os.cpu_count() or 2) // 2))  # the event loop keeps a core
     max_tokenizing: int = 64  # prompts being tokenized or waiting for a thread; more -> `overloaded`
 
     def __post_init__(self):

@@ -371,6 +371,10 @@ class ClientConnection:
             self._error(m.id, pp.ProtocolError(pp.RATE_LIMITED, f"{len(self.active)} requests are open on this "
                                                                  "connection; wait for one to end", 1.0))
             return
+        if m.messages is not None and len(m.messages) > self.proxy.cfg.limits.max_messages:
+            self._error(m.id, pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{len(m.messages)} messages; at most "
+                                               f"{self.proxy.cfg.limits.max_messages} are accepted"))
+            return  # before building a dict per message
         messages = [{"role": x.role, "content": x.content} for x in m.messages] if m.messages is not None else None
         req = SubmitRequest(m.id, messages, m.prompt, m.session, m.sampling, m.priority, m.deadline_ms,
                             m.traceparent, self.forwarded_by, m.tenant)

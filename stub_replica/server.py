@@ -139,6 +139,7 @@ class StubReplica:
         self.abort_event = asyncio.Event()  # set on the first Abort received
         self.connected_event = asyncio.Event()  # set once a peer is connected
         self.token_event = asyncio.Event()  # set once a token was produced
+        self.ended_event = asyncio.Event()  # set whenever a request ends (finished, aborted, connection gone)
 
     @property
     def url(self) -> str:
@@ -181,6 +182,13 @@ class StubReplica:
     def active(self) -> int:
         """Requests the stub holds (running or waiting for a slot)."""
         return sum(len(c.reqs) for c in self.conns)
+
+    async def until_idle(self, timeout: float = 5.0) -> None:
+        """Wait until the stub holds no request."""
+        async with asyncio.timeout(timeout):
+            while self.active:
+                self.ended_event.clear()
+                await self.ended_event.wait()
 
     def freeze(self) -> None:
         """Like SIGSTOP: sockets stay open, nothing is read or sent (pings go unanswered)."""
@@ -283,6 +291,7 @@ class StubReplica:
 
     def _free(self, r: _Req) -> None:
         """`r` ended (finished, aborted, connection gone): its slot goes to the next waiting request."""
+        self.ended_event.set()
         if r not in self._running:
             return
         self._running.discard(r)

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 
 class RawClient:
-    def __init__(self, ws):
+    def __init__(self, ws, timed: bool = False):
         self.ws = ws
+        self.arrivals: dict[str, list[float]] | None = {} if timed else None  # id -> arrival time of each delta
         self.frames: list[dict] = []
         self.deltas: dict[str, list[dict]] = {}  # id -> its delta frames
         self.ended: dict[str, dict] = {}  # id -> its done or error frame (the last one)
@@ -23,10 +25,10 @@ class RawClient:
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def connect(cls, url: str, key: str = "sk-alice", **kw) -> RawClient:
+    async def connect(cls, url: str, key: str = "sk-alice", timed: bool = False, **kw) -> RawClient:
         ws = await connect(url, additional_headers={"Authorization": f"Bearer {key}"}, compression=None, proxy=None,
                            max_size=None, **kw)
-        return cls(ws)
+        return cls(ws, timed)
 
     async def send(self, msg: dict | str) -> None:
         await self.ws.send(msg if isinstance(msg, str) else json.dumps(msg))
@@ -39,6 +41,8 @@ class RawClient:
                 rid = f.get("id")
                 if f["type"] == "delta":
                     self.deltas.setdefault(rid, []).append(f)
+                    if self.arrivals is not None:
+                        self.arrivals.setdefault(rid, []).append(time.perf_counter())
                 elif rid is None:
                     self.conn_errors.append(f)
                 else:

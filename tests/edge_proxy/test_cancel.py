@@ -120,7 +120,7 @@ async def test_generate_cancel_generate_with_one_id_never_mixes(cancel_after_tok
                 assert want("first", 40).startswith(t1) and len(t1) <= cancel_after_tokens + 2
                 assert end2["finish_reason"] == "length" and t2 == want("second", 40)
         assert not p.proxy.streams and not p.proxy.pool.conns[0].streams
-        assert await p.proxy.pool.wait_for(lambda: reps[0].active == 0, timeout=5)
+        await reps[0].until_idle()
         first = [g.id for g in reps[0].generates if bytes(g.prompt_ids) == b"first"]
         assert {rid for rid, _ in reps[0].aborts} == set(first)  # every first request that reached it was aborted
 
@@ -140,10 +140,8 @@ async def test_ids_are_unique_among_open_requests_and_a_closed_socket_leaves_not
                 await c.send(generate(f"r{i}", max_tokens=1000))
             await c.until(lambda: len(c.deltas) > 5)
             c.ws.transport.abort()
-        assert await p.proxy.pool.wait_for(lambda: not p.proxy.streams, timeout=5) or not p.proxy.streams
+        await reps[0].until_idle()  # every request the socket had open was aborted on the replica
+        assert not p.proxy.streams
         async with httpx.AsyncClient(trust_env=False) as h:
             assert (await h.get(p.http + "/healthz")).json()["inflight"] == 0
-        while reps[0].active:
-            reps[0].abort_event.clear()
-            await asyncio.wait_for(reps[0].abort_event.wait(), 5)
         assert not p.proxy.pool.conns[0].streams and p.proxy.pool.conns[0].own_inflight == 0

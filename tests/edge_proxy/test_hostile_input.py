@@ -4,8 +4,10 @@ encoded toward a replica fails its own request only."""
 
 import asyncio
 import json
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,11 +16,12 @@ from edge_proxy import protocol as pp
 from stub_replica.server import expected_tokens
 from wire import protocol as rp
 
-from conftest import proxy_for, stubs
+from conftest import KEYS, proxy_for, stubs
 from rawclient import RawClient, generate
 
 pytestmark = pytest.mark.anyio
 AUTH = {"Authorization": "Bearer sk-alice"}
+LOAD_KEYS = KEYS + [{"key": "sk-load", "tenant": "load", "rate_per_s": 10_000, "burst": 10_000}]
 
 
 def want(prompt: str, n: int) -> str:
@@ -192,3 +195,59 @@ async def test_a_full_tokenizer_pool_refuses_at_once():
             await c.until(lambda: len(c.ended) == pool.max_jobs + 3)
             assert sum(f["type"] == "done" for f in c.ended.values()) == pool.max_jobs
         assert pool.jobs == 0 and pool.tokenizer.calls == pool.max_jobs
+
+
+def _gaps_ms(c: RawClient, rids) -> list[float]:
+    return [(b - a) * 1e3 for rid in rids for a, b in zip(c.arrivals[rid], c.arrivals[rid][1:])]
+
+
+async def _bystanders(url: str, n: int, tokens: int) -> list[float]:
+    """`n` streams of `tokens` tokens on one socket; their inter-token gaps as the client saw them."""
+    async with await RawClient.connect(url, timed=True) as c:
+        rids = [f"b{i}" for i in range(n)]
+        for i, rid in enumerate(rids):
+            await c.send(generate(rid, prompt=f"bystander {i}", max_tokens=tokens))
+        await c.until(lambda: all(r in c.ended for r in rids), timeout=30)
+        assert all(c.ended[r]["type"] == "done" and len(c.text(r)) == tokens for r in rids)
+        return _gaps_ms(c, rids)
+
+
+def p99(xs: list[float]) -> float:
+    return sorted(xs)[int(0.99 * (len(xs) - 1))]
+
+
+@pytest.fixture(scope="module")
+def model_tokenizer():
+    from edge_proxy.prompt import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+async def test_bystanders_keep_their_pace_while_attackers_send_1mb_prompts(model_tokenizer):
+    """Item 5 with the model's own tokenizer: three attackers (another process) send 1 MB
+    prompts, 1 MB roles, 30,000 messages and 200 KB prompts (tokenized, then too long for
+    the context) in a loop; bystanders' inter-token gaps stay within 2x their baseline p99."""
+    fp = model_tokenizer.fingerprint
+    async with stubs("a", step_s=0.02, tokenizer=fp) as reps, \
+            proxy_for(reps, tokenizer=model_tokenizer, max_frame_bytes=2 << 20, keys=LOAD_KEYS) as p:
+        await _bystanders(p.ws_url, 4, 10)  # warm up
+        base = await _bystanders(p.ws_url, 4, 60)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(Path(__file__).with_name("attacker.py")), p.ws_url, "sk-load", "3",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        try:
+            for _ in range(3):  # every attacker has had a round answered: the attack is on
+                assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"ROUND"
+            under = await _bystanders(p.ws_url, 4, 60)
+            proc.stdin.close()
+            summary = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+        print(f"bystander gap p99: baseline {p99(base):.1f} ms, under attack {p99(under):.1f} ms "
+              f"({summary['rounds']} attack rounds of 4 frames: {summary['codes']})")
+        n = summary["rounds"]
+        assert summary["codes"] == {pp.PROMPT_TOO_LONG: 3 * n, pp.BAD_REQUEST: n}
+        assert p99(under) <= 2 * p99(base), (p99(base), p99(under))
+        assert p.proxy.tokenizers.jobs == 0 and len(reps[0].generates) == 12  # only the bystanders reached it
