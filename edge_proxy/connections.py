@@ -167,10 +167,10 @@ class ConnectionGuard:
             return
         c.timer = None
         self._note(what, f"closed a connection from {c.addr}: request not received in time")
+        self.closed(transport)
         if not transport.is_closing():
             transport.write(refusal(408, what, "request not received in time"))
-        self.closed(transport)
-        transport.abort()
+            transport.close()  # after the refusal is written
 
     def _evict_one(self) -> bool:
         if not self._idle:
