@@ -141,10 +141,22 @@ ClientMessage = Union[Generate, Cancel]
 ServerMessage = Union[Delta, Done, Error]
 
 
+MAX_MESSAGE_CHARS = 300  # error messages may quote a client's value: never echo more than this
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    half = MAX_MESSAGE_CHARS // 2 - 2
+    return f"{message[:half]}...{message[-half:]}"
+
+
 class ProtocolError(Exception):
-    """A request the proxy refuses; `code` is one of the stable codes above."""
+    """A request the proxy refuses; `code` is one of the stable codes above. The message
+    is cut to `MAX_MESSAGE_CHARS` (it may quote what the client sent)."""
 
     def __init__(self, code: str, message: str, retry_after_s: float | None = None):
+        message = _bounded(message)
         super().__init__(message)
         self.code = code
         self.message = message
