@@ -42,7 +42,7 @@ log = logging.getLogger("edge_proxy.connections")
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_connections: int = 8192  # per proxy worker, before the descriptor limit lowers it
-    max_per_address: int = 512
+    max_per_address: int = 1024  # loopback benches and NAT: raise it (--max-connections-per-address)
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     reserve_fds: int = 64  # descriptors never used for client connections

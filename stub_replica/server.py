@@ -27,7 +27,7 @@ newly stored/evicted hashes as KvEvents to every connection.
 `stamp=True` (bench): each token's text is the stub's send time,
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, comparable across processes) + ";".
 
-    python -m stub_replica --port 9001 --id stub-a [--step-ms 50 --stamp --jitter]
+    python -m stub_replica --port 9001 --id stub-a [--step-ms 50 --stamp --jitter --max-running 8]
 """
 
 from __future__ import annotations
@@ -407,7 +407,8 @@ class StubReplica:
 
 async def _main(a) -> None:
     stub = StubReplica(StubConfig(replica_id=a.id, secret=a.secret, step_s=a.step_ms / 1e3, stamp=a.stamp,
-                                  jitter=a.jitter, load_interval_s=0.5, block_size=a.block_size))
+                                  jitter=a.jitter, load_interval_s=a.load_interval_ms / 1e3, block_size=a.block_size,
+                                  max_running=a.max_running, tokenizer=a.tokenizer))
     await stub.start(a.host, a.port)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -427,6 +428,9 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--stamp", action="store_true")
     p.add_argument("--jitter", action="store_true")
+    p.add_argument("--max-running", type=int, default=0, help="requests run at once (0: no limit); the rest wait")
+    p.add_argument("--tokenizer", default=StubConfig.tokenizer, help="tokenizer fingerprint announced in Hello")
+    p.add_argument("--load-interval-ms", type=float, default=500.0)
     a = p.parse_args(argv)
     import uvloop
 
