@@ -65,14 +65,20 @@ async def test_tokens_merge_while_the_client_is_behind():
     assert c.proxy.metrics.coalesced.get() == 2
 
 
-async def test_a_client_too_far_behind_is_cut_off():
+async def blocked(max_pending: int):
+    """A connection whose writer sent one delta of stream "a" and is blocked on the socket."""
     ws = BlockingSocket()
-    c = conn(ws, max_pending=1000)
+    c = conn(ws, max_pending=max_pending)
     writer = asyncio.create_task(c._write_loop())
     s = FakeStream("a")
     c.active["a"] = s
     c.delta(s, "x", 1)
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the writer sends "x" and blocks
+    return ws, c, s, writer
+
+
+async def test_a_client_too_far_behind_is_cut_off():
+    ws, c, s, writer = await blocked(1000)
     for _ in range(200):
         c.delta(s, "0123456789", 1)
     await asyncio.sleep(0)
@@ -132,13 +138,7 @@ def test_text_frames_parse_as_rfc6455(n):
 async def test_error_frames_and_cancels_share_the_outbox_budget():
     """Item 6: a client that floods frames the proxy must answer (errors, cancels of
     unknown ids) while not reading is cut off like one that does not read its tokens."""
-    ws = BlockingSocket()
-    c = conn(ws, max_pending=4000)
-    writer = asyncio.create_task(c._write_loop())
-    s = FakeStream("a")
-    c.active["a"] = s
-    c.delta(s, "x", 1)
-    await asyncio.sleep(0)  # the writer sends "x" and blocks
+    ws, c, s, writer = await blocked(4000)
     for i in range(15):  # within the cancel burst (2 x 10/s)
         c._cancel(f"unknown-{i}")
     assert ws.closed_with is None and c._pending_bytes > 15 * 40
