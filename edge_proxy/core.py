@@ -35,7 +35,7 @@ from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
 from edge_proxy.prefix_index import reply_hashes
-from edge_proxy.prompt import TokenizerPool, encode
+from edge_proxy.prompt import TokenizerPool
 from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.stream import Stream
@@ -227,7 +227,7 @@ class Proxy:
 
     async def _tokenize(self, messages: list[dict] | None, prompt: str | None) -> list[int]:
         try:
-            return await self.tokenizers.run(encode, self.tokenizer, messages, prompt)
+            return await self.tokenizers.encode(messages, prompt)
         except ValueError as e:  # replica.tokenizer.ChatTemplateError, or a tokenizer refusing the text
             raise pp.ProtocolError(pp.BAD_REQUEST, f"cannot render or tokenize the prompt: {e}") from None
 

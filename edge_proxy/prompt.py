@@ -90,6 +90,10 @@ class TokenizerPool:
             raise pp.ProtocolError(pp.OVERLOADED, f"{self.jobs} prompts are being tokenized; retry shortly", 1.0)
         return await asyncio.wrap_future(self._submit(fn, *args))
 
+    async def encode(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+        """`encode(...)` with this pool's tokenizer, in a pool thread."""
+        return await self.run(encode, self.tokenizer, messages, prompt)
+
     def reply_ids(self, messages: list[dict], reply: list[int], done) -> None:
         """Best effort, for a check rather than a request: `done(ids)` on the event loop with
         `reply_ids(...)`, or nothing when no thread is free or the template refuses."""

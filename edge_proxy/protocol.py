@@ -79,7 +79,9 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         return rp.SamplingParams(**msgspec.structs.asdict(self))
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    # gc=False: two strings cannot form a cycle, and a frame of 30,000 messages must not
+    # set off the cyclic collector (a full collection stalls every stream for tens of ms).
     role: str  # length and count bounded by `edge_proxy.limits` (configurable)
     content: str
 
