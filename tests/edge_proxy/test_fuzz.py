@@ -16,6 +16,7 @@ from stub_replica.server import expected_tokens
 from wire import protocol as rp
 
 from conftest import KEYS, proxy_for, stubs
+from jsonpaths import paths, set_at
 from rawclient import RawClient, generate
 
 pytestmark = pytest.mark.anyio
@@ -51,43 +52,27 @@ def valid(rng: random.Random, rid: str) -> dict:
     return g
 
 
-def _paths(obj, prefix=()):
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _paths(v, prefix + (i,))
-
-
-def _set(obj, path, value):
-    for k in path[:-1]:
-        obj = obj[k]
-    obj[path[-1]] = value
-
-
 def mutate(rng: random.Random, frame: dict) -> str:
     """One mutation of a valid frame, as JSON text. The id itself is mutated only into
     values that are not valid ids (so every answer can be accounted for)."""
     f = copy.deepcopy(frame)
-    paths = [p for p in _paths(f) if p and p != ("type",)]
+    where = [p for p in paths(f) if p and p != ("type",)]
     op = rng.randrange(10)
-    path = rng.choice(paths)
+    path = rng.choice(where)
     if op == 0:
-        _set(f, path, rng.choice(BOUNDARY))
+        set_at(f, path, rng.choice(BOUNDARY))
     elif op == 1:
-        _set(f, path, rng.choice(WRONG) if path != ("id",) else rng.choice([None, 7, [], "", "i" * 129]))
+        set_at(f, path, rng.choice(WRONG) if path != ("id",) else rng.choice([None, 7, [], "", "i" * 129]))
     elif op == 2:
-        _set(f, path, "y" * rng.choice([257, 10_000, 200_000]))
+        set_at(f, path, "y" * rng.choice([257, 10_000, 200_000]))
     elif op == 3:
         marker = "\u0000NUM\u0000"
-        _set(f, path, marker)
+        set_at(f, path, marker)
         return json.dumps(f).replace(json.dumps(marker), rng.choice(RAW_NUMBERS))
     elif op == 4:
         depth = rng.choice([50, 500, 5000])
         marker = "\u0000DEEP\u0000"
-        _set(f, path, marker)
+        set_at(f, path, marker)
         return json.dumps(f).replace(json.dumps(marker), "[" * depth + "]" * depth)
     elif op == 5:
         f[rng.choice(["bogus", "Id", "sampling_", "__proto__"])] = rng.choice(WRONG + BOUNDARY)
@@ -104,7 +89,7 @@ def mutate(rng: random.Random, frame: dict) -> str:
     elif op == 8:
         return json.dumps(f)[: rng.randrange(1, 40)]  # truncated: no id can be read
     else:
-        _set(f, path, [rng.choice(BOUNDARY + WRONG) for _ in range(rng.randrange(1, 70))])
+        set_at(f, path, [rng.choice(BOUNDARY + WRONG) for _ in range(rng.randrange(1, 70))])
     return json.dumps(f)
 
 
