@@ -398,7 +398,8 @@ def orchestrate(a) -> None:
             env = {**os.environ, "EDGECHAT_REPLICA_SECRET": "", "EDGECHAT_API_KEYS": f"{BENCH_KEY}=bench:interactive:1e9:1e9"}
             procs.append(start([PY, "-m", "edge_proxy", "--replica", stub_url, "--port", str(pport), "--tokenizer",
                                 "bytes", "--workers", str(a.workers), "--log-level", "warning",
-                                "--max-inflight", "100000"], "listening", env=env))
+                                "--max-inflight", "100000", "--max-connections-per-address", "100000"],
+                               "listening", env=env))
             hops["proxy"] = procs[-1].pid
             wait_http_ok(f"http://127.0.0.1:{pport}/healthz")
             urls["proxy"] = f"ws://127.0.0.1:{pport}/v1/stream"

@@ -18,6 +18,8 @@ import sys
 
 from edge_proxy.admission import AdmissionConfig
 from edge_proxy.config import ProxyConfig
+from edge_proxy.connections import ConnectionLimits
+from edge_proxy.limits import Limits
 from edge_proxy.discovery import DiscoveryConfig
 from edge_proxy.pool import PoolConfig
 from edge_proxy.peering import parse_peer
@@ -66,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     p.add_argument("--ping-interval", type=float, default=1.0, metavar="S")
     p.add_argument("--healthz-interval", type=float, default=2.0, metavar="S", help="0 disables /healthz polling")
     p.add_argument("--max-inflight", type=int, default=10_000)
+    p.add_argument("--max-prompt-bytes", type=int, default=Limits.max_prompt_bytes,
+                   help="UTF-8 bytes of a prompt (or of all messages), refused before tokenizing")
+    p.add_argument("--max-connections", type=int, default=ConnectionLimits.max_connections,
+                   help="client connections per worker (lowered to the file limit minus a reserve)")
+    p.add_argument("--max-connections-per-address", type=int, default=ConnectionLimits.max_per_address)
+    p.add_argument("--header-timeout", type=float, default=ConnectionLimits.header_timeout_s, metavar="S",
+                   help="a request's headers must arrive within this long")
     p.add_argument("--routing", default="auto", choices=MODES,
                    help="replica choice: auto (session -> prefix -> load), or a reduction for comparisons")
     p.add_argument("--peer", action="append", default=[], type=_peer, metavar="REGION=URL@RTT_MS",
@@ -85,7 +94,10 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
         peer_key=os.environ.get(PEER_KEY_ENV, ""),
         pool=PoolConfig(secret=os.environ.get(SECRET_ENV, ""), stall_timeout_s=a.stall_timeout,
                         ping_interval_s=a.ping_interval, healthz_interval_s=a.healthz_interval),
-        router=RouterConfig(mode=a.routing), admission=AdmissionConfig(max_inflight=a.max_inflight))
+        router=RouterConfig(mode=a.routing), admission=AdmissionConfig(max_inflight=a.max_inflight),
+        limits=Limits(max_prompt_bytes=a.max_prompt_bytes),
+        connections=ConnectionLimits(max_connections=a.max_connections, max_per_address=a.max_connections_per_address,
+                                     header_timeout_s=a.header_timeout))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from edge_proxy.auth import ENV_VAR, KeyStore, load_entries
 from edge_proxy.config import ProxyConfig
+from edge_proxy.connections import ConnectionGuard
 from edge_proxy.core import Proxy
 from edge_proxy.openai_api import OpenAIRoutes
 from edge_proxy.prompt import load_tokenizer
@@ -39,10 +40,11 @@ def build_proxy(cfg: ProxyConfig, tokenizer=None, keys: KeyStore | None = None, 
 
 class EdgeApp:
     """Plain ASGI front: the public WebSocket (the per-token hot path) goes straight to
-    its endpoint; HTTP, the lifespan and anything else go to Starlette."""
+    its endpoint; HTTP, the lifespan and anything else go to Starlette. `guard` is the
+    connection guard the server's protocols report to (`server.uvicorn_config`)."""
 
-    def __init__(self, app: Starlette, stream: StreamEndpoint):
-        self.app, self.stream = app, stream
+    def __init__(self, app: Starlette, stream: StreamEndpoint, guard: ConnectionGuard):
+        self.app, self.stream, self.guard = app, stream, guard
         self.state = app.state
 
     async def __call__(self, scope, receive, send) -> None:
@@ -54,12 +56,14 @@ class EdgeApp:
 
 def create_app(proxy: Proxy) -> EdgeApp:
     oa = OpenAIRoutes(proxy)
+    guard = ConnectionGuard(proxy.cfg.connections)
 
     async def healthz(request: Request):
         ready = len(proxy.pool.ready())
         ok = ready > 0 and not proxy.draining
         return JSONResponse({"status": "ok" if ok else ("draining" if proxy.draining else "no_replica"),
-                             "replicas_ready": ready, "inflight": len(proxy.streams), "pid": os.getpid()},
+                             "replicas_ready": ready, "inflight": len(proxy.streams) + len(proxy.forwarding),
+                             "connections": len(guard), "pid": os.getpid()},
                             status_code=200 if ok else 503)
 
     async def metrics(request: Request):
@@ -83,4 +87,4 @@ def create_app(proxy: Proxy) -> EdgeApp:
         Route("/metrics", metrics, methods=["GET"]),
     ], lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.proxy = proxy
-    return EdgeApp(app, StreamEndpoint(proxy))
+    return EdgeApp(app, StreamEndpoint(proxy), guard)

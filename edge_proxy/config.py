@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge_proxy.admission import AdmissionConfig
+from edge_proxy.connections import ConnectionLimits
+from edge_proxy.limits import Limits
 from edge_proxy.discovery import DiscoveryConfig
 from edge_proxy.peering import Peer
 from edge_proxy.pool import PoolConfig
@@ -30,7 +32,12 @@ class ProxyConfig:
     max_frame_bytes: int = 1 << 20  # client WebSocket message / HTTP body
     max_prompt_tokens: int = 0  # 0 -> the replicas' max_model_len
     max_tokens_limit: int = 8192
-    max_pending_bytes: int = 4 << 20  # undelivered text per client connection before it is cut off
+    max_pending_bytes: int = 1 << 20  # undelivered frames per client connection before it is cut off
+    max_open_per_connection: int = 256  # requests in flight on one client socket
+    cancel_rate_per_s: float = 100.0  # cancels per client socket (token bucket, burst twice this)
+    sessions_per_key: int = 10_000  # session bindings an API key may hold (its own oldest are forgotten first)
+    auth_failures_per_s: float = 1.0  # failed authentications per source address, after a burst of
+    auth_failure_burst: float = 20.0  # ... this many; then `rate_limited` before any key is checked
     failover_attempts: int = 3
     failover_wait_s: float = 5.0  # how long a stream waits for any replica to come back
     drain_timeout_s: float = 60.0
@@ -43,6 +50,8 @@ class ProxyConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    limits: Limits = field(default_factory=Limits)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self):
         if not self.replicas and self.discovery is None:

@@ -3,9 +3,11 @@
 Everything socket-facing (the ASGI endpoints, the replica pool) calls in here;
 the decisions themselves are the pure functions of `routing` and `admission`.
 
-    submit: draining? -> in-flight cap -> rate limit -> sampling (seed assigned) ->
-            session ownership -> tokenize -> length limits -> block hashes ->
-            route (sticky | prefix | load) -> admission (deadline) -> Generate
+    submit: draining? -> in-flight cap -> rate limit -> size limits (`limits`: bytes,
+            messages, roles; before any work) -> sampling bounds (seed assigned) ->
+            session ownership -> tokenize (thread pool, never on the loop) -> length
+            limits -> block hashes -> route (sticky | prefix | load) -> admission
+            (deadline, from the replica's Load) -> Generate
     no replica ready here (and the request was not itself forwarded): forward it to the
             nearest peer region's proxy (`peering.PeerLink`), whose done names both regions
     replica lost / dropped / overloaded: resume on another replica with the tokens
@@ -28,21 +30,22 @@ import msgspec
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
 from edge_proxy.discovery import DnsDiscovery
+from edge_proxy.limits import check_prompt
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
 from edge_proxy.prefix_index import reply_hashes
-from edge_proxy.prompt import encode_prompt, encode_reply
+from edge_proxy.prompt import TokenizerPool
 from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.stream import Stream
+from edge_proxy.throttle import FailedAuthThrottle
 from edge_proxy.tracing import console_processor, make_tracer, otlp_processor, start_request_span, traceparent_of
 from wire import protocol as rp
 from wire.hashing import block_hashes
 
 log = logging.getLogger("edge_proxy")
 
-MAX_SESSION_CHARS = 256
 _REPLICA_CODES = {rp.BAD_REQUEST, rp.PROMPT_TOO_LONG, rp.OVERLOADED, rp.INTERNAL, rp.NOT_FOUND}
 _PRIORITY_NAMES = {v: k for k, v in pp.PRIORITIES.items()}
 
@@ -75,7 +78,9 @@ class Proxy:
         self.tracer = tracer or make_tracer(cfg.region, ([console_processor()] if cfg.otel_console else [])
                                             + ([otlp_processor()] if cfg.otel_otlp else []))
         self.router = make_router(cfg.router)
-        self.sessions = SessionTable()
+        self.sessions = SessionTable(per_key=cfg.sessions_per_key)
+        self.tokenizers = TokenizerPool(tokenizer, cfg.limits.tokenizer_threads, cfg.limits.max_tokenizing)
+        self.auth_throttle = FailedAuthThrottle(cfg.auth_failures_per_s, cfg.auth_failure_burst)
         self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost, getattr(tokenizer, "fingerprint", ""))
         self.pool.state_listeners.append(self._on_pool_change)
         self.discovery = DnsDiscovery(cfg.discovery, self.pool, self.metrics) if cfg.discovery else None
@@ -93,14 +98,23 @@ class Proxy:
         if self.discovery is not None:
             self.discovery.start()
 
-    async def stop(self) -> None:
+    def fail_all(self, code: str, message: str) -> None:
+        """End every open request with an error frame (streams and requests forwarded to peers)."""
         for s in list(self.streams):
-            self.fail(s, pp.SHUTTING_DOWN, "the proxy is shutting down")
+            self.fail(s, code, message)
+        for f in list(self.forwarding):
+            if not f.done:
+                f.cancel(notify=False)  # stops it at the peer too
+                f.sink.finish(f, pp.Error(code, message, f.cid))
+
+    async def stop(self) -> None:
+        self.fail_all(pp.SHUTTING_DOWN, "the proxy is shutting down")
         if self.peers is not None:
             await self.peers.close()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.pool.stop()
+        self.tokenizers.close()
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests and wait for open streams to finish; False on timeout."""
@@ -112,6 +126,19 @@ class Proxy:
             return False
 
     # -- admission -------------------------------------------------------------
+
+    def authenticate(self, token: str | None, addr: str | None):
+        """The API key of a handshake or HTTP request from source address `addr`. Raises
+        `unauthorized`, or `rate_limited` while `addr` has failed too often (key not checked)."""
+        wait = self.auth_throttle.wait_s(addr)
+        if wait > 0:
+            raise pp.ProtocolError(pp.RATE_LIMITED, "too many failed authentications from this address",
+                                   round(max(wait, 0.001), 3))
+        key = self.keys.check(token)
+        if key is None:
+            self.auth_throttle.failed(addr)
+            raise pp.ProtocolError(pp.UNAUTHORIZED, "missing or unknown API key")
+        return key
 
     def _check_open(self) -> None:
         if self.draining:
@@ -153,20 +180,20 @@ class Proxy:
             if wait > 0:
                 raise pp.ProtocolError(pp.RATE_LIMITED, f"rate limit of API key {key.key_id} exceeded",
                                        round(max(wait, 0.001), 3))
+            if req.ids is None:  # (the OpenAI API checks and tokenizes its prompts itself: `tokenize_plan_prompt`)
+                check_prompt(req.messages, req.prompt, self.cfg.limits)
             sampling = self._sampling(req.sampling or pp.Sampling())
             priority = self._priority(key, req.priority)
             session = None
             if req.session is not None:
-                if not req.session or len(req.session) > MAX_SESSION_CHARS:
-                    raise pp.ProtocolError(pp.BAD_REQUEST, f"session ids are 1..{MAX_SESSION_CHARS} characters")
+                if not req.session or len(req.session) > pp.MAX_SESSION_CHARS:
+                    raise pp.ProtocolError(pp.BAD_REQUEST, f"session ids are 1..{pp.MAX_SESSION_CHARS} characters")
                 session = self.sessions.get(req.session, key.key_id, time.monotonic())
                 if session is None:
                     raise pp.ProtocolError(pp.FORBIDDEN, "this session belongs to another API key")
-            if (req.messages is None) == (req.prompt is None):
-                raise pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages and prompt")
             if self._forwardable(req, sampling):
                 return self._forward(key, req, sampling, priority, sink, t0)
-            ids = req.ids if req.ids is not None else await encode_prompt(self.tokenizer, req.messages, req.prompt)
+            ids = req.ids if req.ids is not None else await self._tokenize(req.messages, req.prompt)
             self._check_lengths(len(ids), sampling.max_tokens)
             self._check_open()  # draining may have begun while tokenizing
             bs = self.pool.block_size
@@ -197,6 +224,12 @@ class Proxy:
         self.streams.add(s)
         self._idle.clear()
         return s
+
+    async def _tokenize(self, messages: list[dict] | None, prompt: str | None) -> list[int]:
+        try:
+            return await self.tokenizers.encode(messages, prompt)
+        except ValueError as e:  # replica.tokenizer.ChatTemplateError, or a tokenizer refusing the text
+            raise pp.ProtocolError(pp.BAD_REQUEST, f"cannot render or tokenize the prompt: {e}") from None
 
     def _forwardable(self, req: SubmitRequest, sp: rp.SamplingParams) -> bool:
         return (self.peers is not None and not req.forwarded_by and not self.pool.ready()
@@ -380,10 +413,7 @@ class Proxy:
         span.end()
         s.sink.finish(s, msg)
         if s.messages is not None and len(s.ids) > 1 and finish_reason != rp.FINISH_ABORT:
-            try:
-                encode_reply(self.tokenizer, s.messages, s.ids, lambda again: self._check_reply(s, again))
-            except ValueError as e:  # a template that cannot render its own reply: nothing to compare
-                log.debug("reply check skipped: %s", e)
+            self.tokenizers.reply_ids(s.messages, s.ids, lambda again: self._check_reply(s, again))
 
     def _check_reply(self, s: Stream, again: list[int]) -> None:
         """Does the chat template render this reply, in the next turn, into the ids the

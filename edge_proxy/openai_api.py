@@ -18,7 +18,6 @@ request to the region that served it).
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 
 import msgspec
@@ -28,7 +27,7 @@ from edge_proxy import protocol as pp
 from edge_proxy.auth import bearer
 from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
-from edge_proxy.prompt import INLINE_CHARS
+from edge_proxy.limits import check_plan_prompt
 from wire import openai as O
 from wire import openai_prompts as OP
 from wire import protocol as rp
@@ -82,10 +81,12 @@ class OpenAIRoutes:
         self.proxy = proxy
 
     def _auth(self, request: Request):
-        key = self.proxy.keys.check(bearer(request.headers.get("authorization")))
-        if key is None:
-            raise O.OpenAIError("missing or unknown API key", None, 401, pp.UNAUTHORIZED)
-        return key
+        client = request.client
+        try:
+            return self.proxy.authenticate(bearer(request.headers.get("authorization")),
+                                           client.host if client else None)
+        except pp.ProtocolError as e:  # unauthorized, or rate_limited (failed-auth throttle)
+            raise openai_error(e) from None
 
     def _model(self, name: str | None) -> str:
         models = self.proxy.pool.models()
@@ -130,7 +131,7 @@ class OpenAIRoutes:
             key = self._auth(request)
             plan, ireq = parse(kind, await read_body(request, proxy.cfg.max_frame_bytes))
             model = self._model(plan.model if kind != "infill" else None)
-            ids = [await _tokenize(tok, p) for p in plan.prompts]
+            ids = [await _tokenize(proxy, p) for p in plan.prompts]
             sampling = OP.for_fim(plan, tok)
             cid = {"chat": "chatcmpl-", "completion": "cmpl-", "infill": "infill-"}[kind] + secrets.token_hex(12)
             h = request.headers
@@ -159,8 +160,7 @@ class OpenAIRoutes:
         return await pump.reply(response(kind, plan, ireq, cid, model, tok, ids), plan.stream)
 
 
-async def _tokenize(tokenizer, prompt) -> list[int]:
-    """OP.prompt_ids, in a thread for long prompts (the relay of every other stream must not wait)."""
-    if OP.prompt_chars(prompt) <= INLINE_CHARS:
-        return OP.prompt_ids(tokenizer, prompt)
-    return await asyncio.to_thread(OP.prompt_ids, tokenizer, prompt)
+async def _tokenize(proxy, prompt) -> list[int]:
+    """OP.prompt_ids after the proxy's size limits, in its tokenizer pool (never on the event loop)."""
+    check_plan_prompt(prompt, proxy.cfg.limits)
+    return await proxy.tokenizers.run(OP.prompt_ids, proxy.tokenizer, prompt)

@@ -5,6 +5,10 @@ carries every request routed there (internal ids, one msgpack frame per flush of
 queued messages), and knows the replica's last `Load`, its cached blocks
 (`BlockIndex`) and this proxy's outstanding requests on it.
 
+A frame is built message by message (`frame_of`): a message that cannot be
+encoded fails its own request (`bad_request`) and everything else queued in the
+same loop turn (other tenants' Generates, Aborts) still leaves in that frame.
+
 A replica is *ready* when its socket is open, it said `Hello` with the pool's block
 size, and its `/healthz` passes. It is *lost* (its streams handed to
 `on_lost(conn, streams, cause)` for failover) when:
@@ -41,7 +45,7 @@ from edge_proxy.admission import LoadView
 from edge_proxy.prefix_index import BlockIndex
 from edge_proxy.replica_link import LinkClosed, LinkRefused, ReplicaLink
 from edge_proxy.routing import effective_load
-from wire.protocol import Abort, Codec, Error, Finished, Hello, KvEvents, Load, Tokens
+from wire.protocol import BAD_REQUEST, Abort, Codec, Error, Finished, Generate, Hello, KvEvents, Load, Tokens
 
 log = logging.getLogger("edge_proxy.pool")
 
@@ -62,6 +66,27 @@ class PoolConfig:
     backoff_min_s: float = 0.05
     backoff_max_s: float = 2.0
     max_frame_bytes: int = 64 << 20  # replica -> proxy frames (a step's tokens, KV events)
+
+
+def array_header(n: int) -> bytes:
+    """The msgpack header of an array of `n` elements."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def frame_of(msgs: list, encode, on_error) -> bytes | None:
+    """A frame (msgpack array) of the messages of `msgs` that encode, each encoded on its
+    own; `on_error(msg, exc)` for the others. None when none is left."""
+    parts = []
+    for m in msgs:
+        try:
+            parts.append(encode(m))
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            on_error(m, e)
+    return array_header(len(parts)) + b"".join(parts) if parts else None
 
 
 def healthz_url(ws_url: str) -> str:
@@ -96,6 +121,7 @@ class ReplicaConn:
         self.busy_since = 0.0  # when the first of the current streams was sent
         self.last_tokens_rx = 0.0
         self._codec = Codec()
+        self._encode = msgspec.msgpack.Encoder().encode  # one message at a time (`frame_of`)
         self._out: list = []
         self._seq = 0
         self._prefix = secrets.token_hex(4) + "-"
@@ -126,10 +152,21 @@ class ReplicaConn:
         return now - self.last_rx > limit
 
     def load_view(self) -> LoadView:
+        """Admission's inputs: the last Load, plus this proxy's requests on the replica
+        (each sample with the steps it may still take, in arrival order)."""
         ld = self.load
+        ahead = []
+        for s in self.streams.values():
+            mt = s.gen.sampling.max_tokens
+            if s.samples is None:
+                ahead.append(mt - len(s.ids))
+            else:
+                ahead += [mt - len(s.samples[i]) for i in s.running]
         if ld is None:
-            return LoadView(pending_tokens=self.pending_tokens)
-        return LoadView(ld.step_ms, ld.tokens_per_s, ld.waiting_tokens, self.pending_tokens)
+            return LoadView(pending_tokens=self.pending_tokens, ahead=ahead)
+        foreign = max(0, ld.running + ld.waiting - self.own_at_report)
+        return LoadView(ld.step_ms, ld.tokens_per_s, ld.waiting_tokens, self.pending_tokens, ld.max_running, ahead,
+                        foreign)
 
     # -- outgoing --------------------------------------------------------------
 
@@ -161,7 +198,17 @@ class ReplicaConn:
     def _flush(self) -> None:
         out, self._out = self._out, []
         if out and self.link is not None:
-            self.link.send(self._codec.encode(out))
+            frame = frame_of(out, self._encode, self._unsendable)
+            if frame is not None:
+                self.link.send(frame)
+
+    def _unsendable(self, msg, exc: Exception) -> None:
+        """`msg` cannot be encoded (the edge's bounds should have caught it): fail its request only."""
+        log.error("replica %s: cannot encode %s %r: %s", self.id, type(msg).__name__, getattr(msg, "id", None), exc)
+        s = self.streams.get(msg.id) if type(msg) is Generate else None
+        if s is not None:
+            self.release(msg.id, abort=False)  # the replica never saw it
+            s.on_replica_error(Error(BAD_REQUEST, f"the request cannot be encoded for the replica: {exc}", msg.id))
 
     # -- incoming (the hot path: runs inside the link's data_received) ----------
 

@@ -6,15 +6,20 @@ tokenize again). `load_tokenizer("default")` is `replica.tokenizer.Tokenizer`
 (the model's own tokenizer and chat template, no torch); `load_tokenizer("bytes")`
 is `ByteTokenizer`, a dependency-free stand-in with the same methods that the
 tests and the replica stub use.
+
+Rendering and tokenizing never run on the event loop: `TokenizerPool` runs them
+in a few threads (the model tokenizer releases the GIL while it works, see
+`replica.tokenizer.Tokenizer.encode`), and at most `max_jobs` prompts wait for or
+occupy those threads; past that a request is refused with `overloaded` at once.
+Size limits (`edge_proxy.limits`) are checked before a prompt gets here.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
 
-# Prompts longer than this (characters) are rendered and tokenized in a thread, so
-# a huge prompt does not stall the relay of every other stream for milliseconds.
-INLINE_CHARS = 8192
+from edge_proxy import protocol as pp
 
 
 class ByteTokenizer:
@@ -51,7 +56,8 @@ def load_tokenizer(spec: str):
     return Tokenizer.from_spec(spec)
 
 
-def _encode(tokenizer, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+def encode(tokenizer, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+    """Token ids of a conversation (chat template, generation prompt) or of a raw prompt."""
     if messages is not None:
         return list(tokenizer.encode_chat(messages))
     if isinstance(prompt, list):
@@ -59,30 +65,63 @@ def _encode(tokenizer, messages: list[dict] | None, prompt: str | list[int] | No
     return list(tokenizer.encode(prompt))
 
 
-def prompt_chars(messages: list[dict] | None, prompt: str | list[int] | None) -> int:
-    if messages is not None:
-        return sum(len(m["content"]) for m in messages)
-    return len(prompt) if isinstance(prompt, str) else 0
-
-
-async def encode_prompt(tokenizer, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
-    """Token ids of a conversation (chat template, generation prompt) or of a raw prompt."""
-    if prompt_chars(messages, prompt) <= INLINE_CHARS:
-        return _encode(tokenizer, messages, prompt)
-    return await asyncio.to_thread(_encode, tokenizer, messages, prompt)
-
-
-def encode_reply(tokenizer, messages: list[dict], reply_ids: list[int], done) -> None:
+def reply_ids(tokenizer, messages: list[dict], reply: list[int]) -> list[int]:
     """Token ids of a conversation followed by a reply, as the next turn renders them
-    (the reply as text, the template's end of turn, no generation prompt), handed to
-    `done(ids)`: at once for a short chat, from a worker thread for a long one. A
-    conversation the template cannot render raises ValueError (ChatTemplateError)."""
-    def render() -> list[int]:
-        reply = {"role": "assistant", "content": tokenizer.decode(reply_ids)}
-        return list(tokenizer.encode_chat([*messages, reply], add_generation_prompt=False))
+    (the reply as text, the template's end of turn, no generation prompt)."""
+    turn = {"role": "assistant", "content": tokenizer.decode(reply)}
+    return list(tokenizer.encode_chat([*messages, turn], add_generation_prompt=False))
 
-    if prompt_chars(messages, None) <= INLINE_CHARS:
-        done(render())
-        return
-    fut = asyncio.get_running_loop().run_in_executor(None, render)
-    fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else done(f.result()))
+
+class TokenizerPool:
+    """A bounded pool of tokenizer threads (one per Proxy)."""
+
+    def __init__(self, tokenizer, threads: int = 2, max_jobs: int = 64):
+        if threads < 1 or max_jobs < threads:
+            raise ValueError(f"a tokenizer pool needs threads >= 1 and max_jobs >= threads, got {threads}, {max_jobs}")
+        self.tokenizer = tokenizer
+        self.threads, self.max_jobs = threads, max_jobs
+        self.jobs = 0  # submitted and not yet finished (or cancelled before starting)
+        self._ex = ThreadPoolExecutor(threads, thread_name_prefix="edge_proxy-tokenize")
+
+    async def run(self, fn, *args) -> list[int]:
+        """`fn(*args)` (rendering, tokenizing) in a pool thread; its exceptions propagate.
+        Raises `ProtocolError(overloaded)` at once when `max_jobs` are already in the pool."""
+        if self.jobs >= self.max_jobs:
+            raise pp.ProtocolError(pp.OVERLOADED, f"{self.jobs} prompts are being tokenized; retry shortly", 1.0)
+        return await asyncio.wrap_future(self._submit(fn, *args))
+
+    async def encode(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+        """`encode(...)` with this pool's tokenizer, in a pool thread."""
+        return await self.run(encode, self.tokenizer, messages, prompt)
+
+    def reply_ids(self, messages: list[dict], reply: list[int], done) -> None:
+        """Best effort, for a check rather than a request: `done(ids)` on the event loop with
+        `reply_ids(...)`, or nothing when no thread is free or the template refuses."""
+        if self.jobs >= self.threads:
+            return
+        loop = asyncio.get_running_loop()
+        job = self._submit(reply_ids, self.tokenizer, messages, reply)
+        job.add_done_callback(lambda j: None if j.cancelled() or j.exception() is not None
+                              else self._call(loop, done, j.result()))
+
+    def _submit(self, fn, *args) -> Future:
+        loop = asyncio.get_running_loop()
+        self.jobs += 1
+        job: Future = self._ex.submit(fn, *args)
+        # Released when the job really ends: a cancelled waiter (client gone) leaves a
+        # running job counted until its thread is free again.
+        job.add_done_callback(lambda _: self._call(loop, self._release))
+        return job
+
+    @staticmethod
+    def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:  # from a worker thread
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _release(self) -> None:
+        self.jobs -= 1
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=False, cancel_futures=True)

@@ -14,9 +14,10 @@ See docs/protocol.md for examples, codes and limits.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Literal, Union
 
 import msgspec
+from msgspec import Meta
 
 from wire import protocol as rp
 
@@ -33,27 +34,44 @@ UNAVAILABLE = "unavailable"  # no healthy replica (even after failover)
 SHUTTING_DOWN = "shutting_down"  # the proxy is draining; reconnect (to another proxy)
 TOO_LARGE = "too_large"  # frame or body over the size limit
 TOO_SLOW = "too_slow"  # the client fell too far behind; connection closed
+TOO_MANY_CONNECTIONS = "too_many_connections"  # connection cap of the proxy or of the source address (HTTP 503)
+
+# Wire bounds, enforced while decoding (before anything is queued). Integers fit the
+# types they become downstream: token ids and top_k are int32 on the replica's
+# device, seeds are 63-bit; floats are finite (JSON has no NaN, and 1e999 is out of
+# range); every list and string is bounded, so a frame costs at most what it says.
+MAX_ID_CHARS = 128  # request ids, tenants: echoed in every frame of the request, never longer
+MAX_SESSION_CHARS = 256
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, rp.MAX_STOP_TOKEN_IDS
+MAX_DEADLINE_MS = 3_600_000.0
+INT32_MAX, SEED_MAX = 2**31 - 1, 2**63 - 1
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 
 PRIORITIES = {"interactive": rp.INTERACTIVE, "batch": rp.BATCH}
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """The sampling a client may ask for here (wire.protocol.SamplingParams has the meanings;
-    n and logprobs are the OpenAI HTTP API's: a delta carries text, not tokens)."""
+    n and logprobs are the OpenAI HTTP API's: a delta carries text, not tokens). Bounded while
+    decoding; `SamplingParams.validate` checks the ranges again for both front ends."""
 
-    max_tokens: int = rp.DEFAULT_MAX_TOKENS
-    temperature: float = 1.0  # 0 -> greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 -> off
-    seed: int | None = None  # the proxy assigns one when absent, so failover stays exact
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: dict[int, float] = {}
-    min_tokens: int = 0
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = rp.DEFAULT_MAX_TOKENS  # <= the proxy's max_tokens_limit
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0  # 0 -> greedy
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0  # 0 -> off
+    seed: Annotated[int, Meta(ge=0, le=SEED_MAX)] | None = None  # assigned when absent, so failover stays exact
+    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+                    Meta(max_length=MAX_STOP_STRINGS)] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=rp.MAX_LOGIT_BIAS)] = {}
+    min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
 
@@ -61,25 +79,27 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         return rp.SamplingParams(**msgspec.structs.asdict(self))
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    # gc=False: two strings cannot form a cycle, and a frame of 30,000 messages must not
+    # set off the cyclic collector (a full collection stalls every stream for tens of ms).
+    role: str  # length and count bounded by `edge_proxy.limits` (configurable)
     content: str
 
 
 class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True, omit_defaults=True):
-    id: str
+    id: RequestId
     messages: list[ChatMessage] | None = None  # a conversation (rendered with the chat template) ...
     prompt: str | None = None  # ... or a raw prompt; exactly one of the two
-    session: str | None = None  # sticky session: later turns go to the replica holding the prefix
+    session: Annotated[str, Meta(min_length=1, max_length=MAX_SESSION_CHARS)] | None = None  # sticky session
     sampling: Sampling = msgspec.field(default_factory=Sampling)
-    priority: str | None = None  # "interactive" | "batch"; never above the API key's tier
-    deadline_ms: float = 0.0  # 0 -> none; reject with `overloaded` when the first token cannot come in time
-    traceparent: str | None = None  # W3C trace context to continue
-    tenant: str | None = None  # peer keys only: the tenant a forwarded request runs for
+    priority: Literal["interactive", "batch"] | None = None  # never above the API key's tier
+    deadline_ms: Annotated[float, Meta(ge=0.0, le=MAX_DEADLINE_MS)] = 0.0  # 0 -> none; else `overloaded` at once
+    traceparent: Annotated[str, Meta(max_length=256)] | None = None  # W3C trace context to continue
+    tenant: RequestId | None = None  # peer keys only: the tenant a forwarded request runs for
 
 
 class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
-    id: str
+    id: RequestId
 
 
 class Delta(msgspec.Struct, tag="delta"):
@@ -123,32 +143,68 @@ ClientMessage = Union[Generate, Cancel]
 ServerMessage = Union[Delta, Done, Error]
 
 
+MAX_MESSAGE_CHARS = 300  # error messages may quote a client's value: never echo more than this
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    half = MAX_MESSAGE_CHARS // 2 - 2
+    return f"{message[:half]}...{message[-half:]}"
+
+
 class ProtocolError(Exception):
-    """A request the proxy refuses; `code` is one of the stable codes above."""
+    """A request the proxy refuses; `code` is one of the stable codes above. The message
+    is cut to `MAX_MESSAGE_CHARS` (it may quote what the client sent)."""
 
     def __init__(self, code: str, message: str, retry_after_s: float | None = None):
+        message = _bounded(message)
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
 
 
+class _Envelope(msgspec.Struct):
+    """Just the id of a frame that failed to decode, so its error can name it."""
+
+    id: RequestId | None = None
+
+
+class FrameError(ProtocolError):
+    """A client frame that failed to decode; `id` is its request id when it had a usable one."""
+
+    def __init__(self, message: str, id: str | None):
+        super().__init__(BAD_REQUEST, message)
+        self.id = id
+
+
 class ClientCodec:
     """Proxy side: decode client frames, encode server frames (one per connection or shared)."""
 
-    __slots__ = ("_dec", "_enc")
+    __slots__ = ("_dec", "_enc", "_env")
 
     def __init__(self):
         self._dec = msgspec.json.Decoder(ClientMessage)
         self._enc = msgspec.json.Encoder()
+        self._env = msgspec.json.Decoder(_Envelope)
 
     def decode(self, data: str | bytes) -> Generate | Cancel:
+        """Raises `FrameError` (bad_request, with the frame's id when it had a valid one)."""
         try:
             return self._dec.decode(data)
         except msgspec.ValidationError as e:
-            raise ProtocolError(BAD_REQUEST, f"invalid message: {e}") from None
+            raise FrameError(f"invalid message: {e}", self._id_of(data)) from None
         except msgspec.DecodeError as e:
-            raise ProtocolError(BAD_REQUEST, f"malformed JSON: {e}") from None
+            raise FrameError(f"malformed JSON: {e}", None) from None
+        except RecursionError:
+            raise FrameError("malformed JSON: nested too deeply", None) from None
+
+    def _id_of(self, data: str | bytes) -> str | None:
+        try:
+            return self._env.decode(data).id
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            return None  # no id, or one that is not a valid id (never echoed)
 
     def encode(self, msg: Delta | Done | Error) -> bytes:
         return self._enc.encode(msg)

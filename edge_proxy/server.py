@@ -6,6 +6,13 @@ balancer or client moves on), refuse new requests on open connections with
 `shutting_down`, let every open stream finish (up to `drain_timeout_s`), then shut
 uvicorn down. A second signal skips the wait.
 
+Connections: uvicorn's HTTP and WebSocket protocols report to the app's
+`ConnectionGuard` (caps per proxy and per source address, header/body timeouts,
+descriptor reserve; see `connections.py`).
+
+Drain timeout: streams still open when `drain_timeout_s` passes are each failed
+with `shutting_down` (an error frame per request) before the sockets close.
+
 Workers: each process binds its own SO_REUSEPORT socket, so the kernel spreads
 connections across them; each has its own replica connections, session table
 and metrics. Rendezvous hashing keeps a session's placement identical in every
@@ -22,9 +29,13 @@ import signal
 import socket
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from edge_proxy.app import build_proxy, create_app
+from edge_proxy import protocol as pp
+from edge_proxy.app import EdgeApp, build_proxy, create_app
 from edge_proxy.config import ProxyConfig
+from edge_proxy.connections import guarded_protocols
 
 log = logging.getLogger("edge_proxy")
 
@@ -35,14 +46,6 @@ def _loop() -> str:
     except ImportError:
         return "asyncio"
     return "uvloop"
-
-
-def _http() -> str:
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return "h11"
-    return "httptools"
 
 
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -58,8 +61,10 @@ def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
-def uvicorn_config(app, cfg: ProxyConfig) -> uvicorn.Config:
-    return uvicorn.Config(app, loop=_loop(), http=_http(), ws="websockets-sansio", lifespan="on",
+def uvicorn_config(app: EdgeApp, cfg: ProxyConfig) -> uvicorn.Config:
+    """uvicorn (httptools, sans-I/O websockets) with its protocols reporting to `app.guard`."""
+    http, ws = guarded_protocols(HttpToolsProtocol, WebSocketsSansIOProtocol, app.guard)
+    return uvicorn.Config(app, loop=_loop(), http=http, ws=ws, lifespan="on",
                           ws_max_size=cfg.max_frame_bytes, ws_per_message_deflate=False, ws_ping_interval=20.0,
                           ws_ping_timeout=20.0, access_log=False, log_level=cfg.log_level,
                           timeout_graceful_shutdown=5)
@@ -94,7 +99,9 @@ class DrainingServer(uvicorn.Server):
             server.close()  # stop listening: new connections are refused from here on
         log.info("draining: %d streams open, waiting up to %g s", len(self.proxy.streams), timeout)
         if not await self.proxy.drain(timeout):
-            log.warning("drain timed out with %d streams open", len(self.proxy.streams))
+            log.warning("drain timed out with %d streams open; failing them", len(self.proxy.streams))
+            self.proxy.fail_all(pp.SHUTTING_DOWN, f"the proxy shut down (drain timeout of {timeout:g} s passed)")
+            await asyncio.sleep(0)  # error frames are written at the end of this loop turn, before the close
         self.should_exit = True
 
 

@@ -7,10 +7,20 @@ token counts) and wakes the writer task, which sends one frame per entry. While
 a send is blocked on a slow client (the transport's 64 KiB high-water mark),
 new tokens merge into the waiting entries, so a slow client gets fewer, larger
 frames and the memory it can pin is bounded by `max_pending_bytes` of undelivered
-text, past which the connection is closed with `too_slow` (1008).
+frames (text, ids, done and error frames alike), past which the connection is
+closed with `too_slow` (1008). A connection holds at most `max_open_per_connection`
+requests and may cancel `cancel_rate_per_s` times a second (burst twice that).
 
-Handshake checks, in order: Origin allowlist (403), API key from
-`Authorization: Bearer` or the subprotocol `bearer.<key>` (401), draining (503).
+Ids: a request is known by the object admitting it, never by its id alone, so a
+`generate a`, `cancel a`, `generate a` sequence gives two requests whose frames
+never mix, whatever the order admission finishes in; every error about a frame
+carries that frame's id when it had a valid one (ids are at most 128 characters,
+never echoed beyond that).
+
+Handshake checks, in order: Origin allowlist (403), subprotocols (an offer must
+include `edgechat.v1`; 400), failed-auth throttle of the source address (429),
+API key from `Authorization: Bearer` or the subprotocol `bearer.<key>` (401),
+draining (503).
 
 `StreamEndpoint` is a plain ASGI callable mounted in front of Starlette (see
 `app.py`); Starlette's `WebSocket` does the handshake only.
@@ -39,7 +49,7 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from edge_proxy import protocol as pp
-from edge_proxy.auth import bearer
+from edge_proxy.auth import TokenBucket, bearer
 from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
 
@@ -104,8 +114,21 @@ def origin_allowed(origin: str | None, allowed: tuple[str, ...]) -> bool:
     return origin is None or "*" in allowed or origin in allowed
 
 
-def _deny(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"type": "error", "code": code, "message": message}, status_code=status)
+def _deny(status: int, code: str, message: str, retry_after_s: float | None = None) -> JSONResponse:
+    body = {"type": "error", "code": code, "message": message}
+    headers = None
+    if retry_after_s:
+        body["retry_after_s"] = retry_after_s
+        headers = {"Retry-After": str(max(1, round(retry_after_s)))}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+_DENY_STATUS = {pp.UNAUTHORIZED: 401, pp.RATE_LIMITED: 429}
+
+# Accounting of the outbox (`max_pending_bytes`): a frame's text plus this much for
+# its JSON around it; done and error frames are counted at their usual size.
+FRAME_OVERHEAD = 48
+DONE_BYTES = 320
 
 
 class StreamEndpoint:
@@ -121,18 +144,24 @@ class StreamEndpoint:
             await ws.send_denial_response(_deny(403, pp.FORBIDDEN, "origin not allowed"))
             return
         offered = [p.strip() for h in ws.headers.getlist("sec-websocket-protocol") for p in h.split(",")]
+        offered = [p for p in offered if p]
+        if offered and SUBPROTOCOL not in offered:  # we could select none: browsers fail such a handshake
+            await ws.send_denial_response(_deny(400, pp.BAD_REQUEST, f"offer the subprotocol {SUBPROTOCOL!r}"))
+            return
         token = bearer(ws.headers.get("authorization"))
         if token is None:
             token = next((p[len(KEY_SUBPROTOCOL_PREFIX):] for p in offered if p.startswith(KEY_SUBPROTOCOL_PREFIX)),
                          None)
-        key = proxy.keys.check(token)
-        if key is None:
-            await ws.send_denial_response(_deny(401, pp.UNAUTHORIZED, "missing or unknown API key"))
+        client = scope.get("client")
+        try:
+            key = proxy.authenticate(token, client[0] if client else None)
+        except pp.ProtocolError as e:
+            await ws.send_denial_response(_deny(_DENY_STATUS[e.code], e.code, e.message, e.retry_after_s))
             return
         if proxy.draining:
             await ws.send_denial_response(_deny(503, pp.SHUTTING_DOWN, "the proxy is draining"))
             return
-        await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+        await ws.accept(subprotocol=SUBPROTOCOL if offered else None)
         await ClientConnection(receive, send, proxy, key, ws.headers.get(FORWARDED_HEADER), self.flusher).run()
 
 
@@ -148,10 +177,14 @@ class ClientConnection:
         self.key = key
         self.forwarded_by = forwarded_by  # a peer region's proxy: its requests are never forwarded again
         self.codec = pp.ClientCodec()
-        self.active: dict[str, object] = {}  # client id -> Stream, or None while being admitted
-        self._pending: dict = {}  # Stream (or None for connection errors) -> [text, tokens, merged, final]
-        self._pending_bytes = 0
-        self._conn_errors: list[pp.Error] = []
+        cfg = proxy.cfg
+        self.max_open = cfg.max_open_per_connection
+        self._cancels = TokenBucket(cfg.cancel_rate_per_s, 2 * cfg.cancel_rate_per_s)
+        # Client id -> its Stream (or Forwarded), or the SubmitRequest still being admitted.
+        self.active: dict[str, object] = {}
+        self._pending: dict = {}  # Stream -> [text, tokens, merged, final]
+        self._loose: list = []  # frames of no stream: errors, done/abort of requests cancelled while admitted
+        self._pending_bytes = 0  # what the two hold, in frame bytes (approximately)
         self._waiter: asyncio.Future | None = None  # the writer, when idle
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
@@ -164,11 +197,12 @@ class ClientConnection:
         e = self._pending.get(s)
         if e is None:
             self._pending[s] = [text, ntok, 1, None]
+            self._pending_bytes += len(text) + len(s.cid) + FRAME_OVERHEAD
         else:
             e[0] += text
             e[1] += ntok
             e[2] += 1
-        self._pending_bytes += len(text)
+            self._pending_bytes += len(text)
         if self._pending_bytes > self.proxy.cfg.max_pending_bytes:
             self._too_slow()
         if self._waiter is not None:
@@ -177,16 +211,34 @@ class ClientConnection:
     def finish(self, s, msg) -> None:
         if self.active.get(s.cid) is s:
             del self.active[s.cid]
+        if self._closing:
+            return
         e = self._pending.get(s)
         if e is None:
             self._pending[s] = ["", 0, 0, msg]
         else:
             e[3] = msg
+        self._count(msg)
+        self._wake()
+
+    def _answer(self, msg) -> None:
+        """A frame of no stream (an error, or the done of a request cancelled while admitted)."""
+        if self._closing:
+            return
+        self._loose.append(msg)
+        self._count(msg)
         self._wake()
 
     def _error(self, cid: str | None, e: pp.ProtocolError) -> None:
-        self._conn_errors.append(pp.Error(e.code, e.message, cid, e.retry_after_s))
-        self._wake()
+        self._answer(pp.Error(e.code, e.message, cid, e.retry_after_s))
+
+    def _count(self, msg) -> None:
+        if type(msg) is pp.Error:
+            self._pending_bytes += len(msg.message) + len(msg.id or "") + FRAME_OVERHEAD
+        else:
+            self._pending_bytes += DONE_BYTES + len(msg.id)
+        if self._pending_bytes > self.proxy.cfg.max_pending_bytes:
+            self._too_slow()
 
     def _wake(self) -> None:
         if self._proto is not None and self._proto.writable.is_set():
@@ -199,14 +251,18 @@ class ClientConnection:
             self._waiter = None
             w.set_result(None)
 
+    def _take(self) -> tuple[list, dict]:
+        loose, self._loose = self._loose, []
+        batch, self._pending = self._pending, {}
+        self._pending_bytes = 0
+        return loose, batch
+
     def _take_frames(self) -> bytes:
         """Everything pending, as consecutive WebSocket frames."""
         enc, frames = self.codec.encode, []
-        for err in self._conn_errors:
-            frames.append(text_frame(enc(err)))
-        self._conn_errors = []
-        batch, self._pending = self._pending, {}
-        self._pending_bytes = 0
+        loose, batch = self._take()
+        for msg in loose:
+            frames.append(text_frame(enc(msg)))
         coalesced = 0
         for s, (text, ntok, merged, final) in batch.items():
             if merged:
@@ -226,7 +282,7 @@ class ClientConnection:
         if not proto.writable.is_set():
             self._wake()
             return
-        if self._pending or self._conn_errors:
+        if self._pending or self._loose:
             proto.transport.write(self._take_frames())
 
     # -- writer ----------------------------------------------------------------
@@ -238,15 +294,12 @@ class ClientConnection:
         coalesced = self.proxy.metrics.coalesced
         loop = asyncio.get_running_loop()
         while True:
-            if not self._pending and not self._conn_errors:
+            if not self._pending and not self._loose:
                 self._waiter = loop.create_future()
                 await self._waiter
-            if self._conn_errors:
-                errs, self._conn_errors = self._conn_errors, []
-                for err in errs:
-                    await send({"type": "websocket.send", "text": enc(err).decode()})
-            batch, self._pending = self._pending, {}
-            self._pending_bytes = 0
+            loose, batch = self._take()
+            for msg in loose:
+                await send({"type": "websocket.send", "text": enc(msg).decode()})
             for s, (text, ntok, merged, final) in batch.items():
                 if merged:
                     await send({"type": "websocket.send", "text": enc(pp.Delta(s.cid, text, ntok)).decode()})
@@ -267,9 +320,10 @@ class ClientConnection:
     def _too_slow(self) -> None:
         if self._closing:
             return
-        self._closing = True
         log.warning("closing a client %d KiB behind", self._pending_bytes >> 10)
+        self._closing = True
         self._pending.clear()
+        self._loose.clear()
         self._pending_bytes = 0
         self._cancel_all()
         t = asyncio.get_running_loop().create_task(
@@ -295,8 +349,8 @@ class ClientConnection:
                     continue
                 try:
                     m = self.codec.decode(data)
-                except pp.ProtocolError as e:
-                    self._error(None, e)
+                except pp.FrameError as e:
+                    self._error(e.id, e)
                     continue
                 if type(m) is pp.Cancel:
                     self._cancel(m.id)
@@ -313,10 +367,18 @@ class ClientConnection:
         if m.id in self.active:
             self._error(m.id, pp.ProtocolError(pp.BAD_REQUEST, f"request id {m.id!r} is already in flight"))
             return
-        self.active[m.id] = None
+        if len(self.active) >= self.max_open:
+            self._error(m.id, pp.ProtocolError(pp.RATE_LIMITED, f"{len(self.active)} requests are open on this "
+                                                                 "connection; wait for one to end", 1.0))
+            return
+        if m.messages is not None and len(m.messages) > self.proxy.cfg.limits.max_messages:
+            self._error(m.id, pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{len(m.messages)} messages; at most "
+                                               f"{self.proxy.cfg.limits.max_messages} are accepted"))
+            return  # before building a dict per message
         messages = [{"role": x.role, "content": x.content} for x in m.messages] if m.messages is not None else None
         req = SubmitRequest(m.id, messages, m.prompt, m.session, m.sampling, m.priority, m.deadline_ms,
                             m.traceparent, self.forwarded_by, m.tenant)
+        self.active[m.id] = req
         t = asyncio.get_running_loop().create_task(self._start(req))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -325,29 +387,39 @@ class ClientConnection:
         try:
             s = await self.proxy.submit(self.key, req, self)
         except pp.ProtocolError as e:
-            if self.active.get(req.cid, 0) is None:
+            if self.active.get(req.cid) is req:
                 del self.active[req.cid]
-            self._error(req.cid, e)
+                self._error(req.cid, e)
             return
-        if req.cid not in self.active or self._closing:  # cancelled or disconnected while admitting
+        except Exception:  # a bug: answer this request, keep the connection and everyone else's
+            log.exception("request %r failed while being admitted", req.cid)
+            if self.active.get(req.cid) is req:
+                del self.active[req.cid]
+                self._error(req.cid, pp.ProtocolError(pp.INTERNAL, "the proxy failed to admit this request"))
+            return
+        if self.active.get(req.cid) is not req or self._closing:  # cancelled or disconnected while admitting
             s.cancel(notify=False)
-        elif not s.done:
+        elif s.done:  # answered already (finish came before the stream was registered here)
+            del self.active[req.cid]
+        else:
             self.active[req.cid] = s
 
     def _cancel(self, cid: str) -> None:
-        if cid not in self.active:
+        wait = self._cancels.take()
+        if wait > 0:
+            self._error(cid, pp.ProtocolError(pp.RATE_LIMITED, "too many cancels on this connection",
+                                              round(max(wait, 0.001), 3)))
+            return
+        s = self.active.pop(cid, None)
+        if s is None:
             self._error(cid, pp.ProtocolError(pp.NOT_FOUND, f"no request {cid!r} in flight"))
-            return
-        s = self.active.pop(cid)
-        if s is None:  # still being admitted: `_start` cancels it; answer now
-            self._pending[("cancelled", cid)] = ["", 0, 0, pp.Done(cid, "abort", pp.Usage(), pp.Timing(),
-                                                                   self.proxy.cfg.region, "")]
-            self._wake()
-            return
-        s.cancel(notify=True)
+        elif type(s) is SubmitRequest:  # still being admitted: `_start` drops it; answer now
+            self._answer(pp.Done(cid, "abort", pp.Usage(), pp.Timing(), self.proxy.cfg.region, ""))
+        else:
+            s.cancel(notify=True)
 
     def _cancel_all(self) -> None:
         active, self.active = self.active, {}
         for s in active.values():
-            if s is not None:
+            if type(s) is not SubmitRequest:
                 s.cancel(notify=False)

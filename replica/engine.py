@@ -344,7 +344,7 @@ class LLMEngine:
         s = self.scheduler
         return P.Load(running=len(s.running), waiting=s.num_waiting, free_blocks=self.blocks.num_free,
                       total_blocks=self.blocks.num_blocks, step_ms=round(self.step_ms, 3),
-                      waiting_tokens=s.waiting_tokens())
+                      waiting_tokens=s.waiting_tokens(), max_running=self.cfg.max_num_seqs)
 
     def kv_events(self) -> P.KvEvents | None:
         stored, removed = self.blocks.drain_events()

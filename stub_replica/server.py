@@ -16,7 +16,9 @@ resumes on its own); with logprobs every token has logprob -1 and the requested
 number of alternatives (the token first). One engine tick every `step_s` emits
 one token for every running request, all tokens for one connection in one frame.
 With `jitter`, each request starts at a random phase within its step, as streams
-of independent users would.
+of independent users would. With `max_running` (like a replica's `max_num_seqs`)
+at most that many requests run at once; the rest wait in arrival order, are
+reported as `waiting` in `Load`, and start as slots free.
 
 Prefix cache: per (salt-chained) block hash, LRU over `total_blocks`; each new
 request reports `cached_tokens` for its leading cached blocks and broadcasts the
@@ -25,7 +27,7 @@ newly stored/evicted hashes as KvEvents to every connection.
 `stamp=True` (bench): each token's text is the stub's send time,
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, comparable across processes) + ";".
 
-    python -m stub_replica --port 9001 --id stub-a [--step-ms 50 --stamp --jitter]
+    python -m stub_replica --port 9001 --id stub-a [--step-ms 50 --stamp --jitter --max-running 8]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import argparse
 import asyncio
 import heapq
 import hmac
+from collections import deque
 import random
 import signal
 import time
@@ -88,6 +91,7 @@ class StubConfig:
     load_override: dict = field(default_factory=dict)  # Load fields to report instead of the real ones
     kv_events: bool = True  # False: a replica that never reports its cache (the proxy must guess)
     tokenizer: str = "bytes-v1"  # fingerprint in Hello (edge_proxy.prompt.ByteTokenizer's)
+    max_running: int = 0  # requests producing tokens at once (0: no limit); the rest wait
 
 
 class _Req:
@@ -129,10 +133,13 @@ class StubReplica:
         self._server = None
         self._tasks: list[asyncio.Task] = []
         self._dirty: set[_Conn] = set()  # connections with queued messages
+        self._running: set[_Req] = set()  # with max_running: the requests holding a slot
+        self._waiting: deque[_Req] = deque()  # with max_running: admitted, waiting for a slot
         self._waiter: asyncio.Future | None = None
         self.abort_event = asyncio.Event()  # set on the first Abort received
         self.connected_event = asyncio.Event()  # set once a peer is connected
         self.token_event = asyncio.Event()  # set once a token was produced
+        self.ended_event = asyncio.Event()  # set whenever a request ends (finished, aborted, connection gone)
 
     @property
     def url(self) -> str:
@@ -163,11 +170,25 @@ class StubReplica:
             c.ws.transport.abort()
         self.conns.clear()
         self._heap.clear()
+        self._running.clear()
+        self._waiting.clear()
         await self.stop()
 
     def produced(self) -> dict[str, int]:
         """Tokens produced so far by each running request."""
         return {rid: r.pos for c in self.conns for rid, r in c.reqs.items()}
+
+    @property
+    def active(self) -> int:
+        """Requests the stub holds (running or waiting for a slot)."""
+        return sum(len(c.reqs) for c in self.conns)
+
+    async def until_idle(self, timeout: float = 5.0) -> None:
+        """Wait until the stub holds no request."""
+        async with asyncio.timeout(timeout):
+            while self.active:
+                self.ended_event.clear()
+                await self.ended_event.wait()
 
     def freeze(self) -> None:
         """Like SIGSTOP: sockets stay open, nothing is read or sent (pings go unanswered)."""
@@ -220,11 +241,14 @@ class StubReplica:
                             if r is not None:
                                 self.aborts.append((rid, r.pos))
                                 self.abort_event.set()
+                                self._free(r)
         except ConnectionClosed:
             pass
         finally:
             self.conns.discard(c)
-            c.reqs.clear()
+            gone, c.reqs = list(c.reqs.values()), {}
+            for r in gone:
+                self._free(r)
 
     # -- engine ----------------------------------------------------------------
 
@@ -249,13 +273,32 @@ class StubReplica:
             self._queue(c, rp.Error(rp.PROMPT_TOO_LONG, "prompt + max_tokens over max_model_len", g.id))
             return
         cached = self._cache_prompt(g)
-        due = time.perf_counter() + (random.random() * self.cfg.step_s if self.cfg.jitter else 0.0)
         for i, resume in samples:
-            r = _Req(c, g, due, cached, i, len(resume))
+            r = _Req(c, g, 0.0, cached, i, len(resume))
             c.reqs[r.rid] = r
-            self._seq += 1
-            heapq.heappush(self._heap, (r.due, self._seq, r))
+            if self.cfg.max_running and len(self._running) >= self.cfg.max_running:
+                self._waiting.append(r)
+            else:
+                self._run(r)
+
+    def _run(self, r: _Req) -> None:
+        if self.cfg.max_running:
+            self._running.add(r)
+        r.due = time.perf_counter() + (random.random() * self.cfg.step_s if self.cfg.jitter else 0.0)
+        self._seq += 1
+        heapq.heappush(self._heap, (r.due, self._seq, r))
         self._wake()
+
+    def _free(self, r: _Req) -> None:
+        """`r` ended (finished, aborted, connection gone): its slot goes to the next waiting request."""
+        self.ended_event.set()
+        if r not in self._running:
+            return
+        self._running.discard(r)
+        while self._waiting and len(self._running) < self.cfg.max_running:
+            w = self._waiting.popleft()
+            if w.conn.reqs.get(w.rid) is w and w.conn in self.conns:
+                self._run(w)
 
     def _cache_prompt(self, g: rp.Generate) -> int:
         hashes = block_hashes(g.prompt_ids, self.cfg.block_size, g.cache_salt)
@@ -324,6 +367,7 @@ class StubReplica:
             c.out.append(rp.Finished(g.id, rp.FINISH_LENGTH, rp.Usage(len(g.prompt_ids), r.pos, r.cached), r.ttft_ms,
                                      index=r.index))
             del c.reqs[r.rid]
+            self._free(r)
 
     def _flush(self) -> None:
         dirty, self._dirty = self._dirty, set()
@@ -350,10 +394,11 @@ class StubReplica:
             await asyncio.sleep(cfg.load_interval_s)
             if self.lag:
                 continue
-            running = sum(len(c.reqs) for c in self.conns)
-            fields = dict(running=running, waiting=0, free_blocks=cfg.total_blocks - len(self._cache),
+            held = self.active
+            running = len(self._running) if cfg.max_running else held
+            fields = dict(running=running, waiting=held - running, free_blocks=cfg.total_blocks - len(self._cache),
                           total_blocks=cfg.total_blocks, step_ms=cfg.step_s * 1e3,
-                          tokens_per_s=running / cfg.step_s)
+                          tokens_per_s=running / cfg.step_s, max_running=cfg.max_running)
             fields.update(cfg.load_override)
             load = rp.Load(**fields)
             for c in self.conns:
@@ -362,7 +407,8 @@ class StubReplica:
 
 async def _main(a) -> None:
     stub = StubReplica(StubConfig(replica_id=a.id, secret=a.secret, step_s=a.step_ms / 1e3, stamp=a.stamp,
-                                  jitter=a.jitter, load_interval_s=0.5, block_size=a.block_size))
+                                  jitter=a.jitter, load_interval_s=a.load_interval_ms / 1e3, block_size=a.block_size,
+                                  max_running=a.max_running, tokenizer=a.tokenizer))
     await stub.start(a.host, a.port)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -382,6 +428,9 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--stamp", action="store_true")
     p.add_argument("--jitter", action="store_true")
+    p.add_argument("--max-running", type=int, default=0, help="requests run at once (0: no limit); the rest wait")
+    p.add_argument("--tokenizer", default=StubConfig.tokenizer, help="tokenizer fingerprint announced in Hello")
+    p.add_argument("--load-interval-ms", type=float, default=500.0)
     a = p.parse_args(argv)
     import uvloop
 

@@ -219,6 +219,7 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     step_ms: float = 0.0  # recent mean engine step time
     waiting_tokens: int = 0  # prompt tokens still to prefill
     tokens_per_s: float = 0.0
+    max_running: int = 0  # requests run at once (max_num_seqs); 0: not reported
 
 
 class KvEvents(msgspec.Struct, tag="kv", array_like=True, omit_defaults=True):

@@ -75,7 +75,7 @@ class Running:
 @contextlib.asynccontextmanager
 async def proxy_for(replicas: list[StubReplica], wait_ready: int | None = None, keys=KEYS, tracer=None,
                     tokenizer=None, **kw):
-    """The proxy app under uvicorn on a pre-bound (already listening) socket."""
+    """The proxy app under uvicorn on a pre-bound (already listening) socket (byte tokenizer unless given one)."""
     pool = kw.pop("pool", FAST_POOL)
     cfg = ProxyConfig(replicas=[r.url for r in replicas], port=0, tokenizer="bytes", pool=pool, **kw)
     proxy = Proxy(cfg, tokenizer or ByteTokenizer(), KeyStore(keys, salt_secret=SECRET, anonymous=cfg.allow_anonymous),

@@ -81,3 +81,67 @@ async def test_http_disconnect_aborts(stream):
                 with pytest.raises(asyncio.CancelledError):
                     await task
         assert await steps_after(reps[0], before) <= 1
+
+
+def _runs(frames: list[dict], rid: str) -> list[tuple[str, dict]]:
+    """The requests that used id `rid` on a socket, in order: (their text, their final frame)."""
+    runs, text = [], ""
+    for f in frames:
+        if f.get("id") != rid:
+            continue
+        if f["type"] == "delta":
+            text += f["text"]
+        else:
+            runs.append((text, f))
+            text = ""
+    return runs if not text else runs + [(text, None)]
+
+
+@pytest.mark.parametrize("cancel_after_tokens", [0, 3], ids=["while-admitting", "while-streaming"])
+async def test_generate_cancel_generate_with_one_id_never_mixes(cancel_after_tokens):
+    """Issue 11, item 3: `generate a`, `cancel a`, `generate a` on one socket gives two
+    requests whose frames never mix, the cancelled one stops on the replica (Abort),
+    and nothing stays in flight."""
+    from rawclient import RawClient, generate
+    from test_hostile_input import want
+
+    async with stubs("a", step_s=0.01) as reps, proxy_for(reps) as p:
+        async with await RawClient.connect(p.ws_url) as c:
+            for _ in range(5):
+                before = len(c.frames)
+                await c.send(generate("a", prompt="first", max_tokens=40))
+                if cancel_after_tokens:
+                    await c.until(lambda: len(c.deltas.get("a", [])) >= cancel_after_tokens)
+                await c.send({"type": "cancel", "id": "a"})
+                await c.send(generate("a", prompt="second", max_tokens=40))
+                await c.until(lambda: sum(f.get("id") == "a" and f["type"] != "delta" for f in c.frames[before:]) == 2)
+                (t1, end1), (t2, end2) = _runs(c.frames[before:], "a")
+                assert end1["type"] == "done" and end1["finish_reason"] == "abort"
+                assert want("first", 40).startswith(t1) and len(t1) <= cancel_after_tokens + 2
+                assert end2["finish_reason"] == "length" and t2 == want("second", 40)
+        assert not p.proxy.streams and not p.proxy.pool.conns[0].streams
+        await reps[0].until_idle()
+        first = [g.id for g in reps[0].generates if bytes(g.prompt_ids) == b"first"]
+        assert {rid for rid, _ in reps[0].aborts} == set(first)  # every first request that reached it was aborted
+
+
+async def test_ids_are_unique_among_open_requests_and_a_closed_socket_leaves_nothing():
+    from rawclient import RawClient, generate
+
+    async with stubs("a", step_s=0.01) as reps, proxy_for(reps) as p:
+        async with await RawClient.connect(p.ws_url) as c:
+            await c.send(generate("dup", max_tokens=30))
+            await c.send(generate("dup", prompt="other", max_tokens=30))
+            await c.until(lambda: "dup" in c.ended and c.ended["dup"]["type"] == "error")
+            assert c.ended["dup"]["code"] == "bad_request" and "already in flight" in c.ended["dup"]["message"]
+            await c.until(lambda: c.endings.get("dup") == 2)  # the first one runs to its end, alone
+            assert c.ended["dup"]["finish_reason"] == "length" and len(c.text("dup")) == 30
+            for i in range(20):  # some streaming, some still being admitted when the socket goes
+                await c.send(generate(f"r{i}", max_tokens=1000))
+            await c.until(lambda: len(c.deltas) > 5)
+            c.ws.transport.abort()
+        await reps[0].until_idle()  # every request the socket had open was aborted on the replica
+        assert not p.proxy.streams
+        async with httpx.AsyncClient(trust_env=False) as h:
+            assert (await h.get(p.http + "/healthz")).json()["inflight"] == 0
+        assert not p.proxy.pool.conns[0].streams and p.proxy.pool.conns[0].own_inflight == 0

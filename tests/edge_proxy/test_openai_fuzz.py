@@ -21,6 +21,7 @@ from stub_replica.server import expected_tokens
 from wire import protocol as rp
 
 from conftest import KEYS, proxy_for, stubs
+from jsonpaths import paths, set_at
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 SEED, BODIES, CONCURRENCY, BOUND_S = 1212, 3000, 24, 10.0
@@ -43,22 +44,6 @@ EXTREMES = [2**31, 2**63, 2**64, -1, 0, -(2**63) - 1, 1.5, "x", "", True, None, 
 RAW = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "[" * 6000 + "]" * 6000, "01", "tru", '"\\ud800"']
 
 
-def _paths(obj, path=()):
-    yield path
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, path + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _paths(v, path + (i,))
-
-
-def _set(obj, path, value):
-    for p in path[:-1]:
-        obj = obj[p]
-    obj[path[-1]] = value
-
-
 BOUNDING = {"max_tokens", "max_completion_tokens", "n_predict"}  # never dropped nor nulled: the default is long
 
 
@@ -68,22 +53,22 @@ def mutate(rng: random.Random, body: dict) -> bytes:
     body = copy.deepcopy(body)
     raw = None
     for _ in range(rng.choice([0, 1, 1, 1, 2, 2, 3])):
-        paths = [p for p in _paths(body) if p and p[-1] not in BOUNDING]
+        where = [p for p in paths(body) if p and p[-1] not in BOUNDING]
         kind = rng.random()
         if kind < 0.1:
             body[rng.choice(["frobnicate", "tools", "response_format", "functions", "suffix", "audio", "best_of",
                              "guided_json", "grammar"])] = copy.deepcopy(rng.choice(EXTREMES[:9] + [{"type": "json_object"}]))
-        elif kind < 0.2 and paths:
-            path = rng.choice(paths)
+        elif kind < 0.2 and where:
+            path = rng.choice(where)
             target = body
             for p in path[:-1]:
                 target = target[p]
             del target[path[-1]]
-        elif kind < 0.35 and paths:
-            raw = (rng.choice(paths), rng.choice(RAW))
-            _set(body, raw[0], "\x00RAW\x00")
-        elif paths:
-            _set(body, rng.choice(paths), copy.deepcopy(rng.choice(EXTREMES)))
+        elif kind < 0.35 and where:
+            raw = (rng.choice(where), rng.choice(RAW))
+            set_at(body, raw[0], "\x00RAW\x00")
+        elif where:
+            set_at(body, rng.choice(where), copy.deepcopy(rng.choice(EXTREMES)))
         bounded = [k for k in BOUNDING if k in body]
         if bounded and rng.random() < 0.15:  # the bounding fields get the extremes too, but never null
             body[bounded[0]] = rng.choice([e for e in EXTREMES if e is not None])

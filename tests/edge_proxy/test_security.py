@@ -2,6 +2,7 @@
 and the proxy<->replica shared secret."""
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ from edge_proxy.client import EdgeClient, EdgeError
 from edge_proxy.pool import PoolConfig
 from wire import protocol as rp
 
-from conftest import FAST_POOL, proxy_for, stubs
+from conftest import FAST_POOL, KEYS, proxy_for, stubs
 
 pytestmark = pytest.mark.anyio
 HI = [{"role": "user", "content": "a fairly long shared system prompt, long enough for several blocks " * 2}]
@@ -161,3 +162,61 @@ async def test_priority_tier_comes_from_the_key():
             await c.complete(prompt="x", max_tokens=1)
             await c.complete(prompt="x", max_tokens=1, priority="batch")
         assert [g.priority for g in reps[0].generates] == [rp.BATCH, rp.INTERACTIVE, rp.BATCH]
+
+
+async def test_a_subprotocol_offer_must_include_edgechat_v1():
+    """Item 13: offering only `bearer.KEY` would leave no protocol to select (browsers fail
+    such a handshake): refused with 400; with `edgechat.v1` the server selects it."""
+    async with stubs("a") as reps, proxy_for(reps) as p:
+        with pytest.raises(InvalidStatus) as e:
+            await connect(p.ws_url, subprotocols=["bearer.sk-alice"], proxy=None)
+        assert e.value.response.status_code == 400 and json.loads(e.value.response.body)["code"] == pp.BAD_REQUEST
+        async with connect(p.ws_url, subprotocols=["bearer.sk-alice", "edgechat.v1"], proxy=None) as ws:
+            assert ws.subprotocol == "edgechat.v1"
+        async with connect(p.ws_url, additional_headers={"Authorization": "Bearer sk-alice"}, proxy=None) as ws:
+            assert ws.subprotocol is None  # no offer, nothing to select
+
+
+async def test_failed_authentication_is_throttled_per_source_address():
+    """Item 13: after a burst of wrong keys, an address is refused with 429 + Retry-After
+    before any key is checked (a right key included); other addresses are unaffected."""
+    async with stubs("a") as reps, proxy_for(reps, auth_failure_burst=5, auth_failures_per_s=0.5) as p:
+        statuses = []
+        for i in range(8):
+            with pytest.raises(InvalidStatus) as e:
+                await connect(p.ws_url, additional_headers={"Authorization": f"Bearer sk-guess-{i}"}, proxy=None)
+            statuses.append(e.value.response.status_code)
+        assert statuses == [401] * 5 + [429] * 3
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        assert json.loads(e.value.response.body)["code"] == pp.RATE_LIMITED
+        with pytest.raises(InvalidStatus) as e:  # even the right key waits: guesses are not evaluated
+            await connect(p.ws_url, additional_headers={"Authorization": "Bearer sk-alice"}, proxy=None)
+        assert e.value.response.status_code == 429
+        async with httpx.AsyncClient(trust_env=False) as h:  # HTTP shares the throttle
+            r = await h.get(p.http + "/v1/models", headers={"Authorization": "Bearer sk-guess"})
+            assert r.status_code == 429 and r.headers["retry-after"]
+        # another source address (all of 127/8 is loopback) is not throttled
+        sock = socket.socket()
+        sock.bind(("127.0.0.3", 0))
+        sock.connect(("127.0.0.1", p.port))
+        async with connect(p.ws_url, sock=sock, additional_headers={"Authorization": "Bearer sk-alice"}, proxy=None):
+            pass
+
+
+async def test_a_session_binding_cannot_be_evicted_by_another_key():
+    """Item 10, live: bob opens more sessions than his quota, then claims alice's session:
+    forbidden, and alice keeps her session (and its replica)."""
+    keys = [dict(k, rate_per_s=10_000, burst=10_000) if k["key"] == "sk-bob" else k for k in KEYS]
+    async with stubs("a", "b") as reps, proxy_for(reps, keys=keys, sessions_per_key=20) as p:
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as alice, \
+                await EdgeClient.connect(p.ws_url, api_key="sk-bob") as bob:
+            _, d1 = await alice.complete(messages=HI, session="victim", max_tokens=2)
+            for i in range(200):
+                await bob.complete(prompt="x", session=f"flood-{i}", max_tokens=1)
+            with pytest.raises(EdgeError) as e:
+                await bob.complete(messages=HI, session="victim", max_tokens=2)
+            assert e.value.code == pp.FORBIDDEN
+            _, d2 = await alice.complete(messages=HI, session="victim", max_tokens=2)
+            assert d2.replica == d1.replica and d2.usage.cached_tokens > 0
+        bob_id = p.proxy.keys.check("sk-bob").key_id
+        assert p.proxy.sessions.owned(bob_id) == 20 and len(p.proxy.sessions) == 21

@@ -84,3 +84,29 @@ async def test_workers_share_the_port():
             if proc.returncode is None:
                 proc.kill()
                 await proc.communicate()
+
+
+async def test_streams_cut_at_the_drain_timeout_get_an_error_before_the_close():
+    from edge_proxy.client import EdgeError
+
+    async with stubs("a", step_s=0.01) as reps:
+        port = free_port()
+        proc = await start_proxy(reps, port, "--drain-timeout", "0.3")
+        try:
+            await until_line(proc, "ready at")
+            async with await EdgeClient.connect(f"ws://127.0.0.1:{port}/v1/stream", api_key="sk-t") as c:
+                reqs = [await c.generate(prompt=f"long {i}", max_tokens=2000, temperature=0) for i in range(3)]
+                async for _ in reqs[0]:
+                    break
+                proc.send_signal(signal.SIGTERM)
+                for req in reqs:
+                    with pytest.raises(EdgeError) as e:
+                        await req.result()
+                    assert e.value.code == "shutting_down" and "drain timeout" in e.value.message
+            await asyncio.wait_for(proc.communicate(), 20)
+            assert proc.returncode == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.communicate()
+        await reps[0].until_idle()  # and the replica's work stopped

@@ -39,7 +39,8 @@ class FakeStream:
 
 
 def conn(ws, max_pending=1 << 20):
-    proxy = SimpleNamespace(cfg=SimpleNamespace(max_pending_bytes=max_pending, region="t"), metrics=ProxyMetrics())
+    cfg = SimpleNamespace(max_pending_bytes=max_pending, region="t", max_open_per_connection=16, cancel_rate_per_s=10.0)
+    proxy = SimpleNamespace(cfg=cfg, metrics=ProxyMetrics())
     return ClientConnection(None, ws, proxy, key=None)
 
 
@@ -64,14 +65,20 @@ async def test_tokens_merge_while_the_client_is_behind():
     assert c.proxy.metrics.coalesced.get() == 2
 
 
-async def test_a_client_too_far_behind_is_cut_off():
+async def blocked(max_pending: int):
+    """A connection whose writer sent one delta of stream "a" and is blocked on the socket."""
     ws = BlockingSocket()
-    c = conn(ws, max_pending=1000)
+    c = conn(ws, max_pending=max_pending)
     writer = asyncio.create_task(c._write_loop())
     s = FakeStream("a")
     c.active["a"] = s
     c.delta(s, "x", 1)
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the writer sends "x" and blocks
+    return ws, c, s, writer
+
+
+async def test_a_client_too_far_behind_is_cut_off():
+    ws, c, s, writer = await blocked(1000)
     for _ in range(200):
         c.delta(s, "0123456789", 1)
     await asyncio.sleep(0)
@@ -126,3 +133,93 @@ def test_text_frames_parse_as_rfc6455(n):
     except StopIteration as done:
         frame = done.value
     assert frame.opcode == Opcode.TEXT and frame.fin and frame.data == payload
+
+
+async def test_error_frames_and_cancels_share_the_outbox_budget():
+    """Item 6: a client that floods frames the proxy must answer (errors, cancels of
+    unknown ids) while not reading is cut off like one that does not read its tokens."""
+    ws, c, s, writer = await blocked(4000)
+    for i in range(15):  # within the cancel burst (2 x 10/s)
+        c._cancel(f"unknown-{i}")
+    assert ws.closed_with is None and c._pending_bytes > 15 * 40
+    for _ in range(100):
+        c._error(None, pp.ProtocolError(pp.BAD_REQUEST, "invalid message: " + "x" * 60))
+        if c._closing:
+            break
+    await asyncio.sleep(0)
+    assert ws.closed_with == (1008, pp.TOO_SLOW) and s.cancelled
+    assert c._pending_bytes == 0 and not c._loose and not c._pending
+    writer.cancel()
+
+
+async def test_cancels_are_rate_limited_and_open_requests_capped():
+    ws = BlockingSocket()
+    ws.gate.set()
+    c = conn(ws)  # 10 cancels/s, burst 20; 16 open requests
+    writer = asyncio.create_task(c._write_loop())
+    for i in range(25):
+        c._cancel(f"r{i}")
+    while len(ws.frames) < 25:
+        await asyncio.sleep(0)
+    codes = [f["code"] for f in ws.frames]
+    assert codes[:20] == [pp.NOT_FOUND] * 20 and codes[20:] == [pp.RATE_LIMITED] * 5
+    assert all(f["id"] == f"r{i}" for i, f in enumerate(ws.frames))
+    for i in range(16):
+        c.active[f"o{i}"] = FakeStream(f"o{i}")
+    c._generate(pp.Generate("one-more", prompt="x"))
+    while len(ws.frames) < 26:
+        await asyncio.sleep(0)
+    assert ws.frames[-1]["code"] == pp.RATE_LIMITED and ws.frames[-1]["id"] == "one-more"
+    writer.cancel()
+
+
+async def test_memory_is_bounded_per_connection_and_returned_when_it_goes():
+    """Clients that never read, each holding streams with 128-character ids: the proxy
+    holds at most `max_pending_bytes` for each (then cuts it off), and once the sockets
+    are gone, every connection object and stream is freed and the stub has no work left."""
+    import gc
+    import socket
+    import weakref
+
+    from websockets.asyncio.client import connect
+
+    from conftest import proxy_for, stubs
+
+    budget = 8 << 10
+    async with stubs("a", step_s=0.002) as reps, proxy_for(reps, max_pending_bytes=budget) as p:
+        socks = []
+        for k in range(10):
+            raw = socket.socket()
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+            raw.connect(("127.0.0.1", p.port))
+            ws = await connect(p.ws_url, sock=raw, additional_headers={"Authorization": "Bearer sk-alice"},
+                               compression=None, proxy=None)
+            for i in range(5):
+                rid = f"{k}-{i}-".ljust(128, "i")
+                await ws.send(json.dumps({"type": "generate", "id": rid, "prompt": "hello",
+                                          "sampling": {"max_tokens": 3000}}))
+            ws.transport.pause_reading()  # never read again
+            socks.append(ws)
+        await reps[0].token_event.wait()
+        conns = {s.sink for s in p.proxy.streams}
+        for sink in conns:  # small kernel buffers on the proxy's side too (no autotuning): the proxy feels it soon
+            sink._proto.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        refs = [weakref.ref(c) for c in conns]
+        high = 0
+        while p.proxy.streams:  # until every slow client has been cut off
+            reps[0].token_event.clear()
+            await asyncio.wait_for(reps[0].token_event.wait(), 5)
+            high = max([high] + [x._pending_bytes for x in conns])
+            assert high <= budget + 512  # one frame's worth over, at most, before the cut
+        cut = p.proxy.metrics.requests.get("disconnect")
+        assert cut >= 25, cut  # most were cut off (too_slow); the rest ran to their end
+        del conns, sink  # the test's own references
+        for ws in socks:
+            ws.transport.abort()
+        await reps[0].until_idle()
+        tasks = set(p.server.server_state.tasks)  # the connections' ASGI tasks end once their sockets are gone
+        assert tasks and not (await asyncio.wait(tasks, timeout=5))[1]
+        assert len(p.server.config.app.guard) == 0
+        gc.collect()
+        assert all(r() is None for r in refs), "a client connection outlived its socket"
+        assert not p.proxy.streams and p.proxy.pool.conns[0].own_inflight == 0

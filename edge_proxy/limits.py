@@ -1,0 +1,86 @@
+"""Limits before work: what a request may cost, checked before it is rendered,
+tokenized or queued, for every front end (`core.Proxy.submit` calls these).
+
+The WebSocket schema (`protocol.py`) bounds each field while decoding, and
+`wire.protocol.SamplingParams.validate` checks every request's sampling (both
+front ends) before anything is queued; this module bounds the prompt.
+
+Sizes are counted without doing the work they would cost: the prompt's UTF-8
+bytes (roles and contents), the number of messages, the length of each role.
+A prompt within them is tokenized off the event loop (`tokenize.TokenizerPool`);
+its token count is then checked against the context (`Proxy._check_lengths`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from edge_proxy import protocol as pp
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_bytes: int = 256 << 10  # UTF-8 bytes of a prompt, or of all messages' roles and contents
+    max_messages: int = 1024
+    max_role_chars: int = 64
+    max_prompt_ids: int = 1 << 17  # a prompt given as token ids (OpenAI /v1/completions)
+    tokenizer_threads: int = max(1, min(4, (os.cpu_count() or 2) // 2))  # the event loop keeps a core
+    max_tokenizing: int = 64  # prompts being tokenized or waiting for a thread; more -> `overloaded`
+
+    def __post_init__(self):
+        for name in ("max_prompt_bytes", "max_messages", "max_role_chars", "max_prompt_ids", "tokenizer_threads",
+                     "max_tokenizing"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def utf8_len(s: str) -> int:
+    return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
+
+
+def check_prompt(messages: list[dict] | None, prompt: str | list[int] | None, lim: Limits) -> None:
+    """Refuse a prompt over the size limits (`prompt_too_long`) or malformed (`bad_request`),
+    in time linear in the number of messages, without rendering or tokenizing it."""
+    if (messages is None) == (prompt is None):
+        raise pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages and prompt")
+    if messages is not None:
+        if len(messages) > lim.max_messages:
+            raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{len(messages)} messages; at most {lim.max_messages} "
+                                                       "are accepted")
+        size = 0
+        for i, m in enumerate(messages):
+            role, content = m["role"], m["content"]
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise pp.ProtocolError(pp.BAD_REQUEST, f"messages[{i}]: role and content must be strings")
+            if not role or len(role) > lim.max_role_chars:
+                raise pp.ProtocolError(pp.BAD_REQUEST, f"messages[{i}].role must be 1..{lim.max_role_chars} "
+                                                       "characters")
+            size += len(role) + utf8_len(content)
+            if size > lim.max_prompt_bytes:
+                raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"the messages are over {lim.max_prompt_bytes} bytes")
+        return
+    if isinstance(prompt, str):
+        if utf8_len(prompt) > lim.max_prompt_bytes:
+            raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"the prompt is over {lim.max_prompt_bytes} bytes")
+        return
+    if len(prompt) > lim.max_prompt_ids:
+        raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"the prompt has {len(prompt)} token ids; at most "
+                                                   f"{lim.max_prompt_ids} are accepted")
+    for i, t in enumerate(prompt):
+        if type(t) is not int or not 0 <= t <= pp.INT32_MAX:
+            raise pp.ProtocolError(pp.BAD_REQUEST, f"prompt[{i}] is not a token id (an int in [0, 2**31))")
+
+
+def check_plan_prompt(prompt, lim: Limits) -> None:
+    """`check_prompt` for one prompt of an OpenAI request plan (`wire.openai.Plan.prompts`):
+    chat messages, text, token ids, or a fill-in-the-middle prompt (`wire.openai.Fim`)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        check_prompt(prompt, None, lim)
+    elif isinstance(prompt, (str, list)):
+        check_prompt(None, prompt, lim)
+    else:  # Fim
+        size = sum(utf8_len(t) for t in (prompt.prefix, prompt.suffix, prompt.middle))
+        size += sum(utf8_len(name) + utf8_len(text) for name, text in prompt.extra)
+        if size > lim.max_prompt_bytes:
+            raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"the prompt is over {lim.max_prompt_bytes} bytes")
