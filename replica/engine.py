@@ -23,6 +23,7 @@ from replica.runner import Runner
 from replica.scheduler import Scheduler
 from replica.sequence import Sequence, Status
 from replica.tp import TensorParallel
+from replica.validation import check_for_model, check_generate
 
 
 @dataclass
@@ -115,28 +116,18 @@ class LLMEngine:
         """(error code, message naming the problem), or None when the request is valid."""
         if req.id in self.seqs:
             return P.BAD_REQUEST, f"request id {req.id!r} is already in flight"
-        if not req.prompt_ids:
-            return P.BAD_REQUEST, "prompt is empty"
-        n = len(req.prompt_ids) + len(req.resume_ids)
-        if n >= self.max_model_len:
-            return P.PROMPT_TOO_LONG, (f"prompt has {n} tokens but this replica's context is {self.max_model_len} "
-                                       "tokens, output included")
         V = self.model_cfg.vocab_size
-        if any(not 0 <= t < V for t in req.prompt_ids) or any(not 0 <= t < V for t in req.resume_ids):
-            return P.BAD_REQUEST, f"token ids must be in [0, {V})"
-        if len(req.resume_ids) >= req.sampling.max_tokens:
-            return P.BAD_REQUEST, "resume_ids already reach max_tokens"
-        if req.priority not in (P.INTERACTIVE, P.BATCH):
-            return P.BAD_REQUEST, f"priority must be {P.INTERACTIVE} (interactive) or {P.BATCH} (batch)"
+        problem = check_generate(req, self.max_model_len) or check_for_model(req, V, self.max_model_len)
+        if problem is not None:
+            return problem
         if req.sampling.n != 1:
             return P.BAD_REQUEST, "n must be 1 at the engine (the API process sends each sample on its own)"
-        problem = req.sampling.validate(self.max_model_len, V)
-        if problem is None and self.speculator is not None and req.sampling.prompt_logprobs is not None:
-            problem = "prompt_logprobs (echo with logprobs) need a replica without speculative decoding"
-        if problem is None and self.runner.tp.world > 1 and self.overlap and req.sampling.processed():
-            problem = ("penalties, logit_bias, min_p and min_tokens need overlap scheduling off with tensor "
-                       "parallelism (every rank samples on its own)")
-        return (P.BAD_REQUEST, problem) if problem else None
+        if self.speculator is not None and req.sampling.prompt_logprobs is not None:
+            return P.BAD_REQUEST, "prompt_logprobs (echo with logprobs) need a replica without speculative decoding"
+        if self.runner.tp.world > 1 and self.overlap and req.sampling.processed():
+            return P.BAD_REQUEST, ("penalties, logit_bias, min_p and min_tokens need overlap scheduling off with "
+                                   "tensor parallelism (every rank samples on its own)")
+        return None
 
     def add(self, req: P.Generate) -> P.Error | None:
         """Queue a request, or return the Error that rejects it."""
@@ -169,6 +160,12 @@ class LLMEngine:
     def _release_forks(self, seq: Sequence) -> None:
         for s in reversed(self.forks.release(seq.id)):
             self.scheduler.add(s, front=True)
+
+    def drop_inflight(self) -> list[Sequence]:
+        """Forget the step in flight without reading it back (crash containment resets its
+        sequences); returns them."""
+        step, self._inflight = self._inflight, None
+        return step.seqs if step is not None else []
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None

@@ -4,7 +4,8 @@ Started by the API process (`python -m replica.engine_process --socket PATH
 --config JSON`); connects back over a Unix socket and speaks length-prefixed
 msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
   1. takes every message already received (blocking only when idle),
-  2. runs one engine step,
+  2. runs one engine step (`replica.containment`: a request that makes it fail
+     fails alone, the others go on),
   3. sends the step's tokens, finishes, KV events and (periodically) load.
 An Abort is therefore applied before the next step: a cancelled request stops
 within one step and its blocks are freed. The process exits when the API
@@ -24,6 +25,7 @@ import msgspec
 
 from wire import protocol as P
 from replica.config import EngineConfig
+from replica.containment import Containment
 
 
 def build_engine(cfg: EngineConfig):
@@ -45,9 +47,11 @@ def build_engine(cfg: EngineConfig):
 
 def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:
     codec = P.FrameCodec()
+    contained = Containment(engine)
     sock.sendall(codec.pack([P.Hello(replica_id=replica_id, model=model_name, block_size=engine.cfg.block_size,
                                      max_model_len=engine.max_model_len)]))
     next_report = 0.0
+    idle_reported = True
     while True:
         busy = engine.has_work()
         timeout = 0.0 if busy else max(0.0, next_report - time.monotonic())
@@ -59,7 +63,7 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                 return  # the API process is gone
             for msg in codec.feed(data):
                 if isinstance(msg, P.Generate):
-                    err = engine.add(msg)
+                    err = contained.add(msg)
                     if err is not None:
                         out.append(err)
                 elif isinstance(msg, P.Abort):
@@ -68,14 +72,19 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                         out.append(fin)
             readable, _, _ = select.select([sock], [], [], 0)
         if engine.has_work():
-            out.extend(engine.step())
+            out.extend(contained.step())
         kv = engine.kv_events()
         if kv is not None:
             out.append(kv)
         now = time.monotonic()
-        if now >= next_report:
+        idle = not engine.has_work()
+        idle_reported = idle_reported and idle
+        # Load periodically, and at once when the engine falls idle: running and KV read
+        # zero within the step that freed the last request.
+        if now >= next_report or (idle and not idle_reported):
             out.append(engine.load())
             next_report = now + report_interval
+            idle_reported = idle
         if out:
             sock.sendall(codec.pack(out))
 

@@ -38,7 +38,10 @@ PROMPT_TOO_LONG = "prompt_too_long"
 OVERLOADED = "overloaded"
 UNAUTHORIZED = "unauthorized"
 NOT_FOUND = "not_found"
-INTERNAL = "internal"
+INTERNAL = "internal"  # the replica failed while serving it (e.g. its engine died): try another replica
+ENGINE_FAULT = "engine_fault"  # this request made the engine fail (contained): never retry it elsewhere
+
+INT32_MAX = 2**31 - 1  # token ids and top_k become int32 tensors
 
 # Priority classes: lower runs first.
 INTERACTIVE = 0
