@@ -9,7 +9,8 @@ depends on how many leading characters of a guess are right.
 
 Each tenant's cache salt is a keyed BLAKE2b of its name (key: the replica secret),
 the same on every proxy of a region, so prefixes are shared within a tenant and
-never across tenants.
+never across tenants. Salts are never unkeyed: a proxy without a replica secret
+(only replica stubs run without one) keys them with a random per-process key.
 
 Tier `peer` marks the key other regions' proxies present when they forward a
 request (`--peer`): only such a key may name the tenant a request runs for
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -77,7 +79,7 @@ class KeyStore:
     def __init__(self, entries: list[dict], salt_secret: str = "", anonymous: bool = False,
                  default_rate: float = 50.0, default_burst: float = 100.0):
         self._by_digest: dict[bytes, tuple[bytes, ApiKey]] = {}
-        self._salt_secret = salt_secret
+        self._salt_secret = salt_secret = salt_secret or secrets.token_hex(32)
         self._delegated: dict[tuple[str, str], ApiKey] = {}
         for e in entries:
             key, tenant = e.get("key"), e.get("tenant")

@@ -12,6 +12,10 @@ the decisions themselves are the pure functions of `routing` and `admission`.
             nearest peer region's proxy (`peering.PeerLink`), whose done names both regions
     replica lost / dropped / overloaded: resume on another replica with the tokens
             so far (`failover`), or park the stream until one is ready again
+    poison pill: a request a replica rejected as malformed (bad_request) or names as the
+            cause of an engine failure (engine_fault) is failed, never retried; one that
+            was on two replicas when they failed (lost, or engine died: internal) is failed
+            too rather than spread to a third
     finish / fail / end: answer the sink (not on disconnect), release the replica
             slot (Abort unless the replica finished it), close the span
 """
@@ -46,6 +50,7 @@ from wire.hashing import block_hashes
 
 log = logging.getLogger("edge_proxy")
 
+MAX_REPLICA_FAULTS = 2  # replicas a request may be on when they fail before it is failed, never spread further
 _REPLICA_CODES = {rp.BAD_REQUEST, rp.PROMPT_TOO_LONG, rp.OVERLOADED, rp.INTERNAL, rp.NOT_FOUND}
 _PRIORITY_NAMES = {v: k for k, v in pp.PRIORITIES.items()}
 
@@ -325,6 +330,7 @@ class Proxy:
     def _on_lost(self, conn, streams: list[Stream], cause: str) -> None:
         for s in streams:
             s.conn = None
+            s.faults += 1
             self._resume(s, cause)
 
     def replica_dropped(self, s: Stream, cause: str) -> None:
@@ -335,7 +341,16 @@ class Proxy:
         self._resume(s, cause)
 
     def replica_error(self, s: Stream, err: rp.Error) -> None:
-        retry = (err.code in (rp.OVERLOADED, rp.INTERNAL) and s.failovers < self.cfg.failover_attempts
+        """Internal (the replica's engine died under it): like losing that replica. Overloaded:
+        try another. Anything else (bad_request, engine_fault...) is the request's own: fail it."""
+        if err.code == rp.INTERNAL:
+            failed = s.conn.id
+            s.conn.release(s.rid, abort=False)
+            s.conn = None
+            s.faults += 1
+            self._resume(s, "replica_internal", avoid=failed)
+            return
+        retry = (err.code == rp.OVERLOADED and s.failovers < self.cfg.failover_attempts
                  and any(c.id not in s.tried for c in self.pool.ready()))
         if retry:
             s.conn.release(s.rid, abort=False)
@@ -344,17 +359,23 @@ class Proxy:
             return
         self.fail(s, err.code if err.code in _REPLICA_CODES else pp.INTERNAL, f"replica: {err.message}")
 
-    def _resume(self, s: Stream, cause: str) -> None:
+    def _resume(self, s: Stream, cause: str, avoid: str = "") -> None:
+        """Move a stream to another replica (`avoid`: one that just failed it, even if it still
+        looks ready), or park it until one is ready."""
         if s.done:
             return
         ended = s.settle(self._eos)  # everything was delivered but the Finished
         if ended:
             self.finish(s, ended, rp.Usage())
             return
+        if s.faults >= MAX_REPLICA_FAULTS:
+            self.fail(s, pp.INTERNAL, f"the request was on {s.faults} replicas when they failed (last: {cause}); "
+                                      "not retried on another, in case it is what makes them fail")
+            return
         if s.failovers >= self.cfg.failover_attempts:
             self.fail(s, pp.UNAVAILABLE, f"stream lost its replica {s.failovers + 1} times; giving up")
             return
-        conns = self.pool.ready(exclude=s.tried) or self.pool.ready()
+        conns = self.pool.ready(exclude=s.tried) or self.pool.ready(exclude={avoid})
         if not conns:
             self._park(s, cause)
             return

@@ -26,8 +26,8 @@ from edge_proxy import protocol as pp
 
 class Stream:
     __slots__ = ("proxy", "cid", "key", "sink", "gen", "hashes", "session", "t0", "t_first", "t_last", "ids",
-                 "conn", "rid", "tried", "failovers", "done", "span", "replica_ttft_ms", "placement", "messages",
-                 "rich", "samples", "running")
+                 "conn", "rid", "tried", "failovers", "faults", "done", "span", "replica_ttft_ms", "placement",
+                 "messages", "rich", "samples", "running")
 
     def __init__(self, proxy, cid: str, key, sink, gen: rp.Generate, hashes: list[int], session, t0: float, span,
                  rich: bool = False):
@@ -48,6 +48,7 @@ class Stream:
         self.rid = ""  # internal id on that connection
         self.tried: set[str] = set()
         self.failovers = 0
+        self.faults = 0  # replicas lost or failed while serving it (poison-pill detection)
         self.done = False
         self.span = span
         self.replica_ttft_ms = 0.0

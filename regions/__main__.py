@@ -3,8 +3,9 @@ python -m regions check [topology.toml]  validate a topology and print its resol
 
 `up` prints one line per component with its URL, then serves until Ctrl-C or
 SIGTERM, when it stops everything (relays, then proxies, which drain, then
-replicas); a second signal kills at once. If any component dies, everything is
-stopped and the exit code is 1.
+replicas); a second signal kills at once. Until then a replica or proxy that
+exits is restarted with backoff (a line says so, and when it is ready again);
+the proxies fail its streams over meanwhile, or forward to a peer region.
 """
 
 from __future__ import annotations
@@ -74,21 +75,12 @@ async def _up(a) -> int:
     if a.targets:
         with open(a.targets, "w") as f:
             json.dump(stack.targets(), f, indent=1)
-    crashed = loop.create_task(stack.wait_exit())
-    stopped = loop.create_task(stop.wait())
-    await asyncio.wait([crashed, stopped], return_when=asyncio.FIRST_COMPLETED)
-    code = 0
-    if crashed.done():
-        c = crashed.result()
-        print(f"regions: {c.kind} {c.name} exited with code {c.proc.returncode}; stopping everything\n"
-              f"{c.log_tail()}", file=sys.stderr)
-        code = 1
-    else:
-        crashed.cancel()
-        print("regions: stopping", flush=True)
+    stack.supervise()
+    await stop.wait()
+    print("regions: stopping", flush=True)
     await stack.stop()
     print("regions: stopped", flush=True)
-    return code
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

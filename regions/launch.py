@@ -9,6 +9,8 @@ whatever group is still there after `grace_s`. No orphans.
 
 Ready checks: a replica is up when `GET /healthz` answers 200 (the model is
 loaded); a proxy when its `/healthz` reports every one of its replicas ready.
+After `supervise()`, a replica or proxy that exits is restarted with backoff
+(`regions.supervisor`) until `stop()`.
 
 Discovery: proxies get their replicas as `--replica` URLs ("static"), or ("dns")
 find them as Kubernetes proxies do, by `--replicas-dns`: the launcher serves a
@@ -39,6 +41,7 @@ import httpx
 
 from regions.dns_zone import DnsZone
 from regions.relay import Relay
+from regions.supervisor import Supervisor
 from regions.topology import ROUTING_MODES, Topology
 
 SECRET_ENV = "EDGECHAT_REPLICA_SECRET"
@@ -68,6 +71,8 @@ class Component:
     relay: Relay | None = None
     log: Path | None = None
     note: str = ""
+    argv: list[str] | None = None  # how it was started (a restart runs the same)
+    env: dict | None = None
 
     def log_tail(self, n: int = 15) -> str:
         if self.log is None or not self.log.exists():
@@ -120,6 +125,7 @@ class Stack:
             self.env[API_KEYS_ENV] += f",{key}=regions-peer:peer"
             self.env[PEER_KEY_ENV] = key
         self._stopping = False
+        self.supervisor: Supervisor | None = None
 
     # -- URLs ------------------------------------------------------------------
 
@@ -135,6 +141,7 @@ class Stack:
         print(line, file=self.out, flush=True)
 
     async def _spawn(self, c: Component, argv: list[str], env: dict) -> None:
+        c.argv, c.env = argv, env
         c.log = self.log_dir / f"{c.kind}-{c.name}.log"
         with open(c.log, "ab") as log:
             c.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=log,
@@ -231,6 +238,9 @@ class Stack:
                       f"(OpenAI {c.url}/v1/chat/completions, {n} replicas, routing {self.routing})")
 
         await asyncio.gather(*(ready(c, n) for c, n in comps))
+        if self.supervisor is not None:
+            for c, _ in comps:
+                self.supervisor.watch(c)
 
     async def _start_relays(self) -> None:
         t = self.topo
@@ -266,15 +276,23 @@ class Stack:
 
     # -- run / stop ------------------------------------------------------------
 
-    async def wait_exit(self) -> Component:
-        """Return the first child process that exits (a crash while serving)."""
-        procs = {asyncio.ensure_future(c.proc.wait()): c for c in self.replicas + self.proxies}
-        try:
-            done, _ = await asyncio.wait(procs, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for f in procs:
-                f.cancel()
-        return procs[next(iter(done))]
+    def supervise(self, **backoff) -> Supervisor:
+        """From now until stop(), restart any replica or proxy that exits (regions.supervisor)."""
+        if self.supervisor is None:
+            self.supervisor = Supervisor(self._respawn, self._wait_ready, lambda c: _signal_group(c, signal.SIGKILL),
+                                         self._say, **backoff)
+            for c in self.replicas + self.proxies:
+                self.supervisor.watch(c)
+        return self.supervisor
+
+    async def _respawn(self, c: Component) -> None:
+        await self._spawn(c, c.argv, c.env)
+
+    async def _wait_ready(self, c: Component) -> None:
+        if c.kind == "replica":
+            await self._wait_http(c, lambda r: r.status_code == 200)
+        else:  # a proxy serves once any replica of its region is ready (or it forwards)
+            await self._wait_http(c, lambda r: r.status_code in (200, 503) and "replicas_ready" in r.json())
 
     async def restart_proxies(self, routing: str) -> None:
         """Swap every proxy for one with another routing mode (replicas and relays stay)."""
@@ -300,10 +318,14 @@ class Stack:
 
     async def kill(self) -> None:
         """Second Ctrl-C: no waiting."""
+        if self.supervisor is not None:
+            await self.supervisor.release(self.proxies + self.replicas)
         for c in self.proxies + self.replicas:
             _signal_group(c, signal.SIGKILL)
 
     async def _terminate(self, comps: list[Component]) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.release(comps)  # stopping on purpose: no restarts
         live = [c for c in comps if c.proc is not None]
         for c in live:
             _signal_group(c, signal.SIGTERM)

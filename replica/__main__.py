@@ -1,7 +1,11 @@
 """`python -m replica`: serve one model replica (API process + engine process).
 
     python -m replica --model default --port 8000
-    curl localhost:8000/v1/chat/completions -d '{"messages":[{"role":"user","content":"Hi"}]}'
+    curl localhost:8000/v1/chat/completions -H "Authorization: Bearer $(cat SECRET_FILE)" \
+        -d '{"messages":[{"role":"user","content":"Hi"}]}'
+
+Every endpoint but /healthz needs the replica secret: $EDGECHAT_REPLICA_SECRET, or
+--secret-file, or one generated for this launch (its file is printed at start-up).
 """
 
 from __future__ import annotations
@@ -58,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "rejection sampling (lossless; seeded outputs then differ from non-speculative ones)")
     ap.add_argument("--random-weights", action="store_true", help="random weights of the model's shape (timing)")
     ap.add_argument("--secret-env", default="EDGECHAT_REPLICA_SECRET",
-                    help="env var holding the shared secret proxies must present (unset: no auth)")
+                    help="env var holding the shared secret proxies and HTTP clients must present")
+    ap.add_argument("--secret-file", default="",
+                    help="without the env var: read the secret from this file, or write a generated one there "
+                         "(default: a fresh one per launch in ~/.cache/edgechat/replica-secrets/HOST-PORT)")
     return ap.parse_args(argv)
 
 
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from replica.api import create_app
+    from replica.auth import launch_secret
     from replica.tokenizer import Tokenizer
 
     args = parse_args(argv)
@@ -103,8 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer.from_spec(args.model)
     replica_id = args.replica_id or f"{args.host}:{args.port}"
     name = "SmolLM2-135M-Instruct" if args.model == "default" else os.path.basename(args.model.rstrip("/"))
-    app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id,
-                     secret=os.environ.get(args.secret_env) or None)
+    try:
+        secret, where = launch_secret(os.environ.get(args.secret_env), args.secret_file, args.host, args.port)
+    except (OSError, ValueError) as e:
+        sys.exit(f"replica: no secret: {e}")
+    app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id, secret=secret)
     try:
         import uvloop  # noqa: F401
 
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         loop = "asyncio"
     print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}/{cfg.quantization}, "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+          f"http://{args.host}:{args.port}; {where}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, ws="websockets-sansio", log_level="warning",
                 timeout_graceful_shutdown=5)
 

@@ -6,6 +6,8 @@
   POST /infill               llama.cpp's fill-in-the-middle (IDE plugins)
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
 
+Every path but /healthz and /health requires the replica secret (`replica.auth`).
+/healthz answers 503 while the engine process starts or restarts.
 Bad input gets an error naming the problem; the connection and the engine keep
 serving everyone else. A cancel, a closed socket or a dropped HTTP client sends an
 Abort to the engine at once.
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
+import logging
 
 import msgspec
 from starlette.applications import Starlette
@@ -27,35 +29,53 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from wire import protocol as P
+from replica.auth import RequireSecret
 from replica.config import EngineConfig
 from replica.engine_client import EngineClient
+from replica.frame_split import split_frame
 from replica.openai_http import OpenAIRoutes
 from wire.metrics import ReplicaMetrics
 from wire.openai_stream import http_error
 from replica.tokenizer import Tokenizer
+from replica.validation import MAX_ID_CHARS
+
+log = logging.getLogger("replica.api")
 
 MAX_FRAME_BYTES = 4 << 20
+ENGINE_RESTARTING = 1013  # WebSocket close code "try again later"
 
 
 class ReplicaConnection:
-    """One proxy's WebSocket: request ids are namespaced per connection, and every
-    message produced in one event-loop turn goes out in one frame."""
+    """One proxy's WebSocket. Each message of a frame is decoded and handled on its own,
+    so a malformed or failing message fails its request only; every message produced in
+    one event-loop turn goes out in one frame. Request ids are the proxy's, unique among
+    this connection's live requests; each Generate gets an engine id never used before
+    (`c<connection>/<n>`), so a reused id is a new request that no late message of its
+    predecessor can reach."""
 
     _ids = itertools.count()
 
     def __init__(self, ws: WebSocket, client: EngineClient):
         self.ws, self.client = ws, client
         self.prefix = f"c{next(self._ids)}/"
-        self.live: set[str] = set()  # this connection's request ids in flight (engine ids: prefix + id)
+        self._seq = itertools.count()
+        self.live: dict[str, str] = {}  # this connection's requests in flight: proxy id -> engine id
+        self.names: dict[str, str] = {}  # engine id -> proxy id
         self.pending: list = []
         self.codec = P.Codec()
+        self._frame = msgspec.msgpack.Decoder(list[msgspec.Raw])
+        self._message = msgspec.msgpack.Decoder(P.Message)
+        self._sending: asyncio.Future | None = None
         self.closed = False
 
     def sink(self, msg) -> None:
-        if getattr(msg, "id", None) and msg.id.startswith(self.prefix):
-            engine_id, msg.id = msg.id, msg.id[len(self.prefix):]
+        engine_id = getattr(msg, "id", None)
+        if engine_id is not None and engine_id in self.names:
+            msg.id = self.names[engine_id]
             if isinstance(msg, (P.Finished, P.Error)) and not self.client.running(engine_id):
-                self.live.discard(msg.id)  # its last sample finished
+                del self.names[engine_id]  # its last sample finished
+                if self.live.get(msg.id) == engine_id:
+                    del self.live[msg.id]
         if not self.pending:
             asyncio.get_running_loop().call_soon(self._flush)
         self.pending.append(msg)
@@ -64,42 +84,100 @@ class ReplicaConnection:
         if self.closed or not self.pending:
             return
         frame, self.pending = self.codec.encode(self.pending), []
-        asyncio.ensure_future(self._send(frame))
+        self._sending = asyncio.ensure_future(self._send(frame))
 
     async def _send(self, frame: bytes) -> None:
         with contextlib.suppress(WebSocketDisconnect, RuntimeError):
             await self.ws.send_bytes(frame)
 
+    def shut(self) -> None:
+        """The engine was lost: after the errors already queued, close the socket, so the
+        proxy counts this replica out until it reconnects to a restarted engine."""
+        asyncio.ensure_future(self._shut())
+
+    async def _shut(self) -> None:
+        self._flush()
+        if self._sending is not None:
+            await self._sending
+        self.closed = True
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await self.ws.close(code=ENGINE_RESTARTING, reason="engine process restarting")
+
     def handle(self, data: bytes) -> None:
         try:
-            msgs = self.codec.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            try:
+                raws = self._frame.decode(data)
+            except RecursionError:  # a message nested too deep: find the messages without recursion
+                raws = split_frame(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self.sink(P.Error(code=P.BAD_REQUEST, message=f"malformed frame: {e}"))
             return
-        for msg in msgs:
-            if isinstance(msg, P.Generate):
-                if msg.id in self.live:
-                    self.sink(P.Error(code=P.BAD_REQUEST, message=f"request id {msg.id!r} is already in flight",
-                                      id=msg.id))
-                    continue
-                self.live.add(msg.id)
-                msg.id = self.prefix + msg.id
-                self.client.submit(msg, self.sink)
-            elif isinstance(msg, P.Abort):
-                self.live.discard(msg.id)
-                self.client.abort(self.prefix + msg.id)
-            else:
-                self.sink(P.Error(code=P.BAD_REQUEST, message=f"unexpected message {type(msg).__name__}"))
+        for raw in raws:
+            try:
+                self._handle_one(raw)
+            except Exception:  # noqa: BLE001 - last resort: one message must not end the connection
+                log.exception("replica: handling a message failed")
+                self.sink(P.Error(code=P.INTERNAL, message="replica failed to handle a message"))
+
+    def _handle_one(self, raw) -> None:
+        try:
+            msg = self._message.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+            self.sink(P.Error(code=P.BAD_REQUEST, message=f"malformed message: {e}", id=self._id_of(raw)))
+            return
+        try:
+            self._on_message(msg)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end the connection
+            log.exception("replica: handling %s failed", type(msg).__name__)
+            rid = getattr(msg, "id", None)
+            if isinstance(msg, P.Generate) and rid in self.live:
+                self.client.abort(self.live.pop(rid))
+            self.sink(P.Error(code=P.INTERNAL, message=f"replica failed to handle it: {type(e).__name__}",
+                              id=rid if isinstance(rid, str) else None))
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, P.Generate):
+            if not msg.id or len(msg.id) > MAX_ID_CHARS:  # named by nobody: not echoed back
+                self.sink(P.Error(code=P.BAD_REQUEST, message=f"request ids are 1..{MAX_ID_CHARS} characters"))
+                return
+            if msg.id in self.live:
+                self.sink(P.Error(code=P.BAD_REQUEST, message=f"request id {msg.id!r} is already in flight",
+                                  id=msg.id))
+                return
+            engine_id = f"{self.prefix}{next(self._seq)}"
+            self.live[msg.id], self.names[engine_id] = engine_id, msg.id
+            msg.id = engine_id
+            self.client.submit(msg, self.sink)  # a rejection comes back through sink at once
+        elif isinstance(msg, P.Abort):
+            engine_id = self.live.pop(msg.id, None)
+            if engine_id is not None:
+                self.names.pop(engine_id, None)
+                self.client.abort(engine_id)
+        else:
+            self.sink(P.Error(code=P.BAD_REQUEST, message=f"unexpected message {type(msg).__name__}"))
+
+    def _id_of(self, raw) -> str | None:
+        """The request id of a message that did not decode, when it has a usable one that
+        names no live request (an error must not end a request that is fine)."""
+        try:
+            fields = split_frame(raw)  # a message is an array too: [tag, id, ...]; no recursion
+            rid = msgspec.msgpack.decode(fields[1]) if len(fields) > 1 else None
+        except (ValueError, msgspec.DecodeError, RecursionError):
+            return None
+        ok = isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS and rid not in self.live
+        return rid if ok else None
 
     def close(self) -> None:
         self.closed = True
-        for rid in self.live:
-            self.client.abort(self.prefix + rid)
+        for engine_id in self.live.values():
+            self.client.abort(engine_id)
         self.live.clear()
+        self.names.clear()
 
 
-def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, replica_id: str = "replica",
-               secret: str | None = None) -> Starlette:
+def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secret: str,
+               replica_id: str = "replica") -> RequireSecret:
+    """The API process's ASGI app; every path but /healthz requires `secret` (never optional)."""
     client_box: dict[str, EngineClient] = {}
     fingerprint = tokenizer.fingerprint  # hashed once here, not on the event loop when a proxy connects
     metrics = ReplicaMetrics(lambda: client_box["c"].load if "c" in client_box else None)
@@ -117,19 +195,13 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
     def client() -> EngineClient:
         return client_box["c"]
 
-    def authorized(headers) -> bool:
-        if secret is None:
-            return True
-        got = headers.get("authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {secret}".encode())
-
     # -- proxy WebSocket -------------------------------------------------------------
     async def replica_ws(ws: WebSocket):
-        if not authorized(ws.headers):
-            await ws.close(code=4401, reason="unauthorized")
-            return
         await ws.accept()
         c = client()
+        if not c.ready.is_set():  # no Hello without an engine: the proxy retries the connection
+            await ws.close(code=ENGINE_RESTARTING, reason="engine process restarting")
+            return
         conn = ReplicaConnection(ws, c)
         # The served name (not the spec), and the fingerprint of the tokenizer the proxy must use.
         conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=fingerprint))
@@ -137,6 +209,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
         if c.load is not None:
             conn.sink(c.load)
         c.subscribers.add(conn.sink)
+        c.lost_listeners.add(conn.shut)
         try:
             while True:
                 message = await ws.receive()
@@ -151,6 +224,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
                     conn.handle(data)
         finally:
             c.subscribers.discard(conn.sink)
+            c.lost_listeners.discard(conn.shut)
             conn.close()
 
     # -- OpenAI HTTP -------------------------------------------------------------------
@@ -162,7 +236,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
 
     async def healthz(request: Request):
         c = client_box.get("c")
-        if c is None or c.dead or not c.ready.is_set():
+        if c is None or not c.ready.is_set():  # starting, or its engine process restarting
             return JSONResponse({"status": "unavailable"}, status_code=503)
         ld = c.load
         return JSONResponse({"status": "ok", "replica": replica_id, "model": model_name,
@@ -182,4 +256,5 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, repl
         Route("/health", healthz),  # what routers built for vLLM/SGLang workers probe
         Route("/metrics", metrics_endpoint),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    return RequireSecret(app, secret, open_paths=("/healthz", "/health"))

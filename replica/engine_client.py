@@ -1,5 +1,6 @@
-"""API-process side of the engine: spawns the engine process, owns the local
-socket, and turns the engine's token ids into per-request text streams.
+"""API-process side of the engine: checks each request (`replica.validation`),
+sends it to the engine process (spawned and restarted by `EngineSupervisor`), and
+turns the engine's token ids into per-request text streams.
 
 Each request has a `Stream` whose sink receives protocol messages (Tokens with
 text, Finished, Error). Incremental detokenization and stop strings happen here,
@@ -11,16 +12,16 @@ sample, `<id>#<i>`, seeded `sample_seed(seed, i)`; samples after the first name 
 in `fork_of`, so the engine computes the prompt once and shares its blocks
 (replica.forks). Their messages come back under the request's id with `index = i`;
 the first error ends them all.
-Imports no torch: the engine runs in its own process.
+
+If the engine process dies, every stream in flight gets `Error(internal)` (the
+proxy resumes it on another replica) and new requests get `Error(overloaded)`
+until the restarted engine says Hello. Imports no torch: the engine runs in its
+own process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ import msgspec
 
 from wire import protocol as P
 from replica.config import EngineConfig
+from replica.engine_supervisor import EngineSupervisor, EngineUnavailable
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
+from replica.validation import check_generate
 
 Sink = Callable[[object], None]
 
@@ -62,66 +65,46 @@ class SampleGroup:
 
 
 class EngineClient:
-    def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer, replica_id: str = "replica", metrics=None):
+    def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer, replica_id: str = "replica", metrics=None,
+                 **supervision):
+        """`supervision`: EngineSupervisor's restart and stall settings."""
         self.cfg, self.tokenizer, self.replica_id, self.metrics = cfg, tokenizer, replica_id, metrics
         self.streams: dict[str, Stream] = {}
         self.groups: dict[str, SampleGroup] = {}
-        self.hello: P.Hello | None = None
         self.load: P.Load | None = None
         self.cached_blocks: set[int] = set()  # mirror of the engine's prefix cache, for new routers
         self.subscribers: set[Sink] = set()  # receive Load and KvEvents
+        self.lost_listeners: set[Callable[[], None]] = set()  # called once the streams got their errors
         self._codec = P.FrameCodec()
-        self._proc: subprocess.Popen | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task | None = None
-        self._tmpdir = tempfile.TemporaryDirectory(prefix="edgechat-")
-        self.ready = asyncio.Event()
-        self.dead = False
+        self.engine = EngineSupervisor(cfg, replica_id, self._dispatch, self._engine_lost, **supervision)
+
+    @property
+    def ready(self) -> asyncio.Event:
+        return self.engine.ready
+
+    @property
+    def hello(self) -> P.Hello | None:
+        return self.engine.hello
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self, timeout: float = 600.0) -> None:
-        path = os.path.join(self._tmpdir.name, "engine.sock")
-        connected: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        def on_connect(reader, writer):
-            if not connected.done():
-                connected.set_result((reader, writer))
-
-        server = await asyncio.start_unix_server(on_connect, path=path)
-        self._proc = subprocess.Popen([sys.executable, "-m", "replica.engine_process", "--socket", path,
-                                       "--config", msgspec.json.encode(self.cfg).decode(),
-                                       "--replica-id", self.replica_id])
-        exited = asyncio.ensure_future(asyncio.to_thread(self._proc.wait))
-        try:
-            done, _ = await asyncio.wait([connected, exited], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if connected not in done:
-                raise RuntimeError(f"engine process failed to start (exit code {self._proc.poll()})")
-            reader, self._writer = connected.result()
-        finally:
-            server.close()
-        self._reader_task = asyncio.create_task(self._read_loop(reader, exited))
-        await asyncio.wait([asyncio.ensure_future(self.ready.wait()), self._reader_task], timeout=timeout,
-                           return_when=asyncio.FIRST_COMPLETED)
-        if not self.ready.is_set():
-            raise RuntimeError("engine process closed before it was ready")
+        await self.engine.start(timeout)
 
     async def stop(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 10)
-            except TimeoutError:
-                self._proc.kill()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-        self._tmpdir.cleanup()
+        await self.engine.stop()
 
     # -- requests --------------------------------------------------------------------
     def submit(self, req: P.Generate, sink: Sink) -> None:
-        """Send a request to the engine; `sink` then receives its messages.
-        req.id must be unique among live requests (callers prefix per connection)."""
+        """Check the request and send it to the engine; `sink` then receives its messages (a
+        rejection included: submit never raises). req.id must be unique among every request
+        ever sent (callers number them per connection), so late messages of one never reach another."""
+        hello = self.engine.hello
+        problem = check_generate(req, hello.max_model_len if hello else P.INT32_MAX)
+        if problem is None and not self.engine.ready.is_set():
+            problem = P.OVERLOADED, "the engine process is restarting; retry on another replica or shortly"
+        if problem is not None:
+            sink(P.Error(code=problem[0], message=problem[1], id=req.id))
+            return
         if req.sampling.n == 1 and not req.sample_ids:
             self._open(req, sink)
             self._send([req])
@@ -180,21 +163,28 @@ class EngineClient:
             self._send(aborts)
 
     def _send(self, msgs: list) -> None:
-        if self.dead or self._writer is None:
-            raise ConnectionError("engine process is not running")
-        self._writer.write(self._codec.pack(msgs))
+        try:
+            self.engine.send(self._codec.pack(msgs))
+        except EngineUnavailable:
+            pass  # every stream in flight was failed when the engine was lost; aborts have nothing left to stop
+
+    def _engine_lost(self, code: int | None) -> None:
+        """The engine died: every stream in flight gets a typed error (the proxy moves it to
+        another replica), and the prefix cache is gone."""
+        self.load = None
+        self.cached_blocks.clear()
+        if self.metrics is not None:
+            self.metrics.engine_restarts.inc()
+        for stream in list(self.streams.values()):
+            if not stream.done:
+                self._finish(stream, P.Error(code=P.INTERNAL, id=stream.id,
+                                             message=f"the replica's engine process exited (code {code}) while "
+                                                     "serving this request; it is restarting"))
+        self._publish(P.KvEvents(cleared=True))
+        for fn in list(self.lost_listeners):
+            fn()
 
     # -- engine -> streams -----------------------------------------------------------
-    async def _read_loop(self, reader: asyncio.StreamReader, exited) -> None:
-        try:
-            while data := await reader.read(1 << 20):
-                for msg in self._codec.feed(data):
-                    self._dispatch(msg)
-        finally:
-            self.dead = True
-            for stream in list(self.streams.values()):
-                self._finish(stream, P.Error(code=P.INTERNAL, message="engine process exited", id=stream.id))
-
     def _dispatch(self, msg) -> None:
         if isinstance(msg, P.Tokens):
             stream = self.streams.get(msg.id)
@@ -234,9 +224,6 @@ class EngineClient:
             self.cached_blocks.difference_update(msg.removed)
             self.cached_blocks.update(msg.stored)
             self._publish(msg)
-        elif isinstance(msg, P.Hello):
-            self.hello = msg
-            self.ready.set()
 
     def _on_tokens(self, stream: Stream, ids: list[int]) -> str:
         now = time.perf_counter()

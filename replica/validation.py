@@ -57,6 +57,22 @@ def check_generate(req: P.Generate, max_tokens_limit: int) -> tuple[str, str] | 
         return P.BAD_REQUEST, problem
     if len(req.resume_ids) >= req.sampling.max_tokens:
         return P.BAD_REQUEST, "resume_ids already reach max_tokens"
+    return _samples_problem(req)
+
+
+def _samples_problem(req: P.Generate) -> tuple[str, str] | None:
+    """n > 1 resumed: aligned, distinct sample indices below n, each resume list like resume_ids."""
+    n, ids = req.sampling.n, req.sample_ids
+    if len(req.fork_of) > MAX_ID_CHARS:
+        return P.BAD_REQUEST, f"fork_of is at most {MAX_ID_CHARS} characters"
+    if len(ids) != len(req.sample_resume) or len(set(ids)) != len(ids) or any(not 0 <= i < n for i in ids):
+        return P.BAD_REQUEST, f"sample_ids and sample_resume must be aligned, distinct sample indices in [0, {n})"
+    for resume in req.sample_resume:
+        problem = _ids_problem("sample_resume", resume, P.INT32_MAX + 1)
+        if problem:
+            return P.BAD_REQUEST, problem
+        if len(resume) >= req.sampling.max_tokens:
+            return P.BAD_REQUEST, "sample_resume already reaches max_tokens"
     return None
 
 

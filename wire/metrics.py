@@ -126,6 +126,8 @@ class ReplicaMetrics(Registry):
         self.cached_tokens = self.add(Counter("edgechat_replica_prefix_hit_tokens_total",
                                               "Prompt tokens served from the prefix cache."))
         self.generation_tokens = self.add(Counter("edgechat_replica_generation_tokens_total", "Generated tokens."))
+        self.engine_restarts = self.add(Counter("edgechat_replica_engine_restarts_total",
+                                                "Times the engine process died and was restarted."))
 
         def field(name, fn=None):
             def get():

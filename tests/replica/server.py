@@ -13,6 +13,9 @@ import time
 
 import httpx
 
+SECRET = "test-replica-secret"  # every replica requires one; tests start theirs with this
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -66,11 +69,13 @@ def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = N
                    span: int = 1):
     """Yield the base URL of a running replica; stop its whole process group after.
     With `cmd`, "{port}" in its arguments is replaced by the chosen free port; `span`
-    reserves that many consecutive free ports from it (a whole topology)."""
+    reserves that many consecutive free ports from it (a whole topology). The replica's
+    secret is `SECRET` (send `AUTH`) unless `env` sets EDGECHAT_REPLICA_SECRET."""
     port = free_port_range(span) if span > 1 else free_port()
     cmd = [a.replace("{port}", str(port)) for a in cmd] if cmd else [
         sys.executable, "-m", "replica", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "EDGECHAT_REPLICA_SECRET": SECRET, **(env or {})},
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)

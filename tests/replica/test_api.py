@@ -11,7 +11,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from wire import protocol as P
-from tests.replica.server import replica_server
+from tests.replica.server import AUTH, replica_server
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -24,7 +24,7 @@ def server():
 
 def chat(url, messages, **kw):
     body = {"messages": messages, "temperature": 0, "max_tokens": 24, **kw}
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120, headers=AUTH)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -97,7 +97,7 @@ def test_streaming_sse_matches_non_streaming(server):
     parts, usage = [], None
     body = {"messages": CHAT, "temperature": 0, "max_tokens": 24, "stream": True,
             "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=120, headers=AUTH) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -112,12 +112,12 @@ def test_streaming_sse_matches_non_streaming(server):
 
 def test_completions_models_health_metrics(server):
     r = httpx.post(server + "/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 6, "temperature": 0},
-                   timeout=120)
+                   timeout=120, headers=AUTH)
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip().startswith("5")
-    assert httpx.get(server + "/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    assert httpx.get(server + "/v1/models", headers=AUTH).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
     assert httpx.get(server + "/healthz").json()["status"] == "ok"
     assert httpx.get(server + "/health").json()["status"] == "ok"  # the alias routers for vLLM/SGLang probe
-    m = httpx.get(server + "/metrics").text
+    m = httpx.get(server + "/metrics", headers=AUTH).text
     for name in ("edgechat_replica_ttft_seconds_bucket", "edgechat_replica_itl_seconds_count",
                  "edgechat_replica_running", "edgechat_replica_waiting", "edgechat_replica_kv_usage",
                  "edgechat_replica_prefix_hit_tokens_total"):
@@ -132,7 +132,7 @@ def test_stop_strings(server):
 
 
 async def _ws_streams(server):
-    async with connect(ws_url(server), max_size=None) as ws:
+    async with connect(ws_url(server), max_size=None, additional_headers=AUTH) as ws:
         c = ReplicaWS(ws)
         prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198]
         sp = lambda seed: P.SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=seed)  # noqa: E731
@@ -159,7 +159,7 @@ def test_32_concurrent_seeded_streams_equal_each_alone(server):
 
 async def _cancel_and_disconnect(server):
     long = P.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-    async with connect(ws_url(server)) as ws:
+    async with connect(ws_url(server), additional_headers=AUTH) as ws:
         c = ReplicaWS(ws)
         await c.send(P.Generate(id="x", prompt_ids=[1, 2, 3, 4], sampling=long))
         while not any(isinstance(m, P.Tokens) for m in await c.recv()):
@@ -168,19 +168,19 @@ async def _cancel_and_disconnect(server):
         idle = await c.wait_idle()
         assert idle.running == 0
     # A closed socket aborts its requests too.
-    async with connect(ws_url(server)) as ws:
+    async with connect(ws_url(server), additional_headers=AUTH) as ws:
         c = ReplicaWS(ws)
         for i in range(4):
             await c.send(P.Generate(id=f"y{i}", prompt_ids=[1, 2, 3, 5 + i], sampling=long))
         while not any(isinstance(m, P.Tokens) for m in await c.recv()):
             pass
     # An HTTP client that drops its SSE stream.
-    async with httpx.AsyncClient(timeout=60) as hc:
+    async with httpx.AsyncClient(timeout=60, headers=AUTH) as hc:
         body = {"messages": CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
         async with hc.stream("POST", server + "/v1/chat/completions", json=body) as r:
             async for _ in r.aiter_lines():
                 break
-    async with connect(ws_url(server)) as ws:
+    async with connect(ws_url(server), additional_headers=AUTH) as ws:
         return await ReplicaWS(ws).wait_idle()
 
 
@@ -199,19 +199,20 @@ def test_cancel_and_disconnect_free_all_blocks(server):
     (b'{"max_tokens": 3}', "messages"),
 ])
 def test_bad_http_input_is_named(server, body, problem):
-    r = httpx.post(server + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(server + "/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json", **AUTH}, timeout=60)
     assert r.status_code == 400
     assert problem.lower() in r.json()["error"]["message"].lower()
 
 
 def test_prompt_longer_than_context(server):
-    r = httpx.post(server + "/v1/completions", json={"prompt": "hello " * 9000, "max_tokens": 4}, timeout=60)
+    r = httpx.post(server + "/v1/completions", json={"prompt": "hello " * 9000, "max_tokens": 4}, timeout=60,
+                   headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long"
 
 
 async def _bad_frames(server):
-    async with connect(ws_url(server)) as ws:
+    async with connect(ws_url(server), additional_headers=AUTH) as ws:
         c = ReplicaWS(ws)
         errors = []
         await ws.send(b"\x93garbage")
