@@ -7,7 +7,9 @@ told to crash, lag or refuse.
 
 Streams: token `p` of a request is a pure function of (prompt ids, seed, p),
 drawn from the printable bytes of " abcdefghijklmnopqrstuvwxyz" (so with the
-proxy's `ByteTokenizer` the text is the token's character). Greedy requests
+proxy's `ByteTokenizer` the text is the token's character). A prompt holding
+`poison_token` is a query of death: it crashes the stub or fails with
+`engine_fault`, as `poison_action` says. Greedy requests
 (temperature 0) ignore the seed. A resumed request must carry exactly the
 tokens the stub would have produced (else `Error(bad_request)`: a proxy bug) and
 continues at position `len(resume_ids)`. With n > 1, sample i is the stream of
@@ -92,6 +94,8 @@ class StubConfig:
     kv_events: bool = True  # False: a replica that never reports its cache (the proxy must guess)
     tokenizer: str = "bytes-v1"  # fingerprint in Hello (edge_proxy.prompt.ByteTokenizer's)
     max_running: int = 0  # requests producing tokens at once (0: no limit); the rest wait
+    poison_token: int = -1  # a prompt holding this id is a query of death: see poison_action
+    poison_action: str = "crash"  # crash: the whole stub dies (as a killed process); fault: Error(engine_fault)
 
 
 class _Req:
@@ -136,6 +140,7 @@ class StubReplica:
         self._running: set[_Req] = set()  # with max_running: the requests holding a slot
         self._waiting: deque[_Req] = deque()  # with max_running: admitted, waiting for a slot
         self._waiter: asyncio.Future | None = None
+        self._crashing: asyncio.Task | None = None
         self.abort_event = asyncio.Event()  # set on the first Abort received
         self.connected_event = asyncio.Event()  # set once a peer is connected
         self.token_event = asyncio.Event()  # set once a token was produced
@@ -264,6 +269,12 @@ class StubReplica:
 
     def _admit(self, c: _Conn, g: rp.Generate) -> None:
         self.generates.append(g)
+        if self.cfg.poison_token in g.prompt_ids:
+            if self.cfg.poison_action == "fault":
+                self._queue(c, rp.Error(rp.ENGINE_FAULT, "this request made the engine fail (stub poison)", g.id))
+            else:
+                self._crashing = asyncio.get_running_loop().create_task(self.crash())
+            return
         sp = g.sampling
         samples = g.samples()
         if any(resume and resume != expected_tokens(g.prompt_ids, sp, len(resume), index=i) for i, resume in samples):

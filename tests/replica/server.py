@@ -82,3 +82,24 @@ def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = N
         yield url, proc
     finally:
         stop_group(proc)
+
+
+def engine_pid(api_pid: int) -> int:
+    """The engine process of a replica's API process (its child running replica.engine_process)."""
+    with open(f"/proc/{api_pid}/task/{api_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    for pid in children:
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"replica.engine_process" in f.read():
+                return pid
+    raise LookupError(f"process {api_pid} has no engine process")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A replica's unlabelled /metrics values by name."""
+    out = {}
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
