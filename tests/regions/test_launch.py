@@ -133,14 +133,6 @@ def test_cli_stops_everything_on_signal(tmp_path, sig):
         assert not any(alive(p) for p in pids)
 
 
-def test_cli_stops_everything_when_a_component_dies(tmp_path):
-    with _cli_up(tmp_path) as (proc, _, pids):
-        os.killpg(pids[0], signal.SIGKILL)  # a replica crashes
-        rest, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 1 and "exited with code" in rest
-        assert not any(alive(p) for p in pids)
-
-
 def test_cli_reports_topology_errors_with_the_line(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[regions.eu]\nreplicas = [{ port = "x" }]\n')
