@@ -122,7 +122,10 @@ class EngineSupervisor:
                 if isinstance(msg, P.Hello):
                     self.hello = msg
                     self.ready.set()
-                self.on_message(msg)
+                try:
+                    self.on_message(msg)
+                except Exception:  # noqa: BLE001 - a consumer's bug must not cost the engine its link
+                    log.exception("replica: handling the engine's %s failed", type(msg).__name__)
 
     async def _end_process(self, terminate: bool) -> int | None:
         """Close the socket and make sure the process is gone; its exit code."""
