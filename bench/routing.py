@@ -54,6 +54,7 @@ from tests.replica.server import free_port, stop_group  # noqa: E402  (process h
 
 PY = sys.executable
 SECRET = "bench-routing-secret"
+REPLICA_AUTH = {"Authorization": f"Bearer {SECRET}"}  # every replica endpoint but /healthz needs it
 API_KEY = "sk-bench"  # the proxy's key for the bench: no practical rate limit
 SGLANG_ROUTER = "sglang-router==0.3.2"
 BLOCK = 16
@@ -157,7 +158,7 @@ class Stack:
 
         out = []
         for url in self.replicas:
-            text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+            text = httpx.get(url + "/metrics", timeout=10, trust_env=False, headers=REPLICA_AUTH).text
             out.append(round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                                  if line.startswith("edgechat_replica_requests_total"))))
         return out
@@ -219,7 +220,9 @@ def passthrough_app(upstream: str):
                 dropped.update(extra)
                 print(f"pass-through drops body fields {sorted(extra)}", flush=True)
             body = msgspec.json.encode({k: v for k, v in obj.items() if k in keep})
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in hop]
+        # Replicas take their secret, not the client's key (`replica.auth`).
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in hop and k.lower() != b"authorization"]
+        headers.append((b"authorization", REPLICA_AUTH["Authorization"].encode()))
         path = scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")
         req = client.build_request(scope["method"], path, content=body, headers=headers)
         resp = await client.send(req, stream=True)
@@ -307,6 +310,7 @@ def clients_for(stack: Stack):
     kw = dict(api_key=API_KEY, max_retries=0, timeout=900)
     if stack.base_url:
         return [AsyncOpenAI(base_url=stack.base_url, **kw)]
+    kw["api_key"] = SECRET  # straight to the replicas: their secret
     return [AsyncOpenAI(base_url=url + "/v1", **kw) for url in stack.replicas]  # pinned
 
 
@@ -494,7 +498,8 @@ def main() -> None:
             with Stack(a, run) as st:
                 import httpx
 
-                model = httpx.get(st.replicas[0] + "/v1/models", trust_env=False).json()["data"][0]["id"]
+                models = httpx.get(st.replicas[0] + "/v1/models", trust_env=False, headers=REPLICA_AUTH).json()
+                model = models["data"][0]["id"]
                 drive = multi_turn if workload == "multi-turn" else shared_prefix
                 turns = asyncio.run(drive(st, model, a))
                 row = summarize(run, workload, turns, st.served(), tok,
