@@ -51,6 +51,7 @@ from wire.hashing import block_hashes
 log = logging.getLogger("edge_proxy")
 
 MAX_REPLICA_FAULTS = 2  # replicas a request may be on when they fail before it is failed, never spread further
+LOSS_GRACE_S = 0.02  # wait after losing a replica before moving its streams (see _on_lost)
 _REPLICA_CODES = {rp.BAD_REQUEST, rp.PROMPT_TOO_LONG, rp.OVERLOADED, rp.INTERNAL, rp.NOT_FOUND}
 _PRIORITY_NAMES = {v: k for k, v in pp.PRIORITIES.items()}
 
@@ -331,6 +332,13 @@ class Proxy:
         for s in streams:
             s.conn = None
             s.faults += 1
+        # Replicas lost together (a host or a region going down) are seen one socket at a time:
+        # move the streams a beat later, when every replica lost in the same moment is out of the
+        # choice, so none is sent to a dying replica and blamed for failing there too.
+        asyncio.get_running_loop().call_later(LOSS_GRACE_S, self._resume_all, streams, cause)
+
+    def _resume_all(self, streams: list[Stream], cause: str) -> None:
+        for s in streams:
             self._resume(s, cause)
 
     def replica_dropped(self, s: Stream, cause: str) -> None:

@@ -172,6 +172,7 @@ class ReplicaLink(asyncio.Protocol):
             self._fail_open(LinkRefused(status))
             return False
         self._open = True
+        self.last_pong = perf_counter()  # keepalive counts from the upgrade, not from a connect that waited
         if not self.opened.done():
             self.opened.set_result(None)
         return True

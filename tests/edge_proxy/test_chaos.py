@@ -121,3 +121,27 @@ async def test_replicas_killed_or_frozen_mid_stream_lose_nothing(sig):
     causes = {k: sum(f.get(k, 0) for f in failovers) for f in failovers for k in f}
     assert sum(causes.values()) >= 2 * ITERATIONS, causes  # the bystander sharing the victim moved too
     print(f"{signal.Signals(sig).name}: {ITERATIONS} kills in {LANES} lanes, failovers by cause {causes}")
+
+
+async def test_a_replica_thawed_after_a_long_freeze_stays_up():
+    """The proxy's reconnect to a frozen replica waits in the handshake; once thawed, keepalive
+    counts from the upgrade (not from that wait), so the replica is not dropped again."""
+    pool = replace(POOL, hello_timeout_s=10.0)
+    base = free_port_range(2)
+    stubs = [await StubProcess(f"t{k}", base + k).start() for k in range(2)]
+    try:
+        async with proxy_for(stubs, pool=pool) as p:
+            frozen = stubs[0]
+            os.kill(frozen.proc.pid, signal.SIGSTOP)
+            conn = p.conn(frozen.rid)
+            assert await p.proxy.pool.wait_for(lambda: not conn.ready, timeout=10)
+            await asyncio.sleep(3 * (pool.ping_interval_s + pool.ping_timeout_s))  # reconnecting meanwhile
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+            assert await p.proxy.pool.wait_for(lambda: conn.ready, timeout=10)
+            states: list[bool] = []
+            p.proxy.pool.state_listeners.append(lambda: states.append(conn.ready))
+            await asyncio.sleep(2 * (pool.ping_interval_s + pool.ping_timeout_s))
+            assert conn.ready and False not in states, "dropped again after the thaw"
+    finally:
+        for s in stubs:
+            await s.kill()
