@@ -77,4 +77,5 @@ def launch_secret(env_value: str | None, secret_file: str, host: str, port: int)
         f.write(value + "\n")
     os.replace(tmp, path)
     return value, (f"generated a secret for this launch in {path} (mode 600); proxies present it: "
-                   f"EDGECHAT_REPLICA_SECRET=$(cat {path}) python -m edge_proxy --replica ws://{host}:{port}/v1/replica")
+                   f"EDGECHAT_REPLICA_SECRET=$(cat {path}) "
+                   f"python -m edge_proxy --replica ws://{host}:{port}/v1/replica")

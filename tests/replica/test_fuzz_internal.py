@@ -205,7 +205,8 @@ class Fuzz:
                 target = f"f{rng.randrange(1, self.sent)}"
                 abort: object = rng.choice([["abort", target], ["abort", target, rng.choice(POISON)],
                                             ["abort", rng.choice(POISON)], ["abort"], {"type": "abort", "id": target}])
-                if isinstance(abort, list) and abort[:2] == ["abort", target] and target in self.expect:  # valid (extra fields are ignored)
+                valid = isinstance(abort, list) and abort[:2] == ["abort", target]  # extra fields are ignored
+                if valid and target in self.expect:
                     del self.expect[target]
                     self.maybe.add(target)
                 msgs.append(abort)
