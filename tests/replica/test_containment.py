@@ -90,6 +90,20 @@ def test_two_poisoned_requests_are_both_found():
     assert all(isinstance(final[k], P.Finished) for k in ids if k not in ("s1", "s5"))
 
 
+def test_a_poisoned_leader_releases_its_samples():
+    """n > 1: samples 1 and 2 wait for sample 0's prefill (replica.forks); sample 0 fails, they run."""
+    engine, _, _ = make_engine()
+    ids = prompts([40], seed=6)["s0"]
+    for k in ("x0", "x1", "x2"):
+        sp = P.SamplingParams(max_tokens=6, temperature=0.8, seed=int(k[1]), ignore_eos=True)
+        assert engine.add(P.Generate(id=k, prompt_ids=ids, sampling=sp, fork_of="" if k == "x0" else "x0")) is None
+    assert len(engine.forks) == 2
+    toks, final = drive(engine, Containment(engine), {"x0": 1})
+    assert final["x0"].code == P.ENGINE_FAULT
+    assert all(isinstance(final[k], P.Finished) and len(toks[k]) == 6 for k in ("x1", "x2"))
+    assert len(engine.forks) == 0
+
+
 def test_a_transient_failure_fails_nobody(monkeypatch):
     ids = prompts([5, 40, 17, 33], seed=2)
     want = alone(ids)
