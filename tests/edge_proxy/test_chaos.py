@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 ITERATIONS = int(os.environ.get("EDGECHAT_CHAOS_ITERATIONS", "100"))
 LANES = min(4, ITERATIONS)
 STUBS_PER_LANE = 4
-TOKENS = 40  # per stream: 0.2 s at the stubs' 5 ms steps
+TOKENS = 60  # per stream: 0.3 s at the stubs' 5 ms steps
 POOL = replace(FAST_POOL, stall_timeout_s=0.5, ping_interval_s=0.2, ping_timeout_s=0.4, healthz_interval_s=0.2,
                healthz_failures=2, backoff_min_s=0.02, backoff_max_s=0.1, hello_timeout_s=2.0)
 
@@ -97,8 +97,10 @@ async def lane(n: int, sig: int, iterations: int, base_port: int) -> dict:
                     assert text == expected_text(q, TOKENS, seed), (n, attempt, q)
                 if victim is None:
                     continue
-                i += 1
-                assert main.done.failovers == 1 and main.done.replica != victim.rid, (n, attempt, main.done)
+                assert main.done.failovers <= 1, (n, attempt, main.done)
+                if main.done.failovers == 1:  # else the kill came after its last token had left the stub
+                    i += 1
+                    assert main.done.replica != victim.rid, (n, attempt, main.done)
                 if sig == signal.SIGSTOP:
                     os.kill(victim.proc.pid, signal.SIGCONT)  # thawed: its stale socket closes, the proxy reconnects
                 else:

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from replica.tokenizer import Tokenizer
-from tests.replica.server import free_port, replica_server, wait_healthy
+from tests.replica.server import AUTH, SECRET, free_port, replica_server, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 SPECIAL = ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<repo_name>", "<file_sep>"]
@@ -51,7 +51,8 @@ def stack(tmp_path_factory):
         port = free_port()
         proxy = subprocess.Popen([sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous",
                                   "--tokenizer", str(folder), "--replica",
-                                  rep.replace("http://", "ws://") + "/v1/replica"], start_new_session=True)
+                                  rep.replace("http://", "ws://") + "/v1/replica"],
+                                 env={**os.environ, "EDGECHAT_REPLICA_SECRET": SECRET}, start_new_session=True)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", proxy)
             yield {"proxy": f"http://127.0.0.1:{port}", "replica": rep, "tok": Tokenizer.from_hf_dir(folder)}
@@ -62,7 +63,8 @@ def stack(tmp_path_factory):
 
 
 def by_ids(url: str, ids: list[int], n: int) -> str:
-    r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": n, "temperature": 0}, timeout=60)
+    r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": n, "temperature": 0}, timeout=60,
+                   headers=AUTH)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -74,7 +76,7 @@ def test_suffix_and_infill_build_the_fim_prompt(stack, where):
     ids = tok.fim.encode(tok, PREFIX, SUFFIX)
     assert ids[0] == tok.token_to_id("<repo_name>") and tok.token_to_id("<fim_middle>") in ids
     r = httpx.post(url + "/v1/completions", json={"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 8,
-                                                  "temperature": 0}, timeout=60)
+                                                  "temperature": 0}, timeout=60, headers=AUTH)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == by_ids(url, ids, 8)
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
@@ -85,14 +87,14 @@ def test_suffix_and_infill_build_the_fim_prompt(stack, where):
             "id_slot": 0}
     expected = by_ids(url, tok.fim.encode(tok, PREFIX, SUFFIX, [("util.py", extra[0]["text"])], "a"), 8)
     assert expected and expected != r.json()["choices"][0]["text"]  # the extra file and the middle count
-    r = httpx.post(url + "/infill", json=body, timeout=60)
+    r = httpx.post(url + "/infill", json=body, timeout=60, headers=AUTH)
     assert r.status_code == 200, r.text
     ans = r.json()
     assert ans["content"] == expected and ans["stop"] is True and ans["stop_type"] in ("eos", "limit")
     assert ans["tokens_predicted"] <= 8 and ans["timings"]["predicted_n"] == ans["tokens_predicted"]
 
     events = []
-    with httpx.stream("POST", url + "/infill", json={**body, "stream": True}, timeout=60) as s:
+    with httpx.stream("POST", url + "/infill", json={**body, "stream": True}, timeout=60, headers=AUTH) as s:
         for line in s.iter_lines():
             if line:
                 assert line.startswith("data: ")
@@ -101,8 +103,8 @@ def test_suffix_and_infill_build_the_fim_prompt(stack, where):
     assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
 
     warm = httpx.post(url + "/infill", json={**body, "n_predict": 0, "response_fields": [
-        "content", "tokens_predicted", "timings/prompt_n"]}, timeout=60).json()
+        "content", "tokens_predicted", "timings/prompt_n"]}, timeout=60, headers=AUTH).json()
     assert warm == {"content": "", "tokens_predicted": 0, "timings/prompt_n": warm["timings/prompt_n"]}
 
-    bad = httpx.post(url + "/infill", json={**body, "grammar": "root ::= x"}, timeout=60)
+    bad = httpx.post(url + "/infill", json={**body, "grammar": "root ::= x"}, timeout=60, headers=AUTH)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "grammar"

@@ -29,11 +29,16 @@ from tests.replica.server import free_port, replica_server, wait_healthy
 pytestmark = pytest.mark.timeout(600)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
+KEYS = {"proxy": "EMPTY", "replica": "sdk-secret"}  # a replica takes its secret as the bearer (replica.auth)
+
+
+def auth(where: str) -> dict:
+    return {"Authorization": f"Bearer {KEYS[where]}"}
 
 
 @pytest.fixture(scope="module")
 def stack():
-    env = {"EDGECHAT_REPLICA_SECRET": "sdk-secret"}
+    env = {"EDGECHAT_REPLICA_SECRET": KEYS["replica"]}
     with replica_server("--replica-id", "R", "--kv-memory-gb", "0.25", env=env) as (rep, _):
         port = free_port()
         proxy = subprocess.Popen([sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous",
@@ -66,7 +71,8 @@ def sdk(stack):
 
     def client(where: str) -> openai.OpenAI:
         if where not in made:
-            made[where] = openai.OpenAI(base_url=stack[where] + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
+            made[where] = openai.OpenAI(base_url=stack[where] + "/v1", api_key=KEYS[where], max_retries=0,
+                                        timeout=120)
         return made[where]
     yield client
     for c in made.values():
@@ -106,7 +112,7 @@ def test_chat_and_completions_streaming_and_not(stack, sdk, where):
 def test_sse_is_exactly_openais_shape(stack, sdk, where):
     body = {"model": MODEL, "messages": FRANCE, "max_tokens": 5, "temperature": 0, "stream": True, "n": 2,
             "logprobs": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", stack[where] + "/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", stack[where] + "/v1/chat/completions", json=body, timeout=120, headers=auth(where)) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
@@ -174,7 +180,8 @@ def test_top_logprobs_match_the_reference_forward(stack, sdk, tok, ref):
 
 
 def _prefix_hits(url: str) -> float:
-    m = re.search(r"^edgechat_replica_prefix_hit_tokens_total (\S+)$", httpx.get(url + "/metrics").text, re.M)
+    text = httpx.get(url + "/metrics", headers=auth("replica")).text
+    m = re.search(r"^edgechat_replica_prefix_hit_tokens_total (\S+)$", text, re.M)
     return float(m.group(1))
 
 
@@ -238,11 +245,11 @@ def test_unsupported_parameters_are_400_naming_the_param(stack, sdk, where, kw, 
 
 @BOTH
 def test_json_errors_for_unknown_routes_and_methods(stack, sdk, where):
-    r = httpx.get(stack[where] + "/v1/nope")
+    r = httpx.get(stack[where] + "/v1/nope", headers=auth(where))
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-    r = httpx.delete(stack[where] + "/v1/chat/completions")
+    r = httpx.delete(stack[where] + "/v1/chat/completions", headers=auth(where))
     assert r.status_code == 405 and "message" in r.json()["error"]
-    r = httpx.post(stack[where] + "/v1/completions", content=b"x" * (5 << 20), timeout=60)
+    r = httpx.post(stack[where] + "/v1/completions", content=b"x" * (5 << 20), timeout=60, headers=auth(where))
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
 
 
@@ -251,7 +258,8 @@ def test_fim_on_a_model_without_fim_tokens_is_a_400_naming_why(stack, sdk):
         with pytest.raises(openai.BadRequestError) as e:
             sdk(where).completions.create(model=MODEL, prompt="def f(", suffix="    return 1\n", max_tokens=4)
         assert e.value.param == "suffix" and "FIM tokens" in e.value.message
-        r = httpx.post(stack[where] + "/infill", json={"input_prefix": "def f(", "input_suffix": "\n"})
+        r = httpx.post(stack[where] + "/infill", json={"input_prefix": "def f(", "input_suffix": "\n"},
+                       headers=auth(where))
         assert r.status_code == 400 and "FIM" in r.json()["error"]["message"]
 
 
@@ -263,7 +271,7 @@ def test_fuzzed_bodies_at_the_replica(stack):
 
     rng = random.Random(77)
     kinds: dict[str, int] = {}
-    with httpx.Client(timeout=30) as h:
+    with httpx.Client(timeout=30, headers=auth("replica")) as h:
         for _ in range(200):
             path, base = rng.choice(BASES)
             r = h.post(stack["replica"] + path, content=mutate(rng, {k: v for k, v in base.items() if k != "model"}),
