@@ -34,8 +34,11 @@ ITERATIONS = int(os.environ.get("EDGECHAT_CHAOS_ITERATIONS", "100"))
 LANES = min(4, ITERATIONS)
 STUBS_PER_LANE = 4
 TOKENS = 60  # per stream: 0.3 s at the stubs' 5 ms steps
-POOL = replace(FAST_POOL, stall_timeout_s=0.5, ping_interval_s=0.2, ping_timeout_s=0.4, healthz_interval_s=0.2,
-               healthz_failures=2, backoff_min_s=0.02, backoff_max_s=0.1, hello_timeout_s=2.0)
+# Detection fast enough for 100 freezes, slow enough that a loaded 2-core machine (4 proxies and their
+# clients in this process) is not mistaken for a frozen replica: a false loss on top of the real one
+# would fail the stream as a poison pill (two replicas lost under it).
+POOL = replace(FAST_POOL, stall_timeout_s=1.0, ping_interval_s=0.5, ping_timeout_s=1.0, healthz_interval_s=0.3,
+               healthz_failures=3, backoff_min_s=0.02, backoff_max_s=0.1, hello_timeout_s=2.0)
 
 
 @dataclass
