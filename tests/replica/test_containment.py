@@ -109,7 +109,7 @@ def test_a_transient_failure_fails_nobody(monkeypatch):
     want = alone(ids)
     engine, _, _ = make_engine()
     add_all(engine, ids)
-    real, calls = engine.runner.forward_logits, [0]
+    real, calls = engine.runner.execute, [0]
 
     def flaky(*a, **kw):  # the third forward of the run fails once
         calls[0] += 1
@@ -117,7 +117,7 @@ def test_a_transient_failure_fails_nobody(monkeypatch):
             raise RuntimeError("transient device hiccup")
         return real(*a, **kw)
 
-    monkeypatch.setattr(engine.runner, "forward_logits", flaky)
+    monkeypatch.setattr(engine.runner, "execute", flaky)
     contained = Containment(engine)
     toks, final = drive(engine, contained)
     assert all(isinstance(m, P.Finished) for m in final.values()) and contained.num_faults == 0
@@ -131,7 +131,7 @@ def test_an_engine_that_fails_whatever_runs_is_broken(monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(engine.runner, "forward_logits", broken)
+    monkeypatch.setattr(engine.runner, "execute", broken)
     with pytest.raises(EngineBroken, match="engine, not a request"):
         Containment(engine).step()
 
