@@ -25,7 +25,8 @@ wire.tool_calls.ToolCallStream; content and calls stream as OpenAI's deltas
 (`{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}`,
 then `{"tool_calls": [{"index", "function": {"arguments": piece}}]}`), the whole
 answer's message carries `tool_calls` (content null when there is none), and a
-choice that called a tool finishes with "tool_calls" where it would say "stop".
+choice that called a tool finishes with "tool_calls" where it would say "stop"
+(unless tool_choice named the function: OpenAI then says "stop").
 """
 
 from __future__ import annotations
@@ -203,8 +204,8 @@ class Response:
             events = c.tools.finish()
             if self.plan.stream:
                 pre += self._tool_chunks(index, events, [])
-            if c.tools.calls and reason == P.FINISH_STOP:
-                reason = "tool_calls"
+            if c.tools.calls and reason == P.FINISH_STOP and self.plan.tools.choice != "function":
+                reason = "tool_calls"  # (OpenAI says "stop" after a call it was told to make)
         c.finish = reason
         self.pending -= 1
         if not self.plan.stream:

@@ -279,7 +279,7 @@ class ToolCallStream:
                 self._mode = "text"
             return
         args = sc.arguments()
-        if not args.strip():  # no arguments written: an empty object
+        if not args.strip() and sc.done:  # a whole call without arguments: an empty object
             args = "{}"
             out.append(ArgsDelta(len(self.calls), args))
         self.calls.append(ToolCall(self._id, FunctionCall(sc.name, args)))

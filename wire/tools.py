@@ -16,7 +16,9 @@ Formats, by what the model's chat template shows (`ToolFormat.of`):
   * `edgechat` -- templates that know nothing of tools (SmolLM2, the default model):
     edgechat writes the definitions into the system message itself and asks for the
     hermes answer; past calls become `<tool_call>` blocks in the assistant's text and
-    results `<tool_response>` blocks in a user turn, so any chat model can take part.
+    each result a turn of the role `tool` holding the result's text (the template
+    prints the role as it prints any other; SmolLM2 answers from a `tool` turn, where
+    a `<tool_response>` block in a user turn made it echo the block).
 
 A template that renders tools in another format (Mistral's `[TOOL_CALLS]`, ...) is
 refused with a 400 rather than parsed wrongly.
@@ -215,19 +217,12 @@ class EdgechatHermes(Hermes):
     def render(self, messages: list[dict], tools: Tools | None) -> tuple[list[dict], dict]:
         out: list[dict] = []
         for m in messages:
-            if m["role"] == "tool":  # results, grouped into the user turn that follows the calls
-                block = f"<tool_response>\n{m['content']}\n</tool_response>"
-                if out and out[-1].get("_results"):
-                    out[-1]["content"] += "\n" + block
-                else:
-                    out.append({"role": "user", "content": block, "_results": True})
-                continue
-            if m.get("tool_calls"):
+            if m["role"] == "tool":
+                m = {"role": "tool", "content": m["content"]}
+            elif m.get("tool_calls"):
                 blocks = [self.block(c["function"]) for c in m["tool_calls"]]
-                text = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
-                m = {"role": m["role"], "content": text}
+                m = {"role": m["role"], "content": "\n".join(([m["content"]] if m.get("content") else []) + blocks)}
             out.append(m)
-        out = [{k: v for k, v in m.items() if k != "_results"} for m in out]
         if tools is not None and tools.shown:
             prompt = self.system_prompt(tools)
             if out and out[0]["role"] == "system":
@@ -251,7 +246,7 @@ class EdgechatHermes(Hermes):
                 "To call a function, answer with one block per call, each holding a JSON object with the "
                 "function's name and its arguments:\n<tool_call>\n"
                 '{"name": "function name", "arguments": {"argument": "value"}}\n</tool_call>\n'
-                "The results come back between <tool_response> and </tool_response>.")
+                "Each result comes back in a tool turn of its own.")
 
 
 class Llama3Json(ToolFormat):
