@@ -54,14 +54,14 @@ def run(engine, requests: dict, abort_at=None):
     {id: (text ids, finish reason)} and the per-step (constrained rows, sampled rows)."""
     for rid, sp in requests.items():
         assert engine.add(P.Generate(id=rid, prompt_ids=prompt(rid), sampling=sp)) is None
-    rows, begin = [], engine.grammars.begin
+    rows, execute = [], engine.runner.execute
 
-    def spy(seqs):  # records what each step samples; the engine's own begin does the work
-        mask = begin(seqs)
-        rows.append((len(mask.rows) if mask else 0, len(seqs)))
-        return mask
+    def spy(plan, prev_tokens=None, seqs=None, constrain=None):  # records what each step samples
+        seqs = seqs or []
+        rows.append((sum(s.grammar is not None for s in seqs), len(seqs)))
+        return execute(plan, prev_tokens, seqs, constrain)
 
-    engine.grammars.begin = spy
+    engine.runner.execute = spy
     toks, fins, steps = {}, {}, 0
     while engine.has_work():
         out = engine.step()
