@@ -146,7 +146,7 @@ class OpenAIRoutes:
                     sampling=sampling, priority=_NAMES.get(plan.priority) or h.get("x-priority"),
                     deadline_ms=plan.deadline_ms or float(h.get("x-deadline-ms") or 0),
                     traceparent=h.get("traceparent"), forwarded_by=h.get(FORWARDED_HEADER),
-                    cache_salt=plan.cache_salt, rich=True)
+                    cache_salt=plan.cache_salt, rich=True, tools=plan.tools)
                 streams.append(await proxy.submit(key, req, _Sink(pump, p)))
         except (O.OpenAIError, pp.ProtocolError, ValueError, ClientDisconnect) as e:
             if pump is not None:

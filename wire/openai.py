@@ -231,7 +231,7 @@ def sampling_of(r: _Request, max_tokens: int | None, logprobs: int | None = None
               include_stop_str_in_output=r.include_stop_str_in_output, max_tokens=max_tokens)
     kw = {k: v for k, v in kw.items() if v is not None}
     try:
-        kw["grammar"] = S.grammar_of(r)
+        kw["grammar"] = S.grammar_of(**{f: getattr(r, f) for f in S.FIELDS})
     except S.StructuredError as e:
         raise OpenAIError(str(e), e.param) from None
     if r.top_k is not None:

@@ -68,8 +68,11 @@ def json_schema_grammar(schema, layout: dict | None = None) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"the schema is not valid JSON: {e}") from None
-    if not isinstance(schema, dict | bool):
-        raise ValueError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+    if schema is True:
+        schema = {}  # any JSON value
+    if not isinstance(schema, dict):
+        raise ValueError("the schema false allows no value" if schema is False else
+                         f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=layout or JSON_LAYOUT)
 
 
@@ -140,28 +143,35 @@ def response_format_grammar(rf, layout: dict) -> str:
             raise StructuredError(f"response_format.json_schema.{sorted(unknown)[0]}",
                                   f"json_schema takes name, description, schema and strict, not {sorted(unknown)}")
         # OpenAI: a json_schema without "schema" allows any JSON value
-        return _build("response_format.json_schema.schema", json_schema_grammar, js.get("schema", True), layout)
+        return _build("response_format.json_schema.schema", json_schema_grammar, js.get("schema", {}), layout)
     raise StructuredError("response_format.type", f"response_format.type must be text, json_object or json_schema, "
                                                   f"got {kind!r}")
 
 
-def grammar_of(r) -> str:
-    """The grammar a request's structured-output fields ask for ("" for none); `r` has
-    response_format and vLLM's guided_* / structured_outputs fields. At most one may
-    constrain the output."""
-    if r.guided_decoding_backend is not None and r.guided_decoding_backend not in BACKENDS:
+FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+          "guided_decoding_backend", "guided_whitespace_pattern")  # the request fields `grammar_of` reads
+
+
+def grammar_of(response_format=None, structured_outputs: StructuredOutputs | None = None, guided_json=None,
+               guided_regex: str | None = None, guided_choice: list[str] | None = None,
+               guided_grammar: str | None = None, guided_decoding_backend: str | None = None,
+               guided_whitespace_pattern: str | None = None) -> str:
+    """The grammar a request's structured-output fields ask for ("" for none): OpenAI's
+    response_format, vLLM's guided_* fields or its structured_outputs object. At most
+    one may constrain the output."""
+    if guided_decoding_backend is not None and guided_decoding_backend not in BACKENDS:
         raise StructuredError("guided_decoding_backend", f"guided_decoding_backend: this server runs llguidance; "
                                                          f"use one of {list(BACKENDS)}")
-    so = r.structured_outputs
-    ws = r.guided_whitespace_pattern if so is None or so.whitespace_pattern is None else so.whitespace_pattern
+    so = structured_outputs
+    ws = guided_whitespace_pattern if so is None or so.whitespace_pattern is None else so.whitespace_pattern
     layout = _layout(ws, so is not None and so.disable_any_whitespace)
     asked: list[tuple[str, object]] = []  # (param, builder)
-    if r.response_format is not None:
-        asked.append(("response_format", lambda: response_format_grammar(r.response_format, layout)))
-    for name, value, fn in (("guided_json", r.guided_json, json_schema_grammar),
-                            ("guided_regex", r.guided_regex, regex_grammar),
-                            ("guided_choice", r.guided_choice, choice_grammar),
-                            ("guided_grammar", r.guided_grammar, cfg_grammar)):
+    if response_format is not None:
+        asked.append(("response_format", lambda: response_format_grammar(response_format, layout)))
+    for name, value, fn in (("guided_json", guided_json, json_schema_grammar),
+                            ("guided_regex", guided_regex, regex_grammar),
+                            ("guided_choice", guided_choice, choice_grammar),
+                            ("guided_grammar", guided_grammar, cfg_grammar)):
         if value is not None:
             args = (value, layout) if fn is json_schema_grammar else (value,)
             asked.append((name, lambda name=name, fn=fn, args=args: _build(name, fn, *args)))
