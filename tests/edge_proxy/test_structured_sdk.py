@@ -31,6 +31,7 @@ from edge_proxy.client import EdgeClient
 from replica.tokenizer import Tokenizer
 from wire import openai as O
 from wire import openai_prompts as OP
+from tests.edge_proxy.test_openai_sdk import sdk  # noqa: F401 (clients by stack key: sdk("off"), sdk("spec"))
 from tests.replica.server import free_port, stop_group, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -79,19 +80,6 @@ def stack():
             stop_group(p)
 
 
-@pytest.fixture(scope="module")
-def sdk(stack):
-    made: dict[str, openai.OpenAI] = {}
-
-    def client(where: str = "off") -> openai.OpenAI:
-        if where not in made:
-            made[where] = openai.OpenAI(base_url=stack[where] + "/v1", api_key="EMPTY", max_retries=0, timeout=300)
-        return made[where]
-    yield client
-    for c in made.values():
-        c.close()
-
-
 def chat(c, **kw):
     kw.setdefault("temperature", 0)
     kw.setdefault("max_tokens", 60)
@@ -136,7 +124,7 @@ class Event(BaseModel):  # optional fields
     (Shopping, "List things to buy for a picnic."), (Event, "Describe a birthday party."),
 ])
 def test_parse_returns_objects_that_validate(sdk, model, ask):
-    r = sdk().chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": ask}], response_format=model,
+    r = sdk("off").chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": ask}], response_format=model,
                                      temperature=0, max_tokens=80)
     choice = r.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, model)
@@ -156,7 +144,7 @@ QUESTIONS = ["What is 2 + 2?", "What is the capital of France?", "What color is 
 
 def test_json_object_parses_for_20_prompts(sdk):
     def ask(q):
-        return chat(sdk(), max_tokens=48, response_format={"type": "json_object"}, messages=[
+        return chat(sdk("off"), max_tokens=48, response_format={"type": "json_object"}, messages=[
             {"role": "system", "content": 'Answer with a JSON object: {"answer": ...}'},
             {"role": "user", "content": q}])
 
@@ -168,16 +156,16 @@ def test_json_object_parses_for_20_prompts(sdk):
 
 
 def test_vllm_guided_fields(sdk):
-    phone = chat(sdk(), max_tokens=20, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
+    phone = chat(sdk("off"), max_tokens=20, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
                  messages=[{"role": "user", "content": "Give me a phone number."}]).choices[0].message.content
     assert len(phone) == 8 and phone[3] == "-" and (phone[:3] + phone[4:]).isdigit()
-    yes_no = chat(sdk(), max_tokens=5, extra_body={"guided_choice": ["yes", "no"]},
+    yes_no = chat(sdk("off"), max_tokens=5, extra_body={"guided_choice": ["yes", "no"]},
                   messages=[{"role": "user", "content": "Is the sky blue?"}]).choices[0].message.content
     assert yes_no in ("yes", "no")
-    way = chat(sdk(), max_tokens=10, extra_body={"guided_grammar": 'root ::= "go " ("north" | "south" | "east")'},
+    way = chat(sdk("off"), max_tokens=10, extra_body={"guided_grammar": 'root ::= "go " ("north" | "south" | "east")'},
                messages=[{"role": "user", "content": "Where should I go?"}]).choices[0].message.content
     assert way in ("go north", "go south", "go east")
-    done = sdk().completions.create(model=MODEL, prompt="The answer is", max_tokens=8, temperature=0,
+    done = sdk("off").completions.create(model=MODEL, prompt="The answer is", max_tokens=8, temperature=0,
                                     extra_body={"structured_outputs": {"regex": " (yes|no)\\."}})
     assert done.choices[0].text in (" yes.", " no.")
 
@@ -191,23 +179,23 @@ def validated(calls) -> list:
 
 
 def test_required_and_named_tool_choice_produce_valid_calls(sdk):
-    r = chat(sdk(), tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    r = chat(sdk("off"), tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     assert r.choices[0].finish_reason == "tool_calls" and len(validated(r.choices[0].message.tool_calls)) == 1
-    named = chat(sdk(), tools=TOOLS, tool_choice={"type": "function", "function": {"name": "book_table"}})
+    named = chat(sdk("off"), tools=TOOLS, tool_choice={"type": "function", "function": {"name": "book_table"}})
     calls = validated(named.choices[0].message.tool_calls)
     assert [c.function.name for c in calls] == ["book_table"] and named.choices[0].finish_reason == "stop"
-    free = chat(sdk(), tools=TOOLS, tool_choice="none", max_tokens=12)
+    free = chat(sdk("off"), tools=TOOLS, tool_choice="none", max_tokens=12)
     assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
 
 
 def test_tool_round_trip(sdk):
-    first = chat(sdk(), tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    first = chat(sdk("off"), tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     call = validated(first.choices[0].message.tool_calls)[0]
     assert json.loads(call.function.arguments)["city"] == "Paris"
     result = json.dumps({"city": "Paris", "temperature": 18, "unit": "celsius", "sky": "sunny"})
     history = ASK_WEATHER + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                              {"role": "tool", "tool_call_id": call.id, "content": result}]
-    answer = chat(sdk(), messages=history, tools=[WEATHER], tool_choice="none", max_tokens=30)
+    answer = chat(sdk("off"), messages=history, tools=[WEATHER], tool_choice="none", max_tokens=30)
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content.strip()
     assert answer.choices[0].message.tool_calls is None
     # The second prompt is the conversation with the call and its result, as wire.tools renders them.
@@ -220,10 +208,10 @@ def test_tool_round_trip(sdk):
 
 
 def test_streamed_tool_call_deltas_reassemble_to_the_same_call(sdk):
-    whole = chat(sdk(), tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    whole = chat(sdk("off"), tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     calls: dict[int, dict] = {}
     pieces = 0
-    for chunk in chat(sdk(), tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True):
+    for chunk in chat(sdk("off"), tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True):
         for d in chunk.choices[0].delta.tool_calls or []:
             c = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
             c["arguments"] += d.function.arguments or ""
@@ -241,10 +229,10 @@ def test_constrained_and_free_requests_in_one_batch(sdk):
     json_kw = dict(messages=[{"role": "user", "content": "Invent a person who lives in Paris."}], max_tokens=80,
                    response_format={"type": "json_schema", "json_schema": {
                        "name": "Person", "schema": Person.model_json_schema() | {"additionalProperties": False}}})
-    alone = [chat(sdk(), **free_kw).choices[0].message.content, chat(sdk(), **json_kw).choices[0].message.content]
+    alone = [chat(sdk("off"), **free_kw).choices[0].message.content, chat(sdk("off"), **json_kw).choices[0].message.content]
     with cf.ThreadPoolExecutor(2) as ex:
         together = [f.result().choices[0].message.content
-                    for f in [ex.submit(chat, sdk(), **free_kw), ex.submit(chat, sdk(), **json_kw)]]
+                    for f in [ex.submit(chat, sdk("off"), **free_kw), ex.submit(chat, sdk("off"), **json_kw)]]
     assert together == alone
     Person.model_validate_json(together[1])
 

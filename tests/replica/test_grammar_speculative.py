@@ -11,36 +11,19 @@ import pytest
 
 from wire import protocol as P
 from wire import structured as S
-from replica.config import EngineConfig
-from replica.engine import LLMEngine
 from speculative.drafting import DraftTree
-from speculative.head import save_head
+from tests.replica import test_speculative_engine as spec_engine
 from tests.replica.test_grammar import CHOICES, REGEX, SCHEMA, prompt, text
-from tests.replica.tiny import tiny_config, tiny_tokenizer, tiny_weights
-from tests.speculative.util import random_head, tiny_target
+from tests.replica.test_speculative_engine import DRAFTERS, head_path  # noqa: F401 (the head fixture)
+from tests.replica.tiny import tiny_tokenizer
 
-CFG = tiny_config(num_layers=4)  # four layers: the head's three feature layers are distinct
-W = tiny_weights(CFG)
 NEWLINE = 96  # never valid in these grammars (compact JSON, the regex, the choices)
-DRAFTERS = {
-    "ngram": dict(speculative="ngram", spec_depth=4),
-    "eagle3-chain": dict(speculative="eagle3", spec_depth=3),
-    "eagle3-tree": dict(speculative="eagle3", spec_depth=4, spec_top_k=3, spec_budget=10),
-}
-
-
-@pytest.fixture(scope="module")
-def head_path(tmp_path_factory):
-    return str(save_head(random_head(tiny_target()), tmp_path_factory.mktemp("eagle3") / "tiny"))
 
 
 def engine(spec=None, head=None, **kw):
-    ecfg = dict(num_blocks=96, block_size=16, max_num_seqs=8, max_num_batched_tokens=64, spec_max_batch=16)
-    ecfg.update(DRAFTERS.get(spec, {}))
-    if spec and spec.startswith("eagle3"):
-        ecfg["spec_head"] = head
-    ecfg.update(kw)
-    return LLMEngine(EngineConfig(**ecfg), CFG, W, tokenizer=tiny_tokenizer())
+    """test_speculative_engine's engine (the same tiny target and head), with a tokenizer and room for JSON."""
+    return spec_engine.engine(spec, head, tokenizer=tiny_tokenizer(), **{
+        "num_blocks": 96, "max_num_batched_tokens": 64, **kw})
 
 
 def requests(temperature: float = 0.0) -> dict:
