@@ -281,8 +281,9 @@ def _fill(jobs, bitmask: torch.Tensor) -> None:
     row_bytes = bitmask.shape[1] * 4
     base = bitmask.data_ptr()
     for i, (m, path) in enumerate(jobs):
-        if path and not m.consume_tokens(path):
-            raise GrammarError(f"draft path {path} left the grammar: {m.get_error()}")  # prune() keeps only valid ones
+        n = m.try_consume_tokens(path) if path else 0
+        if n != len(path):  # prune() keeps valid paths only; the node cannot be accepted anyway
+            log.error("draft path %s left its grammar after %d tokens", path, n)
         m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
-        if path:
-            m.rollback(len(path))
+        if n:
+            m.rollback(n)

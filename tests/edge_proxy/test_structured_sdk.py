@@ -155,6 +155,14 @@ def test_json_object_parses_for_20_prompts(sdk):
         assert isinstance(json.loads(a.choices[0].message.content), dict)
 
 
+def test_n_sampled_answers_each_follow_the_schema(sdk):
+    r = sdk("off").chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Pick a paint."}],
+                                          response_format=Paint, n=3, temperature=1.0, seed=5, max_tokens=40)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert c.finish_reason == "stop" and isinstance(c.message.parsed, Paint)
+
+
 def test_vllm_guided_fields(sdk):
     phone = chat(sdk("off"), max_tokens=20, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
                  messages=[{"role": "user", "content": "Give me a phone number."}]).choices[0].message.content
