@@ -22,7 +22,6 @@ from enum import Enum
 from typing import Literal, Optional
 
 import jsonschema
-import openai
 import pytest
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
