@@ -20,6 +20,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
+import msgspec
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -114,12 +115,18 @@ class EdgeClient:
 
     async def generate(self, messages: list[dict] | None = None, prompt: str | None = None, *, id: str | None = None,
                        session: str | None = None, priority: str | None = None, deadline_ms: float = 0.0,
-                       traceparent: str | None = None, tenant: str | None = None, **sampling) -> Request:
+                       traceparent: str | None = None, tenant: str | None = None, response_format: dict | None = None,
+                       structured_outputs: dict | None = None, tools: list | None = None, tool_choice=None,
+                       parallel_tool_calls: bool | None = None, **sampling) -> Request:
+        """Start a request; messages may hold tool calls and results, tools and
+        response_format mean what they mean in the OpenAI API (done.tool_calls)."""
         rid = id or f"r{next(self._ids)}"
         req = self.requests[rid] = Request(self, rid)
-        msgs = [pp.ChatMessage(m["role"], m["content"]) for m in messages] if messages is not None else None
+        msgs = msgspec.convert(messages, list[pp.ChatMessage]) if messages is not None else None
+        so = msgspec.convert(structured_outputs, pp.StructuredOutputs) if structured_outputs is not None else None
         await self._send(pp.Generate(rid, msgs, prompt, session, pp.Sampling(**sampling), priority, deadline_ms,
-                                     traceparent, tenant))
+                                     traceparent, tenant, response_format, so, tools, tool_choice,
+                                     parallel_tool_calls))
         return req
 
     async def complete(self, *args, **kw) -> tuple[str, pp.Done]:

@@ -73,6 +73,7 @@ class SubmitRequest:
     ids: list[int] | None = None  # the prompt already tokenized (OpenAI API); messages/prompt kept for forwarding
     cache_salt: str = ""  # the client's own salt, within its tenant's (OpenAI `cache_salt`)
     rich: bool = False  # the sink takes every Tokens/Finished message (OpenAI API: n, logprobs, index)
+    tools: object = None  # wire.tools.Tools rendered into the prompt (messages), or None
 
 
 class Proxy:
@@ -199,7 +200,7 @@ class Proxy:
                     raise pp.ProtocolError(pp.FORBIDDEN, "this session belongs to another API key")
             if self._forwardable(req, sampling):
                 return self._forward(key, req, sampling, priority, sink, t0)
-            ids = req.ids if req.ids is not None else await self._tokenize(req.messages, req.prompt)
+            ids = req.ids if req.ids is not None else await self._tokenize(req.messages, req.prompt, req.tools)
             self._check_lengths(len(ids), sampling.max_tokens)
             self._check_open()  # draining may have begun while tokenizing
             bs = self.pool.block_size
@@ -231,16 +232,17 @@ class Proxy:
         self._idle.clear()
         return s
 
-    async def _tokenize(self, messages: list[dict] | None, prompt: str | None) -> list[int]:
+    async def _tokenize(self, messages: list[dict] | None, prompt: str | None, tools=None) -> list[int]:
         try:
-            return await self.tokenizers.encode(messages, prompt)
+            return await self.tokenizers.encode(messages, prompt, tools)
         except ValueError as e:  # replica.tokenizer.ChatTemplateError, or a tokenizer refusing the text
             raise pp.ProtocolError(pp.BAD_REQUEST, f"cannot render or tokenize the prompt: {e}") from None
 
     def _forwardable(self, req: SubmitRequest, sp: rp.SamplingParams) -> bool:
         return (self.peers is not None and not req.forwarded_by and not self.pool.ready()
                 and not isinstance(req.prompt, list)  # token ids are this model's; the public protocol takes text
-                and not req.cache_salt and sp.n == 1 and sp.logprobs is None and sp.prompt_logprobs is None)
+                and not req.cache_salt and sp.n == 1 and sp.logprobs is None and sp.prompt_logprobs is None
+                and not sp.grammar and req.tools is None)  # the public protocol's sampling carries no grammar
 
     def _forward(self, key, req: SubmitRequest, sampling: rp.SamplingParams, priority: int, sink,
                  t0: float) -> Forwarded:

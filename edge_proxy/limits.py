@@ -57,6 +57,8 @@ def check_prompt(messages: list[dict] | None, prompt: str | list[int] | None, li
                 raise pp.ProtocolError(pp.BAD_REQUEST, f"messages[{i}].role must be 1..{lim.max_role_chars} "
                                                        "characters")
             size += len(role) + utf8_len(content)
+            for c in m.get("tool_calls") or ():  # an assistant's calls are prompt text too
+                size += utf8_len(c["function"]["name"]) + utf8_len(c["function"]["arguments"])
             if size > lim.max_prompt_bytes:
                 raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"the messages are over {lim.max_prompt_bytes} bytes")
         return

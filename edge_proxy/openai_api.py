@@ -131,8 +131,8 @@ class OpenAIRoutes:
             key = self._auth(request)
             plan, ireq = parse(kind, await read_body(request, proxy.cfg.max_frame_bytes))
             model = self._model(plan.model if kind != "infill" else None)
-            ids = [await _tokenize(proxy, p) for p in plan.prompts]
-            sampling = OP.for_fim(plan, tok)
+            ids = [await _tokenize(proxy, p, plan.tools) for p in plan.prompts]
+            sampling = OP.sampling_for(plan, tok)
             cid = {"chat": "chatcmpl-", "completion": "cmpl-", "infill": "infill-"}[kind] + secrets.token_hex(12)
             h = request.headers
             pump = Pump(request.receive, hold=True)
@@ -146,7 +146,7 @@ class OpenAIRoutes:
                     sampling=sampling, priority=_NAMES.get(plan.priority) or h.get("x-priority"),
                     deadline_ms=plan.deadline_ms or float(h.get("x-deadline-ms") or 0),
                     traceparent=h.get("traceparent"), forwarded_by=h.get(FORWARDED_HEADER),
-                    cache_salt=plan.cache_salt, rich=True)
+                    cache_salt=plan.cache_salt, rich=True, tools=plan.tools)
                 streams.append(await proxy.submit(key, req, _Sink(pump, p)))
         except (O.OpenAIError, pp.ProtocolError, ValueError, ClientDisconnect) as e:
             if pump is not None:
@@ -160,7 +160,7 @@ class OpenAIRoutes:
         return await pump.reply(response(kind, plan, ireq, cid, model, tok, ids), plan.stream)
 
 
-async def _tokenize(proxy, prompt) -> list[int]:
+async def _tokenize(proxy, prompt, tools) -> list[int]:
     """OP.prompt_ids after the proxy's size limits, in its tokenizer pool (never on the event loop)."""
     check_plan_prompt(prompt, proxy.cfg.limits)
-    return await proxy.tokenizers.run(OP.prompt_ids, proxy.tokenizer, prompt)
+    return await proxy.tokenizers.run(OP.prompt_ids, proxy.tokenizer, prompt, tools)

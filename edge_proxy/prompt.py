@@ -20,6 +20,7 @@ import asyncio
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from edge_proxy import protocol as pp
+from wire.tools import chat_ids
 
 
 class ByteTokenizer:
@@ -56,10 +57,11 @@ def load_tokenizer(spec: str):
     return Tokenizer.from_spec(spec)
 
 
-def encode(tokenizer, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
-    """Token ids of a conversation (chat template, generation prompt) or of a raw prompt."""
+def encode(tokenizer, messages: list[dict] | None, prompt: str | list[int] | None, tools=None) -> list[int]:
+    """Token ids of a conversation (chat template, generation prompt; tools, tool calls and
+    results as wire.tools renders them) or of a raw prompt."""
     if messages is not None:
-        return list(tokenizer.encode_chat(messages))
+        return chat_ids(tokenizer, messages, tools)
     if isinstance(prompt, list):
         return prompt
     return list(tokenizer.encode(prompt))
@@ -90,9 +92,9 @@ class TokenizerPool:
             raise pp.ProtocolError(pp.OVERLOADED, f"{self.jobs} prompts are being tokenized; retry shortly", 1.0)
         return await asyncio.wrap_future(self._submit(fn, *args))
 
-    async def encode(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+    async def encode(self, messages: list[dict] | None, prompt: str | list[int] | None, tools=None) -> list[int]:
         """`encode(...)` with this pool's tokenizer, in a pool thread."""
-        return await self.run(encode, self.tokenizer, messages, prompt)
+        return await self.run(encode, self.tokenizer, messages, prompt, tools)
 
     def reply_ids(self, messages: list[dict], reply: list[int], done) -> None:
         """Best effort, for a check rather than a request: `done(ids)` on the event loop with

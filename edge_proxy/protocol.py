@@ -7,6 +7,11 @@ connection's open requests).
   client -> proxy   generate, cancel
   proxy  -> client  delta (text + token count), done (finish, usage, timing), error
 
+Structured output and tools (edge_proxy.structured): a generate may carry
+`response_format`, vLLM's `structured_outputs`, `tools`, `tool_choice` and
+`parallel_tool_calls` as the OpenAI API takes them; messages may carry assistant
+`tool_calls` and `tool` results; `done` then carries the calls made in `tool_calls`.
+
 A slow client gets the deltas of one request merged into fewer, larger frames
 (`tokens` counts every token merged into the frame); nothing is ever dropped.
 See docs/protocol.md for examples, codes and limits.
@@ -20,6 +25,8 @@ import msgspec
 from msgspec import Meta
 
 from wire import protocol as rp
+from wire.structured import StructuredOutputs
+from wire.tools import MAX_TOOLS, ToolCall
 
 # Stable error codes. The first six are shared with the internal protocol.
 BAD_REQUEST = rp.BAD_REQUEST  # malformed frame or field; fix the request
@@ -79,11 +86,13 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         return rp.SamplingParams(**msgspec.structs.asdict(self))
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    # gc=False: two strings cannot form a cycle, and a frame of 30,000 messages must not
-    # set off the cyclic collector (a full collection stalls every stream for tens of ms).
-    role: str  # length and count bounded by `edge_proxy.limits` (configurable)
-    content: str
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
+    # gc=False: decoded strings and calls cannot form a cycle, and a frame of 30,000 messages
+    # must not set off the cyclic collector (a full collection stalls every stream for tens of ms).
+    role: str  # system | user | assistant | tool; length and count bounded by `edge_proxy.limits` (configurable)
+    content: str = ""
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | None = None  # assistant: the calls it made
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None  # tool: the call this message answers
 
 
 class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True, omit_defaults=True):
@@ -96,6 +105,11 @@ class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True, omit_
     deadline_ms: Annotated[float, Meta(ge=0.0, le=MAX_DEADLINE_MS)] = 0.0  # 0 -> none; else `overloaded` at once
     traceparent: Annotated[str, Meta(max_length=256)] | None = None  # W3C trace context to continue
     tenant: RequestId | None = None  # peer keys only: the tenant a forwarded request runs for
+    response_format: dict | None = None  # OpenAI's: json_object, json_schema (wire.structured)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: json, regex, choice, grammar, json_object
+    tools: Annotated[list, Meta(max_length=MAX_TOOLS)] | None = None  # OpenAI's function tools (wire.tools)
+    tool_choice: str | dict | None = None  # "auto" | "none" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
@@ -130,6 +144,7 @@ class Done(msgspec.Struct, tag="done"):
     replica: str  # replica that produced the last token
     failovers: int = 0  # times the stream moved to another replica
     forwarded_from: str = ""  # region whose proxy forwarded the request here (it had no replica ready); "" if none
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET  # the calls made (a request with tools)
 
 
 class Error(msgspec.Struct, tag="error", omit_defaults=True):

@@ -52,6 +52,7 @@ from edge_proxy import protocol as pp
 from edge_proxy.auth import TokenBucket, bearer
 from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
+from edge_proxy.structured import ToolSink, messages, structured
 
 log = logging.getLogger("edge_proxy.ws")
 
@@ -375,17 +376,25 @@ class ClientConnection:
             self._error(m.id, pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{len(m.messages)} messages; at most "
                                                f"{self.proxy.cfg.limits.max_messages} are accepted"))
             return  # before building a dict per message
-        messages = [{"role": x.role, "content": x.content} for x in m.messages] if m.messages is not None else None
-        req = SubmitRequest(m.id, messages, m.prompt, m.session, m.sampling, m.priority, m.deadline_ms,
-                            m.traceparent, self.forwarded_by, m.tenant)
+        sampling, tools, sink = m.sampling, None, self
+        if m.response_format is not None or m.structured_outputs is not None or m.tools:  # edge_proxy.structured
+            try:
+                sampling, tools = structured(m, self.proxy.tokenizer)
+            except pp.ProtocolError as e:
+                self._error(m.id, e)
+                return
+            if tools is not None and tools.shown:
+                sink = ToolSink(self, self.proxy.tokenizer, tools)
+        req = SubmitRequest(m.id, messages(m), m.prompt, m.session, sampling, m.priority, m.deadline_ms,
+                            m.traceparent, self.forwarded_by, m.tenant, tools=tools)
         self.active[m.id] = req
-        t = asyncio.get_running_loop().create_task(self._start(req))
+        t = asyncio.get_running_loop().create_task(self._start(req, sink))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _start(self, req: SubmitRequest) -> None:
+    async def _start(self, req: SubmitRequest, sink=None) -> None:
         try:
-            s = await self.proxy.submit(self.key, req, self)
+            s = await self.proxy.submit(self.key, req, sink or self)
         except pp.ProtocolError as e:
             if self.active.get(req.cid) is req:
                 del self.active[req.cid]

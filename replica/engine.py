@@ -18,6 +18,7 @@ from replica import sampling
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
 from replica.forks import Forks
+from replica.grammar import Grammars
 from replica.plan import plan_step
 from replica.runner import Runner
 from replica.scheduler import Scheduler
@@ -61,7 +62,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, weights: dict | None = None, *, ops=None,
                  model: torch.nn.Module | None = None, tp: TensorParallel | None = None, features=None,
-                 workers=()):
+                 workers=(), tokenizer=None):
         """Build from a model config and Hugging Face-named weights (None: random init).
 
         `model` replaces the Llama model with any object of the same interface
@@ -70,6 +71,7 @@ class LLMEngine:
         in `workers` (processes, joined by close()). `features` is an aux-feature hook
         for plain decoding: `.aux_layers`, `.keep_hidden` and `.feed(batch, StepOutput)`
         after every step (speculative.train records self-distillation data with it).
+        `tokenizer` (or a callable loading it) serves structured output (replica.grammar).
         """
         self.cfg, self.model_cfg, self.workers = cfg, model_cfg, list(workers)
         self.runner = Runner(cfg, model_cfg, weights, model=model, ops=ops, tp=tp)
@@ -106,6 +108,7 @@ class LLMEngine:
         self._inflight: _Launched | None = None
         self.seqs: dict[str, Sequence] = {}
         self.forks = Forks()  # n > 1: samples waiting for their leader's prompt prefill
+        self.grammars = Grammars(tokenizer, model_cfg.vocab_size, self.runner.device)  # constrained: wait to compile
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
         self.step_ms = 0.0  # exponential moving average
@@ -124,8 +127,8 @@ class LLMEngine:
             return P.BAD_REQUEST, "n must be 1 at the engine (the API process sends each sample on its own)"
         if self.speculator is not None and req.sampling.prompt_logprobs is not None:
             return P.BAD_REQUEST, "prompt_logprobs (echo with logprobs) need a replica without speculative decoding"
-        if self.runner.tp.world > 1 and self.overlap and req.sampling.processed():
-            return P.BAD_REQUEST, ("penalties, logit_bias, min_p and min_tokens need overlap scheduling off with "
+        if self.runner.tp.world > 1 and self.overlap and (req.sampling.processed() or req.sampling.grammar):
+            return P.BAD_REQUEST, ("penalties, logit_bias, min_p, min_tokens and grammars need overlap scheduling off with "
                                    "tensor parallelism (every rank samples on its own)")
         return None
 
@@ -139,18 +142,40 @@ class LLMEngine:
         seq = Sequence(req.id, req.prompt_ids, sp, seed=seed, eos_ids=self.eos_ids, priority=req.priority,
                        cache_salt=req.cache_salt, resume_ids=req.resume_ids)
         self.seqs[req.id] = seq
-        leader = self.seqs.get(req.fork_of) if req.fork_of else None
+        if sp.grammar:
+            self.grammars.hold(seq, req.fork_of)  # queued once compiled (`_compiled`)
+        else:
+            self._queue(seq, req.fork_of)
+        return None
+
+    def _queue(self, seq: Sequence, fork_of: str) -> None:
+        leader = self.seqs.get(fork_of) if fork_of else None
         if leader is not None and not leader.first_token_time:
             self.forks.park(leader.id, seq)  # waits for the leader's prompt KV (replica.forks)
         else:
             self.scheduler.add(seq)
-        return None
+
+    def _compiled(self) -> list:
+        """Queue the held sequences whose grammar is ready; Error / Finished for the others."""
+        out = []
+        for seq, fork_of, err in self.grammars.ready():
+            if seq.status == Status.FINISHED:
+                continue
+            if err or seq.grammar.is_stopped():  # a bad grammar, or resumed with it already complete
+                self.seqs.pop(seq.id)
+                seq.status = Status.FINISHED
+                self._release_forks(seq)
+                out.append(P.Error(code=P.BAD_REQUEST, message=err, id=seq.id) if err
+                           else self._finished(seq, P.FINISH_STOP))
+            else:
+                self._queue(seq, fork_of)
+        return out
 
     def abort(self, req_id: str) -> P.Finished | None:
         seq = self.seqs.pop(req_id, None)
         if seq is None:
             return None
-        if self.forks.discard(seq):
+        if self.forks.discard(seq) or self.grammars.discard(seq):
             seq.status = Status.FINISHED
         else:
             self.scheduler.remove(seq)
@@ -168,7 +193,7 @@ class LLMEngine:
         return step.seqs if step is not None else []
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self._inflight is not None or bool(self.grammars.waiting)
 
     # -- the step ---------------------------------------------------------------------
     def step(self, return_logits: bool = False):
@@ -178,18 +203,18 @@ class LLMEngine:
         With overlap (CUDA by default), step N+1 is scheduled and launched before
         step N's tokens are read back, so the host's work hides under the GPU's;
         the messages returned are step N's."""
+        early = self._compiled() if self.grammars.waiting else []
         if self.overlap:
-            return self._step_overlap()
+            out = early + self._step_overlap()
+            return (out, {}) if return_logits else out
         batch = self.scheduler.schedule()
         if batch.spec is not None:
-            out = self._step_speculative(batch)
+            out = early + self._step_speculative(batch)
             return (out, {}) if return_logits else out
         launched = self._launch(batch)
-        if launched is None:
-            return ([], {}) if return_logits else []
-        out = self._resolve(launched)
+        out = early + (self._resolve(launched) if launched is not None else [])
         if return_logits:
-            return out, {seq.id: launched.logits[i] for i, (seq, _) in enumerate(launched.sampled)}
+            return out, {seq.id: launched.logits[i] for i, (seq, _) in enumerate(launched.sampled)} if launched else {}
         return out
 
     def _step_overlap(self) -> list:
@@ -199,24 +224,33 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.spec is not None:  # nothing in flight: see above
             return out + self._step_speculative(batch)
+
+        def drain() -> None:  # a constrained row's mask needs its in-flight token: read it back now
+            nonlocal out
+            out, self._inflight = self._resolve(self._inflight), None
+
         # Sequences with unread tokens hold placeholders: the plan refers to the
         # in-flight step's token tensor, resolved on the device.
-        launched = self._launch(batch, self._inflight)
+        launched = self._launch(batch, self._inflight, drain if self._inflight is not None else None)
         if self._inflight is not None:
             out = self._resolve(self._inflight)
         self._inflight = launched
         return out
 
-    def _launch(self, batch, prev: _Launched | None = None) -> _Launched | None:
+    def _launch(self, batch, prev: _Launched | None = None, drain=None) -> _Launched | None:
         """Plan, run and sample a batch without reading the tokens back; account the
-        tokens as computed and append one placeholder per sampled sequence."""
+        tokens as computed and append one placeholder per sampled sequence. Grammar
+        masks are computed while the forward runs; `drain()` reads the previous
+        step back first when a constrained row's newest token is still in flight."""
         if not batch.seqs:
             return None
         t0 = time.perf_counter()
         plan = plan_step(batch)
         prompt_rows = sampling.prompt_rows(plan, batch)
-        out = self.runner.execute(plan, prev.tokens if prev is not None else None,
-                                  [batch.seqs[i] for i in plan.sample_rows])
+        seqs = [batch.seqs[i] for i in plan.sample_rows]
+        masks = self.grammars.begin(self.grammars.rows(seqs))
+        out = self.runner.execute(plan, prev.tokens if prev is not None else None, seqs,
+                                  self.grammars.constrain(masks, drain))
         if self.features is not None:  # the head (or a recorder) sees every token computed
             self.features.feed(batch, out)
         host, event = self.runner.to_host(out.tokens)
@@ -249,7 +283,7 @@ class LLMEngine:
                 continue  # finished or aborted while this step was in flight
             if not seq.first_token_time:
                 seq.first_token_time = now
-            reason = seq.check_stop(tok, pos + 1, self.max_model_len)
+            reason = self._accept(seq, tok, pos + 1)
             if reason:
                 out.append(self._finish(seq, reason, [tok], length=pos + 1))
             else:
@@ -270,9 +304,14 @@ class LLMEngine:
     def _step_speculative(self, batch) -> list:
         """Draft, verify and append: rows [0, batch.num_spec) may emit several tokens."""
         t0 = time.perf_counter()
-        trees = self.speculator.draft(batch)
+        # A constrained sequence's drafts are cut to what its grammar accepts, and every
+        # node is verified against the mask of its state (replica.grammar).
+        trees = [self.grammars.prune(s, t) for s, t in zip(batch.seqs, self.speculator.draft(batch))]
         plan = plan_step(batch, trees)
-        out = self.runner.execute(plan, seqs=[batch.seqs[i] for i in plan.sample_rows])
+        seqs = [batch.seqs[i] for i in plan.sample_rows]
+        masks = self.grammars.begin(self.grammars.tree_rows(trees, batch.seqs)
+                                    + self.grammars.rows(seqs, first_row=sum(map(len, trees))))
+        out = self.runner.execute(plan, seqs=seqs, constrain=self.grammars.constrain(masks))
         sampling.keep_logprobs([batch.seqs[i] for i in plan.sample_rows], out.logprobs)  # plain rows only
         results, src, dst = self.speculator.accept(batch, trees, plan, out)
         self.runner.move_kv(src, dst)
@@ -288,7 +327,7 @@ class LLMEngine:
             for tok in tokens:  # a stop (EOS, stop id, max_tokens) may cut an accepted run
                 seq.token_ids.append(tok)
                 emitted.append(tok)
-                reason = seq.check_stop(tok, len(seq), self.max_model_len)
+                reason = self._accept(seq, tok, len(seq))
                 if reason:
                     break
             if i < batch.num_spec:
@@ -314,6 +353,14 @@ class LLMEngine:
         self._count_step(t0)
         return msgs
 
+    def _accept(self, seq: Sequence, tok: int, length: int) -> str:
+        """The finish reason once `tok` (token number `length`) is seq's, or "": stop
+        conditions, and for a constrained sequence its grammar (complete: "stop")."""
+        reason = seq.check_stop(tok, length, self.max_model_len)
+        if seq.grammar is not None:
+            return self.grammars.accept(seq, tok) or reason
+        return reason
+
     def _finished(self, seq: Sequence, reason: str, last_ids: list[int] = (), length: int = 0) -> P.Finished:
         ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
         length = length or len(seq.token_ids) - seq.num_unresolved
@@ -332,6 +379,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the tensor-parallel ranks and wait for their processes."""
+        self.grammars.close()
         self.runner.close()
         for w in self.workers:
             w.wait(timeout=60)

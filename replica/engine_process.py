@@ -15,6 +15,7 @@ process closes the socket.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import select
 import socket
@@ -33,16 +34,22 @@ def build_engine(cfg: EngineConfig):
     from replica import tp as TP
     from replica.engine import LLMEngine
     from replica.loader import load_model_for
+    from replica.tokenizer import Tokenizer
     from replica.worker import spawn_workers
 
     model_cfg, weights = load_model_for(cfg)
+    tokenizer = functools.partial(Tokenizer.from_spec, cfg.model)  # grammars' tokenizer, built in their thread
     if cfg.tp == 1:
-        return LLMEngine(cfg, model_cfg, weights)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    workers = spawn_workers(cfg, init_method)
-    return LLMEngine(cfg, model_cfg, weights, tp=TP.init(0, cfg.tp, init_method, cfg.device), workers=workers)
+        engine = LLMEngine(cfg, model_cfg, weights, tokenizer=tokenizer)
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        workers = spawn_workers(cfg, init_method)
+        engine = LLMEngine(cfg, model_cfg, weights, tp=TP.init(0, cfg.tp, init_method, cfg.device), workers=workers,
+                           tokenizer=tokenizer)
+    engine.grammars.warm()
+    return engine
 
 
 def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:

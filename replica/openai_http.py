@@ -65,8 +65,8 @@ class OpenAIRoutes:
             plan, ireq = parse(kind, await read_body(request, MAX_BODY_BYTES))
             if plan.model is not None and plan.model != self.model_name and kind != "infill":
                 raise O.not_found_model(plan.model)
-            ids = [OP.prompt_ids(tok, p) for p in plan.prompts]
-            sampling = OP.for_fim(plan, tok)
+            ids = [OP.prompt_ids(tok, p, plan.tools) for p in plan.prompts]
+            sampling = OP.sampling_for(plan, tok)
         except O.OpenAIError as e:
             return self.error(e)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex

@@ -222,12 +222,15 @@ class Runner:
                 self._tensor(rows, torch.int64))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, seqs=None) -> StepOutput:
+    def execute(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, seqs=None,
+                constrain=None) -> StepOutput:
         """Run one step and sample each logits row. With overlap, input id -(j + 1)
         stands for prev_tokens[j], the previous step's j-th sampled token, still on
         the device: it is resolved there, without waiting for the host. seqs (rank 0):
         the sequences of plan.sample_rows, whose params beyond temperature/top-k/top-p
-        (penalties, logit bias, logprobs: replica.sampling) apply to their rows."""
+        (penalties, logit bias, logprobs: replica.sampling) apply to their rows.
+        constrain(x, first_row) (rank 0): grammar masks, applied to the logits rows
+        before sampling, once the forward is queued (replica.grammar)."""
         if self.tp.world > 1 and self.tp.rank == 0:
             self.tp.broadcast_bytes(self._encoder.encode(plan))
         if (self.graphs is not None and not plan.trees and not plan.extra_logits
@@ -242,17 +245,21 @@ class Runner:
             logits = self.model.compute_logits(hidden[rows]).float()
         n = len(plan.sampling)
         logits, prompt_logits = logits[:n], (logits[n:] if plan.extra_logits else None)
-        tokens, logprobs = self._sample(logits, plan, prev_tokens, seqs)
+        tokens, logprobs = self._sample(logits, plan, prev_tokens, seqs, constrain)
         return StepOutput(logits, tokens, aux, hidden if self.keep_hidden else None, logprobs, prompt_logits)
 
-    def _sample(self, logits: torch.Tensor, plan: StepPlan, prev_tokens, seqs):
+    def _sample(self, logits: torch.Tensor, plan: StepPlan, prev_tokens, seqs, constrain=None):
         """The token of every logits row: tree nodes plainly (speculating sequences are
-        `Sequence.plain`), sample rows through replica.sampling when their sequences
-        are known (rank 0), plainly on the other ranks."""
+        `Sequence.plain`; constrained nodes masked in place, so the acceptance reads the
+        masked logits), sample rows through replica.sampling when their sequences are
+        known (rank 0), plainly on the other ranks."""
         nt = len(plan.sampling) - len(plan.sample_rows)
         if seqs is None:
             return self.sample_params(logits, plan.sampling), None
-        rows, logprobs = sampling.sample(self, logits[nt:], seqs, plan.sampling[nt:], prev_tokens)
+        if constrain is not None and nt:
+            constrain(logits[:nt], 0)
+        rows, logprobs = sampling.sample(self, logits[nt:], seqs, plan.sampling[nt:], prev_tokens,
+                                         constrain and (lambda x: constrain(x, nt)))
         if not nt:
             return rows, logprobs
         return torch.cat([self.sample_params(logits[:nt], plan.sampling[:nt]), rows]), logprobs

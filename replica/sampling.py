@@ -179,9 +179,13 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs) -> StepLogprobs |
     return StepLogprobs(rows, lp.gather(1, tokens[idx][:, None])[:, 0], top.indices, top.values, ks)
 
 
-def sample(runner, logits: torch.Tensor, seqs, params, prev_tokens: torch.Tensor | None = None):
-    """One step's tokens for `seqs` (params: their StepPlan.sampling rows) and their logprobs, on the device."""
-    tokens = runner.sample_params(process(logits, seqs, prev_tokens), params)
+def sample(runner, logits: torch.Tensor, seqs, params, prev_tokens: torch.Tensor | None = None, constrain=None):
+    """One step's tokens for `seqs` (params: their StepPlan.sampling rows) and their logprobs, on the device.
+    `constrain(x)` masks the processed logits in place (grammars: replica.grammar); the logprobs stay raw."""
+    x = process(logits, seqs, prev_tokens)
+    if constrain is not None:
+        x = constrain(x.clone() if x is logits else x)
+    tokens = runner.sample_params(x, params)
     return tokens, logprobs(logits, tokens, seqs)
 
 

@@ -27,6 +27,7 @@ class Sequence:
         "seed", "arrival", "status", "block_table", "block_hashes",
         "num_computed", "num_cached_prompt", "first_token_time",
         "eos_ids", "num_unresolved", "draft_state", "num_accepted_drafts", "logprob_state",
+        "grammar",
     )
 
     def __init__(self, id: str, prompt_ids: list[int], sampling: SamplingParams, *,
@@ -51,10 +52,12 @@ class Sequence:
         self.draft_state = None  # EAGLE-3: the head's view of this sequence (speculative.drafting.HeadState)
         self.num_accepted_drafts = 0  # draft tokens accepted and emitted (usage)
         self.logprob_state = None  # replica.sampling.LogprobState once logprobs are asked for
+        self.grammar = None  # llguidance.LLMatcher over the generated tokens when constrained (replica.grammar)
 
     @property
     def plain(self) -> bool:
-        """Tokens drawn from the logits alone, one at a time: what speculative rows must be."""
+        """Tokens drawn from the logits alone (a grammar's mask aside, which the speculative
+        step applies to drafts too), one at a time: what speculative rows must be."""
         sp = self.sampling
         return not sp.processed() and sp.logprobs is None and sp.prompt_logprobs is None
 

@@ -9,13 +9,17 @@ OpenAI defines as hints with no effect on the output (`user`, `metadata`,
 `safety_identifier`) are accepted; `prompt_cache_key` is honoured as the session
 (the proxy routes a key's requests to the replica holding its prefix).
 
-Structured output (issue 17) is a later `response_format` handler: the schema
-already carries `response_format`, `tools` and `tool_choice` typed as JSON values,
-so adding them is a matter of honouring instead of refusing.
+Structured output: `response_format` (json_object, json_schema) and vLLM's
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (or its
+`structured_outputs` object) become one grammar (wire.structured); chat `tools` /
+`tool_choice` / `parallel_tool_calls` and tool messages go through wire.tools, the
+grammar of a required or named tool choice is built with the model's tokenizer
+(`wire.openai_prompts.sampling_for`), and answers are parsed back into `tool_calls`
+(wire.tool_calls).
 
 Extensions, as vLLM names them: top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, include_stop_str_in_output; edgechat's: session,
-priority, deadline_ms, cache_salt.
+ignore_eos, stop_token_ids, include_stop_str_in_output, guided_*, structured_outputs;
+edgechat's: session, priority, deadline_ms, cache_salt.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from dataclasses import dataclass, field
 import msgspec
 
 from wire import protocol as P
+from wire import structured as S
+from wire import tools as T
 
 Json = object  # a JSON value the schema only checks for presence
 
 PRIORITIES = {"interactive": P.INTERACTIVE, "batch": P.BATCH}
-ROLES = {"system", "developer", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 _STATUS_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
                 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
                 429: "rate_limit_error"}
@@ -102,6 +108,14 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    response_format: Json = None
+    guided_json: Json = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: S.StructuredOutputs | None = None
     # edgechat extensions
     session: str | None = None
     priority: str | int | None = None
@@ -114,7 +128,6 @@ class ChatCompletionRequest(_Request, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: Json = None
     tools: Json = None
     tool_choice: Json = None
     parallel_tool_calls: bool | None = None
@@ -169,6 +182,7 @@ class Plan:
     priority: int | None = None
     deadline_ms: float = 0.0
     cache_salt: str = ""
+    tools: T.Tools | None = None  # chat: the tools shown and how they are to be used
 
 
 def _param_of(e: msgspec.ValidationError) -> str | None:
@@ -216,6 +230,10 @@ def sampling_of(r: _Request, max_tokens: int | None, logprobs: int | None = None
               min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, stop_token_ids=r.stop_token_ids,
               include_stop_str_in_output=r.include_stop_str_in_output, max_tokens=max_tokens)
     kw = {k: v for k, v in kw.items() if v is not None}
+    try:
+        kw["grammar"] = S.grammar_of(**{f: getattr(r, f) for f in S.FIELDS})
+    except S.StructuredError as e:
+        raise OpenAIError(str(e), e.param) from None
     if r.top_k is not None:
         kw["top_k"] = 0 if r.top_k == -1 else r.top_k  # vLLM spells "off" -1
     sp = P.SamplingParams(stop=stop, logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kw)
@@ -253,9 +271,6 @@ def _extensions(plan: Plan, r: _Request) -> Plan:
 
 # -- chat -------------------------------------------------------------------------------------
 _UNSUPPORTED_CHAT = {
-    "response_format": "structured output is not available yet (issue 17); send {\"type\": \"text\"} or omit it",
-    "tools": "tool calling is not available yet (issue 17)",
-    "tool_choice": "tool calling is not available yet (issue 17)",
     "functions": "function calling is not available (deprecated by OpenAI in favour of tools)",
     "function_call": "function calling is not available (deprecated by OpenAI in favour of tools)",
     "audio": "the model is text-only",
@@ -270,8 +285,7 @@ def parse_chat(body: bytes) -> Plan:
     r = decode(body, ChatCompletionRequest)
     for name, why in _UNSUPPORTED_CHAT.items():
         value = getattr(r, name)
-        if value is None or value == [] or (name == "response_format" and value == {"type": "text"}) \
-                or (name == "tool_choice" and value == "none"):
+        if value is None or value == []:
             continue
         refuse(name, why)
     if r.store:
@@ -289,30 +303,49 @@ def parse_chat(body: bytes) -> Plan:
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     logprobs = (r.top_logprobs or 0) if r.logprobs else None
     plan = Plan("chat", [messages(r.messages)], sampling_of(r, max_tokens, logprobs), r.model, logprobs=logprobs)
+    try:
+        plan.tools = T.parse_tools(r.tools, r.tool_choice, r.parallel_tool_calls)
+    except T.ToolError as e:
+        raise OpenAIError(str(e), e.param) from None
+    if plan.tools is not None and plan.tools.forced and plan.sampling.grammar:
+        raise OpenAIError("a required or named tool_choice already constrains the answer: drop response_format "
+                          "(or the guided_* field), or use tool_choice \"auto\"", "tool_choice")
     plan = _extensions(plan, r)
     plan.session = plan.session or r.prompt_cache_key
     return plan
 
 
 def messages(msgs: list[ChatMessage]) -> list[dict]:
-    """The conversation as the chat template takes it; every refusal names the message."""
+    """The conversation as the chat template takes it (tool calls and results as
+    wire.tools renders them); every refusal names the message."""
     _check(bool(msgs), "messages", "messages must not be empty")
     out = []
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
-        if m.role in ("tool", "function"):
-            raise OpenAIError(f"{where}: {m.role} messages answer tool calls, and tools are not available yet "
-                              "(issue 17)", f"{where}.role")
+        if m.role == "function":
+            refuse(f"{where}.role", "function messages are deprecated by OpenAI: answer tool calls with role "
+                                    "\"tool\" and their tool_call_id")
         _check(m.role in ROLES, f"{where}.role", f"{where}.role must be one of {sorted(ROLES)}, got {m.role!r}")
-        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if getattr(m, name) is not None:
-                refuse(f"{where}.{name}", "tools and audio are not available")
+                refuse(f"{where}.{name}", "function_call is deprecated (use tool_calls); the model is text-only")
+        _check(m.tool_calls is None or m.role == "assistant", f"{where}.tool_calls",
+               f"{where}: only assistant messages carry tool_calls")
+        _check(m.tool_call_id is None or m.role == "tool", f"{where}.tool_call_id",
+               f"{where}: only tool messages carry a tool_call_id")
         if m.content is None:
-            _check(m.role == "assistant" and m.refusal is not None, f"{where}.content",
+            _check(m.role == "assistant" and (m.refusal is not None or bool(m.tool_calls)), f"{where}.content",
                    f"{where}.content is required")
         out.append({"role": "system" if m.role == "developer" else m.role, "content": _text(m, where)})
         if m.name is not None:
             out[-1]["name"] = m.name
+        if m.tool_calls:
+            try:
+                out[-1]["tool_calls"] = T.parse_calls(m.tool_calls, where)
+            except T.ToolError as e:
+                raise OpenAIError(str(e), e.param) from None
+        if m.tool_call_id is not None:
+            out[-1]["tool_call_id"] = m.tool_call_id
     return out
 
 

@@ -6,15 +6,19 @@ from __future__ import annotations
 import msgspec
 
 from wire import protocol as P
+from wire import tools as T
 from wire.openai import Fim, OpenAIError, Plan
 
 
-def prompt_ids(tokenizer, prompt) -> list[int]:
-    """Token ids of one prompt of a plan (chat messages, text, ids or FIM) with the model's tokenizer.
+def prompt_ids(tokenizer, prompt, tools: T.Tools | None = None) -> list[int]:
+    """Token ids of one prompt of a plan (chat messages, text, ids or FIM) with the model's tokenizer;
+    a chat's tools, tool calls and results rendered as the model's format wants (wire.tools).
     Raises OpenAIError when the model cannot do it (no chat template, no FIM tokens)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         try:
-            return list(tokenizer.encode_chat(prompt))
+            return T.chat_ids(tokenizer, prompt, tools)
+        except T.ToolError as e:
+            raise OpenAIError(str(e), e.param) from None
         except ValueError as e:  # replica.tokenizer.ChatTemplateError
             raise OpenAIError(str(e), "messages") from None
     if isinstance(prompt, Fim):
@@ -43,11 +47,32 @@ def prompt_text(tokenizer, prompt, ids: list[int]) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
 
 
-def for_fim(plan: Plan, tokenizer) -> P.SamplingParams:
-    """The plan's sampling, with the FIM convention's end-of-infill token as a stop id when it has one."""
+def sampling_for(plan: Plan, tokenizer) -> P.SamplingParams:
+    """The plan's sampling for this model: the FIM convention's end-of-infill token as a
+    stop id when it has one; the grammar of a required or named tool choice in the
+    model's tool-call format."""
     sp = plan.sampling
     fim = getattr(tokenizer, "fim", None)
     if plan.prompts and isinstance(plan.prompts[0], Fim) and fim is not None and fim.end is not None \
             and fim.end not in sp.stop_token_ids:
         sp = msgspec.structs.replace(sp, stop_token_ids=[*sp.stop_token_ids, fim.end])
+    if plan.tools is not None and plan.tools.forced:
+        sp = msgspec.structs.replace(sp, grammar=tool_grammar(plan.tools, tokenizer))
     return sp
+
+
+def tool_format(tokenizer) -> T.ToolFormat:
+    """The model's tool-call format (wire.tools), or OpenAIError naming `tools`."""
+    try:
+        return T.ToolFormat.of(getattr(tokenizer, "chat_template", None))
+    except T.ToolError as e:
+        raise OpenAIError(str(e), e.param) from None
+
+
+def tool_grammar(tools: T.Tools, tokenizer) -> str:
+    try:
+        return tool_format(tokenizer).grammar(tools)
+    except T.ToolError as e:
+        raise OpenAIError(str(e), e.param) from None
+    except ValueError as e:  # wire.structured.StructuredError: a function's parameters schema
+        raise OpenAIError(f"tools: {e}", "tools") from None

@@ -19,6 +19,14 @@ completions `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (the s
 token is always among `top_logprobs`, as OpenAI documents). With `echo`, a
 completion choice starts with its prompt (and, with logprobs, the prompt's tokens,
 the first one's logprob null). `piece(id) -> (text, bytes)` names tokens.
+
+Tools (chat, `tool_format` set): each choice's text runs through a
+wire.tool_calls.ToolCallStream; content and calls stream as OpenAI's deltas
+(`{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}`,
+then `{"tool_calls": [{"index", "function": {"arguments": piece}}]}`), the whole
+answer's message carries `tool_calls` (content null when there is none), and a
+choice that called a tool finishes with "tool_calls" where it would say "stop"
+(unless tool_choice named the function: OpenAI then says "stop").
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import msgspec
 
 from wire import protocol as P
 from wire.openai import Plan
+from wire.tool_calls import ArgsDelta, CallStart, ToolCallStream
 
 _enc = msgspec.json.Encoder()
 _MARK = "\x00edgechat\x00"
@@ -47,24 +56,26 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 
 class _Choice:
-    __slots__ = ("text", "lp", "offset", "finish", "started", "ntok")
+    __slots__ = ("text", "lp", "offset", "finish", "started", "ntok", "tools")
 
-    def __init__(self):
+    def __init__(self, tools: ToolCallStream | None = None):
         self.text: list[str] = []
         self.lp: list = []  # chat: entries; completions: (token, logprob, top dict, offset)
         self.offset = 0  # completions: text offset of the next token
         self.finish: str | None = None
         self.started = False
         self.ntok = 0
+        self.tools = tools  # parses tool calls out of the text (chat with tools)
 
 
 class Response:
     def __init__(self, plan: Plan, rid: str, model: str, created: int, piece, prompt_ids: list[list[int]],
-                 prompts_text: list[str] | None = None):
+                 prompts_text: list[str] | None = None, tool_format: str = ""):
         self.plan, self.rid, self.model, self.created, self.piece = plan, rid, model, created, piece
         self.chat = plan.kind == "chat"
         self.n = plan.sampling.n
-        self.choices = [_Choice() for _ in range(len(plan.prompts) * self.n)]
+        self.choices = [_Choice(ToolCallStream(tool_format) if tool_format else None)
+                        for _ in range(len(plan.prompts) * self.n)]
         self.prompts_text = prompts_text  # echo: each prompt's text
         self.prompt_ids = prompt_ids
         self.prompt_lps: list[list | None] = [None for _ in plan.prompts]  # echo with logprobs
@@ -155,18 +166,46 @@ class Response:
                 head, head_lp = self.prompts_text[p], self._echo_logprobs(c, p)
         entries = head_lp + (self._entries(c, ids, logprobs) if self.plan.logprobs is not None else [])
         c.text.append(head + text)
+        events = c.tools.feed(text) if c.tools is not None else None
         if not self.plan.stream:
             c.lp.extend(entries)
             return b""
+        if events is not None:
+            return self._tool_chunks(index, events, entries)
         if self.plan.logprobs is None:
             return self._text_chunk(index, head + text) if head or text else b""
         body = {"index": index, "delta": {"content": text}} if self.chat else {"index": index, "text": head + text}
         body.update(logprobs=self._logprobs_obj(entries), finish_reason=None)
         return self._chunk(body)
 
+    def _tool_chunks(self, index: int, events: list, entries: list) -> bytes:
+        """A choice's content and tool-call deltas (logprobs on the first chunk)."""
+        out = []
+        lp = self._logprobs_obj(entries) if self.plan.logprobs is not None and entries else None
+        if not events and lp is not None:
+            events = [""]
+        for e in events:
+            if isinstance(e, str):
+                delta = {"content": e}
+            elif isinstance(e, CallStart):
+                delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                         "function": {"name": e.name, "arguments": ""}}]}
+            else:
+                assert isinstance(e, ArgsDelta)
+                delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+            out.append(self._chunk({"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}))
+            lp = None
+        return b"".join(out)
+
     def finish(self, index: int, reason: str) -> bytes:
         c = self.choices[index]
         pre = self.tokens(index, "", [], []) if not c.started and self.plan.echo else b""
+        if c.tools is not None:
+            events = c.tools.finish()
+            if self.plan.stream:
+                pre += self._tool_chunks(index, events, [])
+            if c.tools.calls and reason == P.FINISH_STOP and self.plan.tools.choice != "function":
+                reason = "tool_calls"  # (OpenAI says "stop" after a call it was told to make)
         c.finish = reason
         self.pending -= 1
         if not self.plan.stream:
@@ -190,8 +229,12 @@ class Response:
             lp = self._logprobs_obj(c.lp) if self.plan.logprobs is not None else None
             text = "".join(c.text)
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": lp, "finish_reason": c.finish})
+                message = {"role": "assistant", "content": text, "refusal": None}
+                if c.tools is not None:
+                    message["content"] = c.tools.content or (None if c.tools.calls else "")
+                    if c.tools.calls:
+                        message["tool_calls"] = msgspec.to_builtins(c.tools.calls)
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish})
         obj = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",

@@ -215,4 +215,5 @@ def response(kind: str, plan: O.Plan, ireq, rid: str, model: str, tokenizer, ids
     if kind == "infill":
         return IF.InfillResponse(plan, ireq, model, len(ids[0]))
     texts = [OP.prompt_text(tokenizer, p, i) for p, i in zip(plan.prompts, ids)] if plan.echo else None
-    return Response(plan, rid, model, int(time.time()), tokenizer.piece, ids, texts)
+    fmt = OP.tool_format(tokenizer).name if plan.tools is not None and plan.tools.shown else ""
+    return Response(plan, rid, model, int(time.time()), tokenizer.piece, ids, texts, fmt)

@@ -30,7 +30,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: n, logprobs, penalties, logit bias, min_p, min_tokens (issue 12)
+PROTOCOL_VERSION = 3  # 2: n, logprobs, penalties, logit bias, min_p, min_tokens (issue 12); 3: grammar (issue 17)
 
 # Stable error codes (also used by the public protocol).
 BAD_REQUEST = "bad_request"
@@ -58,6 +58,7 @@ MAX_N = 16  # parallel samples per request
 MAX_LOGPROBS = 20  # top alternatives per token
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_STOP_TOKEN_IDS = 64
+MAX_GRAMMAR_CHARS = 1 << 18  # an llguidance grammar (JSON schemas and tool definitions inlined)
 _MASK63 = (1 << 63) - 1
 
 
@@ -98,6 +99,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, forbid
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
     prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens (and their top k)
     include_stop_str_in_output: bool = False
+    # -- protocol version 3 -----------------------------------------------------------
+    grammar: str = ""  # structured output: an llguidance grammar every token must follow (wire.structured)
 
     def processed(self) -> bool:
         """Whether the logits are changed before sampling (the engine's per-token processing)."""
@@ -143,6 +146,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, forbid
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 return f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
+        if len(self.grammar) > MAX_GRAMMAR_CHARS:
+            return f"grammar takes at most {MAX_GRAMMAR_CHARS} characters, got {len(self.grammar)}"
         return None
 
 

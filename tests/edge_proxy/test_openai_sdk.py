@@ -226,11 +226,14 @@ def test_the_other_sampling_parameters(stack, sdk, tok):
 
 @BOTH
 @pytest.mark.parametrize("kw, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+     "response_format.json_schema.schema"),
+    ({"extra_body": {"guided_regex": "("}}, "guided_regex"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
      "messages[0].content[0].type"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "42", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
     ({"store": True}, "store"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),

@@ -33,13 +33,13 @@ def head_path(tmp_path_factory):
     return str(save_head(random_head(tiny_target()), tmp_path_factory.mktemp("eagle3") / "tiny"))
 
 
-def engine(spec=None, head=None, **kw):
+def engine(spec=None, head=None, tokenizer=None, **kw):
     ecfg = dict(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=40, spec_max_batch=16)
     ecfg.update(DRAFTERS[spec] if spec else {})
     if spec and spec.startswith("eagle3"):
         ecfg["spec_head"] = head
     ecfg.update(kw)
-    return LLMEngine(EngineConfig(**ecfg), CFG, W)
+    return LLMEngine(EngineConfig(**ecfg), CFG, W, tokenizer=tokenizer)
 
 
 def greedy(max_tokens=14, **kw):

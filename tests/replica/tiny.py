@@ -39,3 +39,22 @@ def tiny_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         w[p + "mlp.up_proj.weight"] = r(cfg.intermediate_size, cfg.hidden_size)
         w[p + "mlp.down_proj.weight"] = r(cfg.hidden_size, cfg.intermediate_size)
     return w
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer for the tiny model's 97 ids: 0 is EOS, then one token per
+    printable ASCII character and newline (structured-output tests need real text)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    from replica.tokenizer import Tokenizer, _byte_decoder
+
+    char_of = {b: ch for ch, b in _byte_decoder().items()}
+    vocab = {"<eos>": 0}
+    for b in [*range(32, 127), 10]:
+        vocab[char_of[b]] = len(vocab)
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<eos>", special=True)])
+    return Tokenizer(backend, eos_token_ids=(0,), eos_token="<eos>")
