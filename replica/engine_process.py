@@ -5,7 +5,9 @@ Started by the API process (`python -m replica.engine_process --socket PATH
 msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
   1. takes every message already received (blocking only when idle),
   2. runs one engine step,
-  3. sends the step's tokens, finishes, KV events and (periodically) load.
+  3. sends the step's tokens, finishes, KV events and load (periodically, and
+     after every step that admits, aborts or finishes a request, so the running
+     count routers and `/metrics` see is never a report behind).
 An Abort is therefore applied before the next step: a cancelled request stops
 within one step and its blocks are freed. The process exits when the API
 process closes the socket.
@@ -59,12 +61,14 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
         busy = engine.has_work()
         timeout = 0.0 if busy else max(0.0, next_report - time.monotonic())
         out: list = []
+        changed = False  # a request came or went: report the load after this step
         readable, _, _ = select.select([sock], [], [], timeout)
         while readable:
             data = sock.recv(1 << 20)
             if not data:
                 return  # the API process is gone
             for msg in codec.feed(data):
+                changed = True
                 if isinstance(msg, P.Generate):
                     err = engine.add(msg)
                     if err is not None:
@@ -75,12 +79,14 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                         out.append(fin)
             readable, _, _ = select.select([sock], [], [], 0)
         if engine.has_work():
-            out.extend(engine.step())
+            step = engine.step()
+            changed = changed or any(type(m) is P.Finished for m in step)
+            out.extend(step)
         kv = engine.kv_events()
         if kv is not None:
             out.append(kv)
         now = time.monotonic()
-        if now >= next_report:
+        if now >= next_report or changed:
             out.append(engine.load())
             next_report = now + report_interval
         if out:
