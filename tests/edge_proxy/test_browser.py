@@ -20,7 +20,7 @@ import pytest
 from tests.edge_proxy.live import self_signed, start_proxy
 from tests.replica.server import free_port, stop_group
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # What Chromium needs as root in a sandbox without a network (docs: env/machines/python.md).
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

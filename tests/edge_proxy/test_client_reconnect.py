@@ -18,7 +18,7 @@ from edge_proxy.client import Backoff, EdgeClient, EdgeError
 from tests.edge_proxy.live import start_proxy
 from tests.replica.server import free_port, stop_group
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPTS = ["Tell me about the moon.", "List some fruits.", "Why is the sky blue?"]
 FAST = Backoff(initial_s=0.05, max_s=0.5, timeout_s=60.0)
 

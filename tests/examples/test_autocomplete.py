@@ -21,7 +21,7 @@ from replica.tokenizer import Tokenizer
 from tests.edge_proxy.live import proxy
 from tests.examples.running import ReplicaRunning
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 BLOCK = 16
 
 
