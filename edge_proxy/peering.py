@@ -89,6 +89,7 @@ class Forwarded:
     task: asyncio.Task | None = None
     t0: float = field(default_factory=perf_counter)  # arrival here: timings include the trip to the peer
     t_first: float = 0.0
+    ids: list = field(default_factory=list)  # token ids the peer sent (requests with `resumable`), like Stream.ids
 
     def cancel(self, notify: bool) -> None:
         """Client cancel (`notify`: answer done/abort) or disconnect (answer nothing)."""
@@ -150,7 +151,7 @@ class PeerLink:
         lock = self._locks.setdefault(peer.region, asyncio.Lock())
         async with lock:
             c = self.clients.get(peer.region)
-            if c is not None and c._reader.done():
+            if c is not None and c.closed:
                 self.clients.pop(peer.region, None)
                 c = None
             if c is None:
@@ -191,6 +192,8 @@ class PeerLink:
                 if type(m) is pp.Delta:
                     if not f.t_first:
                         f.t_first = perf_counter()
+                    if m.ids:
+                        f.ids += m.ids
                     f.sink.delta(f, m.text, m.tokens)
                 elif type(m) is pp.Done:
                     f.done = True

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import ssl
 from dataclasses import dataclass
 from time import perf_counter
 from urllib.parse import urlsplit, urlunsplit
@@ -55,6 +56,7 @@ AUTH_CLOSE_CODE = 4401
 @dataclass(frozen=True)
 class PoolConfig:
     secret: str = ""  # shared secret sent as `Authorization: Bearer`
+    ca_file: str = ""  # CA bundle for wss:// replicas (their TLS certificates); "" -> the system's
     ping_interval_s: float = 1.0
     ping_timeout_s: float = 2.0
     stall_timeout_s: float = 2.0
@@ -306,7 +308,7 @@ class ReplicaConn:
             cause = None
             # Frames may arrive in the same segment as the handshake response: the link
             # must be ours (self.link) before it connects.
-            self.link = ReplicaLink(self.url, headers, self._on_first_frame, cfg.max_frame_bytes)
+            self.link = ReplicaLink(self.url, headers, self._on_first_frame, cfg.max_frame_bytes, self.pool.ssl)
             try:
                 await self.link.connect(cfg.hello_timeout_s)
             except LinkRefused as e:  # refused before the upgrade (HTTP 401/403) or not a replica at all
@@ -401,6 +403,8 @@ class ReplicaPool:
         self._tasks: list[asyncio.Task] = []
         self._runs: dict[ReplicaConn, asyncio.Task] = {}  # each connection's run() (added and removed live)
         self._http: httpx.AsyncClient | None = None
+        # wss:// replicas: the system's CAs, or the private CA of `--replica-ca` (a self-signed replica's cert)
+        self.ssl = ssl.create_default_context(cafile=cfg.ca_file or None) if cfg.ca_file else None
         self.state_listeners: list = []
 
     def ready(self, exclude: frozenset | set = frozenset()) -> list[ReplicaConn]:
@@ -455,7 +459,8 @@ class ReplicaPool:
             return False
 
     async def start(self) -> None:
-        self._http = httpx.AsyncClient(trust_env=False, timeout=max(self.cfg.healthz_interval_s, 0.5))
+        self._http = httpx.AsyncClient(trust_env=False, timeout=max(self.cfg.healthz_interval_s, 0.5),
+                                       verify=self.ssl or True)
         self._runs = {c: asyncio.create_task(c.run()) for c in self.conns}
         self._tasks = [asyncio.create_task(self._watchdog())]
         if self.cfg.healthz_interval_s > 0:

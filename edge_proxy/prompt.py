@@ -20,6 +20,8 @@ import asyncio
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from edge_proxy import protocol as pp
+from edge_proxy.limits import Limits, check_plan_prompt
+from wire import openai_prompts as OP
 from wire.tools import chat_ids
 
 
@@ -127,3 +129,11 @@ class TokenizerPool:
 
     def close(self) -> None:
         self._ex.shutdown(wait=False, cancel_futures=True)
+
+
+async def plan_prompt_ids(pool: TokenizerPool, limits: Limits, prompt, tools=None) -> list[int]:
+    """Token ids of one prompt of an OpenAI plan or a fill-in-the-middle request (`wire.openai.Fim`),
+    after the proxy's size limits, in `pool` (never on the event loop). Raises `ProtocolError`
+    (limits, a full pool) or `wire.openai.OpenAIError` (the model cannot: no chat template, no FIM tokens)."""
+    check_plan_prompt(prompt, limits)
+    return await pool.run(OP.prompt_ids, pool.tokenizer, prompt, tools)

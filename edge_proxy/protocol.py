@@ -14,6 +14,13 @@ Structured output and tools (edge_proxy.structured): a generate may carry
 
 A slow client gets the deltas of one request merged into fewer, larger frames
 (`tokens` counts every token merged into the frame); nothing is ever dropped.
+
+A generate may replace an open request in one step (`replaces`: the old one is
+aborted and answered done/abort, the new one goes to the replica that held it),
+fill in the middle (`prefix` + `suffix`, for models with FIM tokens), ask for
+the token ids in its deltas (`resumable`), and continue a request from the ids
+a client already received (`resume`, e.g. after a reconnect: the same prompt,
+sampling and seed continue exactly, as in a failover).
 See docs/protocol.md for examples, codes and limits.
 """
 
@@ -51,6 +58,7 @@ MAX_ID_CHARS = 128  # request ids, tenants: echoed in every frame of the request
 MAX_SESSION_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, rp.MAX_STOP_TOKEN_IDS
 MAX_DEADLINE_MS = 3_600_000.0
+MAX_RESUME_IDS = 1 << 16  # ids a `resume` may carry (it must also stay below the request's max_tokens)
 INT32_MAX, SEED_MAX = 2**31 - 1, 2**63 - 1
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -98,7 +106,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
 class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True, omit_defaults=True):
     id: RequestId
     messages: list[ChatMessage] | None = None  # a conversation (rendered with the chat template) ...
-    prompt: str | None = None  # ... or a raw prompt; exactly one of the two
+    prompt: str | None = None  # ... or a raw prompt, or `prefix` (below); exactly one of the three
     session: Annotated[str, Meta(min_length=1, max_length=MAX_SESSION_CHARS)] | None = None  # sticky session
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     priority: Literal["interactive", "batch"] | None = None  # never above the API key's tier
@@ -110,16 +118,22 @@ class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True, omit_
     tools: Annotated[list, Meta(max_length=MAX_TOOLS)] | None = None  # OpenAI's function tools (wire.tools)
     tool_choice: str | dict | None = None  # "auto" | "none" | "required" | {"type": "function", "function": {...}}
     parallel_tool_calls: bool | None = None
+    prefix: str | None = None  # fill-in-the-middle: the text before the cursor (models with FIM tokens) ...
+    suffix: str | None = None  # ... and after it ("" when absent)
+    replaces: RequestId | None = None  # an open request of this connection to abort in the same step (may be `id`)
+    resumable: bool = False  # deltas carry the token ids (`Delta.ids`), what `resume` needs after a reconnect
+    resume: Annotated[list[TokenId], Meta(max_length=MAX_RESUME_IDS)] | None = None  # ids already received
 
 
 class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
     id: RequestId
 
 
-class Delta(msgspec.Struct, tag="delta"):
+class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     id: str
     text: str
     tokens: int  # tokens in this frame (more than one when merged for a slow client)
+    ids: list[int] | None = None  # the frame's token ids, for requests sent with `resumable`
 
 
 class Usage(msgspec.Struct):

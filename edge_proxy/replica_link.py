@@ -8,6 +8,8 @@ per token. Why not websockets' sans-I/O parser either: it is a stack of
 generators, about 7 us per frame warm but 70 us cold, and a stream at 20 tokens/s
 is always cold. The subset needed between our proxy and our replica is small:
 
+- transport: TCP for `ws://`, TLS for `wss://` (the pool's SSLContext: the system's
+  CAs, or `--replica-ca` for a private one);
 - handshake: GET with `Sec-WebSocket-Key` (+ `Authorization`); expects 101 and
   the matching `Sec-WebSocket-Accept` (helpers from `websockets.utils`); any other
   status raises `LinkRefused(status)`. No extensions, no subprotocols.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import struct
 from time import perf_counter
 from urllib.parse import urlsplit
@@ -67,11 +70,13 @@ def encode_frame(opcode: int, payload: bytes) -> bytes:
 
 
 class ReplicaLink(asyncio.Protocol):
-    def __init__(self, url: str, headers: dict[str, str] | None, on_frame, max_size: int):
+    def __init__(self, url: str, headers: dict[str, str] | None, on_frame, max_size: int,
+                 ssl_context: ssl.SSLContext | None = None):
         u = urlsplit(url)
-        if u.scheme != "ws" or not u.hostname:
-            raise ValueError(f"replica URL must look like ws://host:port/path, got {url!r}")
-        self.host, self.port = u.hostname, u.port or 80
+        if u.scheme not in ("ws", "wss") or not u.hostname:
+            raise ValueError(f"replica URL must look like ws://host:port/path (or wss://), got {url!r}")
+        self.host, self.port = u.hostname, u.port or (443 if u.scheme == "wss" else 80)
+        self.ssl = (ssl_context or ssl.create_default_context()) if u.scheme == "wss" else None
         self.path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         self.headers = headers or {}
         self.on_frame = on_frame  # (bytes, perf_counter time) -> None; may be swapped after Hello
@@ -228,7 +233,8 @@ class ReplicaLink(asyncio.Protocol):
         Raises OSError, TimeoutError, LinkRefused or LinkClosed."""
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.get_running_loop().create_connection(lambda: self, self.host, self.port)
+                await asyncio.get_running_loop().create_connection(
+                    lambda: self, self.host, self.port, ssl=self.ssl, server_hostname=self.host if self.ssl else None)
                 await self.opened
         except BaseException:
             if not self.opened.done():

@@ -67,7 +67,8 @@ def uvicorn_config(app: EdgeApp, cfg: ProxyConfig) -> uvicorn.Config:
     return uvicorn.Config(app, loop=_loop(), http=http, ws=ws, lifespan="on",
                           ws_max_size=cfg.max_frame_bytes, ws_per_message_deflate=False, ws_ping_interval=20.0,
                           ws_ping_timeout=20.0, access_log=False, log_level=cfg.log_level,
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5, ssl_certfile=cfg.ssl_certfile or None,
+                          ssl_keyfile=cfg.ssl_keyfile or None)
 
 
 class DrainingServer(uvicorn.Server):
@@ -113,8 +114,9 @@ def serve(cfg: ProxyConfig, sock: socket.socket | None = None) -> None:
     server = DrainingServer(uvicorn_config(create_app(proxy), cfg), proxy)
     if sock is None:
         sock = bind(cfg.host, cfg.port, reuse_port=cfg.workers > 1)
-    print(f"edge_proxy listening on http://{cfg.host}:{sock.getsockname()[1]} "
-          f"(WebSocket /v1/stream, OpenAI /v1/chat/completions)", flush=True)
+    http, ws = ("https", "wss") if cfg.ssl_certfile else ("http", "ws")
+    print(f"edge_proxy listening on {http}://{cfg.host}:{sock.getsockname()[1]} "
+          f"(chat page /, {ws}:// /v1/stream, OpenAI /v1/chat/completions)", flush=True)
     server.run(sockets=[sock])
 
 

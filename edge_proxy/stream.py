@@ -27,7 +27,7 @@ from edge_proxy import protocol as pp
 class Stream:
     __slots__ = ("proxy", "cid", "key", "sink", "gen", "hashes", "session", "t0", "t_first", "t_last", "ids",
                  "conn", "rid", "tried", "failovers", "faults", "done", "span", "replica_ttft_ms", "placement",
-                 "messages", "rich", "samples", "running")
+                 "messages", "rich", "samples", "running", "cached_tokens")
 
     def __init__(self, proxy, cid: str, key, sink, gen: rp.Generate, hashes: list[int], session, t0: float, span,
                  rich: bool = False):
@@ -52,6 +52,7 @@ class Stream:
         self.done = False
         self.span = span
         self.replica_ttft_ms = 0.0
+        self.cached_tokens = 0  # what the replica's first Tokens said its cache served (a cancel's done reports it)
         self.rich = rich
         n = gen.sampling.n
         self.samples = [self.ids] + [[] for _ in range(n - 1)] if n > 1 else None
@@ -62,6 +63,8 @@ class Stream:
     def on_tokens(self, msg, now: float) -> None:
         """A Tokens message, or the last tokens of a Finished one."""
         ids = msg.ids
+        if type(msg) is rp.Tokens and msg.cached_tokens:  # (a Finished carries its usage instead)
+            self.cached_tokens = msg.cached_tokens
         if self.samples is None:
             self.ids += ids
         else:
@@ -146,7 +149,7 @@ class Stream:
         return pp.Done(
             id=self.cid, finish_reason=finish_reason,
             usage=pp.Usage(len(self.gen.prompt_ids), sum(map(len, self.samples)) if self.samples else len(self.ids),
-                           usage.cached_tokens, usage.accepted_draft_tokens),
+                           usage.cached_tokens or self.cached_tokens, usage.accepted_draft_tokens),
             timing=pp.Timing(round((self.t_first - self.t0) * 1e3, 3) if self.t_first else 0.0,
                              round((now - self.t0) * 1e3, 3), round(self.replica_ttft_ms, 3)),
             region=self.proxy.cfg.region, replica=self.conn.id if self.conn is not None else "",

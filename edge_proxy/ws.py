@@ -17,8 +17,15 @@ never mix, whatever the order admission finishes in; every error about a frame
 carries that frame's id when it had a valid one (ids are at most 128 characters,
 never echoed beyond that).
 
-Handshake checks, in order: Origin allowlist (403), subprotocols (an offer must
-include `edgechat.v1`; 400), failed-auth throttle of the source address (429),
+Replace, resume, FIM: a `generate` naming `replaces` aborts that open request
+at once (answered done/abort, counted as a cancel) and is placed on the replica
+the old one ran on, whose cache holds its prefix; `resume` carries the ids a
+client already has (from the `ids` of its deltas, asked for with `resumable`);
+`prefix` + `suffix` is tokenized here in the model's FIM layout (refused with
+`bad_request` where the tokenizer has no FIM tokens).
+
+Handshake checks, in order: Origin (the page's own origin, or the `--allowed-origin`
+list; 403), subprotocols (an offer must include `edgechat.v1`; 400), failed-auth throttle of the source address (429),
 API key from `Authorization: Bearer` or the subprotocol `bearer.<key>` (401),
 draining (503).
 
@@ -44,7 +51,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from urllib.parse import urlsplit
 
+import msgspec
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
@@ -52,7 +61,9 @@ from edge_proxy import protocol as pp
 from edge_proxy.auth import TokenBucket, bearer
 from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
+from edge_proxy.prompt import plan_prompt_ids
 from edge_proxy.structured import ToolSink, messages, structured
+from wire.openai import Fim, OpenAIError
 
 log = logging.getLogger("edge_proxy.ws")
 
@@ -110,9 +121,29 @@ class Flusher:
             conn._flush_direct()
 
 
-def origin_allowed(origin: str | None, allowed: tuple[str, ...]) -> bool:
-    """Non-browser clients send no Origin; browsers must be on the allowlist."""
-    return origin is None or "*" in allowed or origin in allowed
+_DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
+
+
+def same_origin(origin: str, host: str | None, scheme: str) -> bool:
+    """Does `origin` (scheme://host[:port]) name the server the request came to (its Host header,
+    over `scheme`: ws/http or wss/https)? A page the proxy serves itself connects from there."""
+    try:
+        o = urlsplit(origin)
+        port = o.port or _DEFAULT_PORTS.get(o.scheme)
+        h = urlsplit(f"//{host}") if host else None
+        hport = (h.port if h is not None else None) or _DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        return False
+    secure = scheme in ("https", "wss")
+    return (h is not None and o.hostname is not None and o.scheme == ("https" if secure else "http")
+            and o.hostname == h.hostname and port == hport)
+
+
+def origin_allowed(origin: str | None, allowed: tuple[str, ...], host: str | None = None,
+                   scheme: str = "ws") -> bool:
+    """Non-browser clients send no Origin; browsers must come from the server's own origin
+    (its page at `/`) or one on the allowlist."""
+    return origin is None or "*" in allowed or origin in allowed or same_origin(origin, host, scheme)
 
 
 def _deny(status: int, code: str, message: str, retry_after_s: float | None = None) -> JSONResponse:
@@ -130,6 +161,7 @@ _DENY_STATUS = {pp.UNAUTHORIZED: 401, pp.RATE_LIMITED: 429}
 # its JSON around it; done and error frames are counted at their usual size.
 FRAME_OVERHEAD = 48
 DONE_BYTES = 320
+IDS_BYTES = 7  # a token id in a delta's `ids` (resumable requests)
 
 
 class StreamEndpoint:
@@ -141,7 +173,8 @@ class StreamEndpoint:
 
     async def __call__(self, scope, receive, send) -> None:
         proxy, ws = self.proxy, WebSocket(scope, receive, send)
-        if not origin_allowed(ws.headers.get("origin"), proxy.cfg.allowed_origins):
+        if not origin_allowed(ws.headers.get("origin"), proxy.cfg.allowed_origins, ws.headers.get("host"),
+                              scope.get("scheme", "ws")):
             await ws.send_denial_response(_deny(403, pp.FORBIDDEN, "origin not allowed"))
             return
         offered = [p.strip() for h in ws.headers.getlist("sec-websocket-protocol") for p in h.split(",")]
@@ -183,7 +216,8 @@ class ClientConnection:
         self._cancels = TokenBucket(cfg.cancel_rate_per_s, 2 * cfg.cancel_rate_per_s)
         # Client id -> its Stream (or Forwarded), or the SubmitRequest still being admitted.
         self.active: dict[str, object] = {}
-        self._pending: dict = {}  # Stream -> [text, tokens, merged, final]
+        self._pending: dict = {}  # Stream -> [text, tokens, merged, final, index of its first id in stream.ids]
+        self._with_ids: set = set()  # streams whose deltas carry their token ids (`resumable`)
         self._loose: list = []  # frames of no stream: errors, done/abort of requests cancelled while admitted
         self._pending_bytes = 0  # what the two hold, in frame bytes (approximately)
         self._waiter: asyncio.Future | None = None  # the writer, when idle
@@ -195,15 +229,18 @@ class ClientConnection:
     def delta(self, s, text: str, ntok: int) -> None:
         if self._closing:
             return
+        ids = self._with_ids and s in self._with_ids  # a resumable stream: its frames carry their ids
         e = self._pending.get(s)
         if e is None:
-            self._pending[s] = [text, ntok, 1, None]
+            self._pending[s] = [text, ntok, 1, None, len(s.ids) - ntok if ids else 0]
             self._pending_bytes += len(text) + len(s.cid) + FRAME_OVERHEAD
         else:
             e[0] += text
             e[1] += ntok
             e[2] += 1
             self._pending_bytes += len(text)
+        if ids:
+            self._pending_bytes += IDS_BYTES * ntok
         if self._pending_bytes > self.proxy.cfg.max_pending_bytes:
             self._too_slow()
         if self._waiter is not None:
@@ -216,7 +253,7 @@ class ClientConnection:
             return
         e = self._pending.get(s)
         if e is None:
-            self._pending[s] = ["", 0, 0, msg]
+            self._pending[s] = ["", 0, 0, msg, 0]
         else:
             e[3] = msg
         self._count(msg)
@@ -252,6 +289,11 @@ class ClientConnection:
             self._waiter = None
             w.set_result(None)
 
+    def _delta(self, s, text: str, ntok: int, first: int) -> pp.Delta:
+        if self._with_ids and s in self._with_ids:
+            return pp.Delta(s.cid, text, ntok, s.ids[first:first + ntok])
+        return pp.Delta(s.cid, text, ntok)
+
     def _take(self) -> tuple[list, dict]:
         loose, self._loose = self._loose, []
         batch, self._pending = self._pending, {}
@@ -265,12 +307,13 @@ class ClientConnection:
         for msg in loose:
             frames.append(text_frame(enc(msg)))
         coalesced = 0
-        for s, (text, ntok, merged, final) in batch.items():
+        for s, (text, ntok, merged, final, first) in batch.items():
             if merged:
-                frames.append(text_frame(enc(pp.Delta(s.cid, text, ntok))))
+                frames.append(text_frame(enc(self._delta(s, text, ntok, first))))
                 coalesced += merged > 1
             if final is not None:
                 frames.append(text_frame(enc(final)))
+                self._with_ids.discard(s)
         if coalesced:
             self.proxy.metrics.coalesced.inc(by=coalesced)
         return b"".join(frames)
@@ -301,13 +344,14 @@ class ClientConnection:
             loose, batch = self._take()
             for msg in loose:
                 await send({"type": "websocket.send", "text": enc(msg).decode()})
-            for s, (text, ntok, merged, final) in batch.items():
+            for s, (text, ntok, merged, final, first) in batch.items():
                 if merged:
-                    await send({"type": "websocket.send", "text": enc(pp.Delta(s.cid, text, ntok)).decode()})
+                    await send({"type": "websocket.send", "text": enc(self._delta(s, text, ntok, first)).decode()})
                     if merged > 1:
                         coalesced.inc()
                 if final is not None:
                     await send({"type": "websocket.send", "text": enc(final).decode()})
+                    self._with_ids.discard(s)
 
     async def _write_loop_direct(self) -> None:
         """Only for a client whose transport is full: wait until it drains, then flush."""
@@ -365,17 +409,10 @@ class ClientConnection:
                 t.cancel()
 
     def _generate(self, m: pp.Generate) -> None:
-        if m.id in self.active:
-            self._error(m.id, pp.ProtocolError(pp.BAD_REQUEST, f"request id {m.id!r} is already in flight"))
+        err = self._check(m)
+        if err is not None:
+            self._error(m.id, err)
             return
-        if len(self.active) >= self.max_open:
-            self._error(m.id, pp.ProtocolError(pp.RATE_LIMITED, f"{len(self.active)} requests are open on this "
-                                                                 "connection; wait for one to end", 1.0))
-            return
-        if m.messages is not None and len(m.messages) > self.proxy.cfg.limits.max_messages:
-            self._error(m.id, pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{len(m.messages)} messages; at most "
-                                               f"{self.proxy.cfg.limits.max_messages} are accepted"))
-            return  # before building a dict per message
         sampling, tools, sink = m.sampling, None, self
         if m.response_format is not None or m.structured_outputs is not None or m.tools:  # edge_proxy.structured
             try:
@@ -385,15 +422,71 @@ class ClientConnection:
                 return
             if tools is not None and tools.shown:
                 sink = ToolSink(self, self.proxy.tokenizer, tools)
-        req = SubmitRequest(m.id, messages(m), m.prompt, m.session, sampling, m.priority, m.deadline_ms,
-                            m.traceparent, self.forwarded_by, m.tenant, tools=tools)
+        prefer = None
+        if m.replaces is not None:
+            wait = self._cancels.take()  # a replace cancels: the same budget
+            if wait > 0:
+                self._error(m.id, pp.ProtocolError(pp.RATE_LIMITED, "too many cancels (replaces) on this connection",
+                                                   round(max(wait, 0.001), 3)))
+                return
+            prefer = self._replace(m.replaces)
+        prompt = Fim(m.prefix, m.suffix or "") if m.prefix is not None else m.prompt
+        req = SubmitRequest(m.id, messages(m), prompt, m.session, sampling, m.priority, m.deadline_ms,
+                            m.traceparent, self.forwarded_by, m.tenant, tools=tools, resume=m.resume,
+                            resumable=m.resumable, prefer=prefer)
         self.active[m.id] = req
         t = asyncio.get_running_loop().create_task(self._start(req, sink))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
+    def _check(self, m: pp.Generate) -> pp.ProtocolError | None:
+        """What refuses a generate before any work (and before it replaces anything)."""
+        if m.id in self.active and m.id != m.replaces:
+            return pp.ProtocolError(pp.BAD_REQUEST, f"request id {m.id!r} is already in flight")
+        open_ = len(self.active) - (m.replaces in self.active)
+        if open_ >= self.max_open:
+            return pp.ProtocolError(pp.RATE_LIMITED, f"{open_} requests are open on this connection; wait for one "
+                                                     "to end", 1.0)
+        if (m.messages is not None) + (m.prompt is not None) + (m.prefix is not None) != 1:
+            return pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages, prompt and prefix (+ suffix)")
+        if m.suffix is not None and m.prefix is None:
+            return pp.ProtocolError(pp.BAD_REQUEST, "suffix goes with prefix (fill-in-the-middle)")
+        if m.prefix is not None and getattr(self.proxy.tokenizer, "fim", None) is None:
+            return pp.ProtocolError(pp.BAD_REQUEST, "fill-in-the-middle (prefix, suffix) needs a model whose "
+                                                    "tokenizer has FIM tokens; this model's has none: send a prompt")
+        if m.messages is not None and len(m.messages) > self.proxy.cfg.limits.max_messages:
+            return pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{len(m.messages)} messages; at most "
+                                                        f"{self.proxy.cfg.limits.max_messages} are accepted")
+        if m.resumable and m.tools:
+            return pp.ProtocolError(pp.BAD_REQUEST, "resumable does not go with tools (deltas then carry the "
+                                                    "content only, not every token)")
+        if m.resume is not None:
+            sp = m.sampling
+            if len(m.resume) > sp.max_tokens:
+                return pp.ProtocolError(pp.BAD_REQUEST, f"resume has {len(m.resume)} ids, over max_tokens "
+                                                        f"({sp.max_tokens})")
+            if sp.seed is None and sp.temperature > 0:
+                return pp.ProtocolError(pp.BAD_REQUEST, "resume with temperature > 0 needs the request's "
+                                                        "sampling.seed (set one when sending it first)")
+        return None
+
+    def _replace(self, cid: str) -> str | None:
+        """Abort open request `cid` (answered done/abort) for a generate that replaces it; the
+        replica it ran on, if it had one. An id no longer open is nothing to replace (it ended)."""
+        s = self.active.pop(cid, None)
+        if s is None:
+            return None
+        if type(s) is SubmitRequest:  # still being admitted: `_start` drops it
+            self._answer(pp.Done(cid, "abort", pp.Usage(), pp.Timing(), self.proxy.cfg.region, ""))
+            return None
+        conn = getattr(s, "conn", None)  # a Stream on a replica (a request forwarded to a peer has none)
+        s.cancel(notify=True)
+        return conn.id if conn is not None else None
+
     async def _start(self, req: SubmitRequest, sink=None) -> None:
         try:
+            if isinstance(req.prompt, Fim):
+                req.ids, req.sampling = await self._fim(req.prompt, req.sampling)
             s = await self.proxy.submit(self.key, req, sink or self)
         except pp.ProtocolError as e:
             if self.active.get(req.cid) is req:
@@ -412,6 +505,21 @@ class ClientConnection:
             del self.active[req.cid]
         else:
             self.active[req.cid] = s
+            if req.resumable:
+                self._with_ids.add(s)
+
+    async def _fim(self, fim: Fim, sampling: pp.Sampling) -> tuple[list[int], pp.Sampling]:
+        """A fill-in-the-middle prompt's ids in the model's layout, and its sampling with the
+        convention's end-of-infill token as a stop id (where it has one)."""
+        proxy = self.proxy
+        try:
+            ids = await plan_prompt_ids(proxy.tokenizers, proxy.cfg.limits, fim)
+        except OpenAIError as e:
+            raise pp.ProtocolError(pp.BAD_REQUEST, e.message) from None
+        end = proxy.tokenizer.fim.end
+        if end is not None and end not in sampling.stop_token_ids:
+            sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, end])
+        return ids, sampling
 
     def _cancel(self, cid: str) -> None:
         wait = self._cancels.take()

@@ -68,11 +68,14 @@ class Call:
         self._want = (n, fut)
         await fut
 
+    def mark_cancelled(self) -> None:
+        self.t_cancel = perf_counter()
+        self.tokens_at_cancel = self.tokens
+
     async def cancel(self) -> None:
         if self.finished.is_set() or self.t_cancel:
             return
-        self.t_cancel = perf_counter()
-        self.tokens_at_cancel = self.tokens
+        self.mark_cancelled()
         await self._conn.cancel(self)
 
     @property
@@ -103,11 +106,13 @@ class WsConn:
         await asyncio.gather(self._reader, return_exceptions=True)
 
     async def request(self, messages: list[dict] | None = None, prompt: str | None = None, *,
-                      session: str | None = None, deadline_ms: float = 0.0, **sampling) -> Call:
+                      session: str | None = None, deadline_ms: float = 0.0, replaces: str | None = None,
+                      **sampling) -> Call:
         cid = f"q{next(self._ids)}"
         call = self.calls[cid] = Call(cid, self)
         msgs = [pp.ChatMessage(m["role"], m["content"]) for m in messages] if messages is not None else None
-        frame = self.enc.encode(pp.Generate(cid, msgs, prompt, session, pp.Sampling(**sampling), None, deadline_ms))
+        frame = self.enc.encode(pp.Generate(cid, msgs, prompt, session, pp.Sampling(**sampling), None, deadline_ms,
+                                            replaces=replaces))
         call.t_send = perf_counter()
         await self.ws.send(frame.decode())
         return call

@@ -121,7 +121,9 @@ class User:
             self.run.conns.add(self.conn)
         return self.conn
 
-    async def start(self, *, deadline_ms: float = 0.0, **kw) -> Call | None:
+    async def start(self, *, deadline_ms: float = 0.0, replaces: Call | None = None, **kw) -> Call | None:
+        """Send a request; `replaces`: the call it supersedes (aborted in the same step over the
+        WebSocket, cancelled first over HTTP), counted as a cancellation."""
         if not self.run.take():
             return None
         try:
@@ -130,6 +132,12 @@ class User:
             self.run.connect_errors += 1
             self.run.note(str(e))
             return None
+        if replaces is not None and not replaces.finished.is_set() and not replaces.t_cancel:
+            if isinstance(conn, WsConn):
+                replaces.mark_cancelled()
+                kw["replaces"] = replaces.id
+            else:
+                await replaces.cancel()
         call = await conn.request(session=self.sid, deadline_ms=deadline_ms, **kw)
         t = asyncio.get_running_loop().create_task(self._record(call, deadline_ms))
         self.pending.add(t)

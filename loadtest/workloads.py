@@ -9,7 +9,8 @@ repeatable.
     chat          2-5 turns, think time between turns, history grows with every reply
     shared-prefix many users under the same long system prompts (prefix cache reuse)
     voice         short turns with a first-token deadline; barge-in cancels a reply mid-stream
-    autocomplete  keystroke bursts; each keystroke cancels the previous request; tight deadlines
+    autocomplete  keystroke bursts; each keystroke's request replaces the previous one (`replaces`:
+                  one step, same replica), the prefix grows and hits the cache; stop at the line's end
     random        random input and output lengths (words from the corpus)
 
 `scale` multiplies every think time and pause (0 for back-to-back tests).
@@ -127,10 +128,10 @@ async def autocomplete(user, rng: random.Random, c: Corpus, k: Knobs) -> None:
     for _ in range(rng.randint(2, 4)):  # bursts
         for _ in range(rng.randint(3, 8)):  # keystrokes, ~8 per second
             cursor = min(cursor + rng.randint(1, 3), len(code))
-            if prev is not None:
-                await user.supersede(prev)  # the new keystroke cancels the previous completion
+            # The new keystroke's completion replaces the previous one (examples/autocomplete.py's pattern).
             prev = await user.start(prompt=(f"# {k.nonce}\n" if k.nonce else "") + code[:cursor], max_tokens=16,
-                                    temperature=0.0, deadline_ms=k.autocomplete_deadline_ms)
+                                    temperature=0.0, stop=["\n"], deadline_ms=k.autocomplete_deadline_ms,
+                                    replaces=prev)
             if prev is None:
                 return
             if not await user.think(rng.expovariate(1 / 0.12) * k.scale):

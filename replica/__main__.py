@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="EAGLE-3 chains draw their drafts from the head at the request's temperature, verified by "
                          "rejection sampling (lossless; seeded outputs then differ from non-speculative ones)")
     ap.add_argument("--random-weights", action="store_true", help="random weights of the model's shape (timing)")
+    ap.add_argument("--ssl-certfile", default="", metavar="PEM",
+                    help="serve https:// and wss:// (proxies then connect with wss://; see the proxy's --replica-ca)")
+    ap.add_argument("--ssl-keyfile", default="", metavar="PEM", help="the certificate's private key")
     ap.add_argument("--secret-env", default="EDGECHAT_REPLICA_SECRET",
                     help="env var holding the shared secret proxies and HTTP clients must present")
     ap.add_argument("--secret-file", default="",
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     from replica.tokenizer import Tokenizer
 
     args = parse_args(argv)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        sys.exit("python -m replica: TLS needs both --ssl-certfile and --ssl-keyfile")
     cfg = engine_config(args)
     tokenizer = Tokenizer.from_spec(args.model)
     replica_id = args.replica_id or f"{args.host}:{args.port}"
@@ -123,9 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         loop = "asyncio"
     print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}/{cfg.quantization}, "
-          f"http://{args.host}:{args.port}; {where}", file=sys.stderr, flush=True)
+          f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}; {where}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, ws="websockets-sansio", log_level="warning",
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, ssl_certfile=args.ssl_certfile or None, ssl_keyfile=args.ssl_keyfile or None)
 
 
 if __name__ == "__main__":

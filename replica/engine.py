@@ -281,13 +281,14 @@ class LLMEngine:
             seq.num_unresolved -= 1
             if seq.status == Status.FINISHED:
                 continue  # finished or aborted while this step was in flight
-            if not seq.first_token_time:
+            first = not seq.first_token_time
+            if first:
                 seq.first_token_time = now
             reason = self._accept(seq, tok, pos + 1)
             if reason:
                 out.append(self._finish(seq, reason, [tok], length=pos + 1))
             else:
-                out.append(sampling.attach(P.Tokens(id=seq.id, ids=[tok]), seq))
+                out.append(sampling.attach(self._tokens(seq, [tok], first), seq))
         for seq in step.seqs:  # tokens before num_computed are all real now
             if seq.status != Status.FINISHED:
                 self.blocks.commit(seq)
@@ -321,7 +322,8 @@ class LLMEngine:
             seq.num_computed += n  # a speculating row: its root (the accepted drafts follow below)
             if not tokens:
                 continue  # a prefill chunk short of the prompt's end
-            if not seq.first_token_time:
+            first = not seq.first_token_time
+            if first:
                 seq.first_token_time = now
             emitted, reason = [], ""
             for tok in tokens:  # a stop (EOS, stop id, max_tokens) may cut an accepted run
@@ -337,7 +339,7 @@ class LLMEngine:
             if reason:
                 msgs.append(self._finish(seq, reason, emitted, length=len(seq)))
                 continue
-            msgs.append(sampling.attach(P.Tokens(id=seq.id, ids=emitted), seq))
+            msgs.append(sampling.attach(self._tokens(seq, emitted, first), seq))
             if i < batch.num_spec:
                 self.blocks.truncate(seq, len(seq))  # rejected drafts' blocks go back
         for seq, (tokens, _) in zip(batch.seqs, results):
@@ -360,6 +362,11 @@ class LLMEngine:
         if seq.grammar is not None:
             return self.grammars.accept(seq, tok) or reason
         return reason
+
+    @staticmethod
+    def _tokens(seq: Sequence, ids: list[int], first: bool) -> P.Tokens:
+        """A Tokens message; the first of a request says how much of its prompt the cache served."""
+        return P.Tokens(id=seq.id, ids=ids, cached_tokens=max(0, seq.num_cached_prompt) if first else 0)
 
     def _finished(self, seq: Sequence, reason: str, last_ids: list[int] = (), length: int = 0) -> P.Finished:
         ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0

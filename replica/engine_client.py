@@ -70,6 +70,7 @@ class EngineClient:
         """`supervision`: EngineSupervisor's restart and stall settings."""
         self.cfg, self.tokenizer, self.replica_id, self.metrics = cfg, tokenizer, replica_id, metrics
         self.streams: dict[str, Stream] = {}
+        self.aborting: set[str] = set()  # aborted, their engine Finished (usage, for /metrics) still to come
         self.groups: dict[str, SampleGroup] = {}
         self.load: P.Load | None = None
         self.cached_blocks: set[int] = set()  # mirror of the engine's prefix cache, for new routers
@@ -159,6 +160,7 @@ class EngineClient:
             if stream is not None and not stream.done:
                 stream.done = True
                 aborts.append(P.Abort(id=rid))
+                self.aborting.add(rid)
         if aborts:
             self._send(aborts)
 
@@ -202,6 +204,9 @@ class EngineClient:
         elif isinstance(msg, P.Finished):
             stream = self.streams.get(msg.id)
             if stream is None:
+                if msg.id in self.aborting:  # a cancel's work (its prefill, its cache hit) counts too
+                    self.aborting.discard(msg.id)
+                    self._count_finish(msg)
                 return
             if stream.detok.stopped:
                 msg.text, msg.ids, msg.logprobs, msg.finish_reason = (stream.stop_text, stream.stop_ids,
@@ -214,6 +219,7 @@ class EngineClient:
             msg.usage.completion_tokens = min(msg.usage.completion_tokens, stream.num_tokens + stream.num_resumed)
             self._finish(stream, msg)
         elif isinstance(msg, P.Error):
+            self.aborting.discard(msg.id)
             stream = self.streams.get(msg.id) if msg.id else None
             if stream is not None:
                 self._finish(stream, msg)

@@ -6,7 +6,9 @@ msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
   1. takes every message already received (blocking only when idle),
   2. runs one engine step (`replica.containment`: a request that makes it fail
      fails alone, the others go on),
-  3. sends the step's tokens, finishes, KV events and (periodically) load.
+  3. sends the step's tokens, finishes, KV events and load (periodically, and
+     after every step that admits, aborts or finishes a request, so the running
+     count routers and `/metrics` see is never a report behind).
 An Abort is therefore applied before the next step: a cancelled request stops
 within one step and its blocks are freed. The process exits when the API
 process closes the socket.
@@ -58,17 +60,18 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
     sock.sendall(codec.pack([P.Hello(replica_id=replica_id, model=model_name, block_size=engine.cfg.block_size,
                                      max_model_len=engine.max_model_len)]))
     next_report = 0.0
-    idle_reported = True
     while True:
         busy = engine.has_work()
         timeout = 0.0 if busy else max(0.0, next_report - time.monotonic())
         out: list = []
+        changed = False  # a request came or went: report the load after this step
         readable, _, _ = select.select([sock], [], [], timeout)
         while readable:
             data = sock.recv(1 << 20)
             if not data:
                 return  # the API process is gone
             for msg in codec.feed(data):
+                changed = True
                 if isinstance(msg, P.Generate):
                     err = contained.add(msg)
                     if err is not None:
@@ -79,19 +82,16 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                         out.append(fin)
             readable, _, _ = select.select([sock], [], [], 0)
         if engine.has_work():
-            out.extend(contained.step())
+            step = contained.step()
+            changed = changed or any(type(m) in (P.Finished, P.Error) for m in step)
+            out.extend(step)
         kv = engine.kv_events()
         if kv is not None:
             out.append(kv)
         now = time.monotonic()
-        idle = not engine.has_work()
-        idle_reported = idle_reported and idle
-        # Load periodically, and at once when the engine falls idle: running and KV read
-        # zero within the step that freed the last request.
-        if now >= next_report or (idle and not idle_reported):
+        if now >= next_report or changed:
             out.append(engine.load())
             next_report = now + report_interval
-            idle_reported = idle
         if out:
             sock.sendall(codec.pack(out))
 

@@ -18,3 +18,16 @@ if not _has_cuda:
 import tempfile  # noqa: E402
 
 os.environ["EDGECHAT_EAGLE3_DIR"] = tempfile.mkdtemp(prefix="edgechat-eagle3-test-")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_replica():
+    """One real replica on the default model, shared by the client tests (tests/edge_proxy/test_browser.py,
+    test_client_reconnect.py, tests/examples): its http:// URL."""
+    from tests.replica.server import replica_server
+
+    with replica_server("--replica-id", "R0", "--kv-memory-gb", "0.25") as (url, _):
+        yield url

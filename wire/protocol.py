@@ -192,6 +192,7 @@ class Tokens(msgspec.Struct, tag="tokens", array_like=True, omit_defaults=True):
     index: int = 0  # which of the request's n samples
     logprobs: list[TokenLogprob] = []  # aligned with ids when sampling.logprobs is set
     prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.. (sampling.prompt_logprobs; first message only)
+    cached_tokens: int = 0  # first message only: prompt tokens served from the prefix cache (known before a cancel)
 
 
 class Usage(msgspec.Struct, array_like=True, omit_defaults=True):

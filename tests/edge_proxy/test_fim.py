@@ -108,3 +108,21 @@ def test_suffix_and_infill_build_the_fim_prompt(stack, where):
 
     bad = httpx.post(url + "/infill", json={**body, "grammar": "root ::= x"}, timeout=60, headers=AUTH)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "grammar"
+
+
+@pytest.mark.anyio
+async def test_prefix_and_suffix_over_the_websocket(stack):
+    """The public protocol's FIM (`prefix` + `suffix`) builds the same prompt; `replaces` and
+    `resumable` work on it like on any prompt."""
+    from edge_proxy.client import EdgeClient
+
+    tok = stack["tok"]
+    expected = by_ids(stack["proxy"], tok.fim.encode(tok, PREFIX, SUFFIX), 8)
+    url = stack["proxy"].replace("http://", "ws://") + "/v1/stream"
+    async with await EdgeClient.connect(url) as c:
+        first = await c.generate(prefix=PREFIX[:-3], suffix=SUFFIX, max_tokens=200, temperature=0)
+        req = await c.generate(prefix=PREFIX, suffix=SUFFIX, replaces=first, max_tokens=8, temperature=0)
+        text, done = await req.result()
+        assert (await first.result())[1].finish_reason in ("abort", "stop", "length")
+        assert text == expected and done.usage.prompt_tokens == len(tok.fim.encode(tok, PREFIX, SUFFIX))
+        assert req.ids and tok.decode(req.ids) == text  # a reconnecting client asks for the ids

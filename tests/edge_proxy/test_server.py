@@ -94,10 +94,13 @@ async def test_streams_cut_at_the_drain_timeout_get_an_error_before_the_close():
         proc = await start_proxy(reps, port, "--drain-timeout", "0.3")
         try:
             await until_line(proc, "ready at")
-            async with await EdgeClient.connect(f"ws://127.0.0.1:{port}/v1/stream", api_key="sk-t") as c:
+            # reconnect=False: the frames this proxy sends, not the resume a reconnecting client would do
+            async with await EdgeClient.connect(f"ws://127.0.0.1:{port}/v1/stream", api_key="sk-t",
+                                                reconnect=False) as c:
                 reqs = [await c.generate(prompt=f"long {i}", max_tokens=2000, temperature=0) for i in range(3)]
-                async for _ in reqs[0]:
-                    break
+                for req in reqs:  # all three admitted and streaming (one still being admitted is refused instead)
+                    async for _ in req:
+                        break
                 proc.send_signal(signal.SIGTERM)
                 for req in reqs:
                     with pytest.raises(EdgeError) as e:

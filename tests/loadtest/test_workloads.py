@@ -30,10 +30,12 @@ class FakeUser:
         self.thinks.append(s)
         return True
 
-    async def start(self, **kw):
+    async def start(self, replaces=None, **kw):
         if self.budget == 0:
             return None
         self.budget -= 1
+        if replaces is not None:
+            kw["replaces"] = self.calls.index(replaces)  # comparable across runs
         c = FakeCall(kw)
         self.calls.append(c)
         return c
@@ -87,13 +89,15 @@ async def test_shared_prefix_uses_a_shared_system_prompt():
     assert 1 < len(systems) <= len(W.load_corpus().system_prompts)
 
 
-async def test_autocomplete_cancels_the_previous_keystroke():
+async def test_autocomplete_replaces_the_previous_keystroke():
     u = await run("autocomplete", 5)
     assert len(u.calls) >= 6
-    assert all(c.kw["max_tokens"] <= 16 and c.kw["deadline_ms"] > 0 for c in u.calls)
+    assert all(c.kw["max_tokens"] <= 16 and c.kw["deadline_ms"] > 0 and c.kw["stop"] == ["\n"] for c in u.calls)
     prompts = [c.kw["prompt"] for c in u.calls]
     assert all(len(b) >= len(a) for a, b in zip(prompts, prompts[1:]) if b.startswith(a[:10]))
-    assert sum(c.cancelled for c in u.calls) >= len(u.calls) - 4  # all but each burst's last
+    replaced = [c.kw["replaces"] for c in u.calls if "replaces" in c.kw]
+    assert len(replaced) >= len(u.calls) - 4  # all but each burst's first
+    assert all(u.calls[i + 1].kw.get("replaces") == i for i in replaced)  # always the keystroke before
 
 
 async def test_voice_barge_in_and_nonce():

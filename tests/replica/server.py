@@ -40,14 +40,15 @@ def free_port_range(span: int) -> int:
     raise RuntimeError(f"no {span} consecutive free ports")
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
-    """Poll /healthz until the engine reports ready (model load takes seconds)."""
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0, verify: bool = True) -> None:
+    """Poll /healthz until the engine reports ready (model load takes seconds); `verify=False`
+    for an https:// server with a self-signed certificate."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+            if httpx.get(url + "/healthz", timeout=2, verify=verify).status_code == 200:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{url} not healthy after {timeout}s")
