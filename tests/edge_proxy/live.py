@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests.replica.server import free_port, stop_group, wait_healthy
+from tests.replica.server import SECRET, free_port, stop_group, wait_healthy
 
 
 def replica_ws(http_url: str) -> str:
@@ -18,11 +18,13 @@ def replica_ws(http_url: str) -> str:
 
 def start_proxy(port: int, replicas: list[str], *args: str, env: dict | None = None,
                 scheme: str = "http") -> subprocess.Popen:
-    """`python -m edge_proxy` on `port` over `replicas` (http(s) URLs of replicas), healthy on return."""
+    """`python -m edge_proxy` on `port` over `replicas` (http(s) URLs of replicas started by
+    tests.replica.server, whose secret it presents), healthy on return."""
     cmd = [sys.executable, "-m", "edge_proxy", "--port", str(port), "--healthz-interval", "0.5", *args]
     for r in replicas:
         cmd += ["--replica", replica_ws(r)]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, "EDGECHAT_REPLICA_SECRET": SECRET, **(env or {})},
+                            start_new_session=True)
     try:
         wait_healthy(f"{scheme}://127.0.0.1:{port}", proc, timeout=60, verify=False)
     except BaseException:

@@ -21,6 +21,8 @@ from tests.replica.server import free_port, stop_group
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPTS = ["Tell me about the moon.", "List some fruits.", "Why is the sky blue?"]
 FAST = Backoff(initial_s=0.05, max_s=0.5, timeout_s=60.0)
+# No stream may end (EOS) before the cut: each runs to max_tokens, far longer than the drain.
+GEN = {"max_tokens": 64, "temperature": 0.8, "ignore_eos": True}
 
 
 async def proxy_on(port: int, replica: str, *args: str, env: dict | None = None):
@@ -28,7 +30,7 @@ async def proxy_on(port: int, replica: str, *args: str, env: dict | None = None)
 
 
 async def start_streams(c: EdgeClient, n_tokens: int = 3):
-    reqs = [await c.generate(messages=[{"role": "user", "content": p}], max_tokens=48, temperature=0.8)
+    reqs = [await c.generate(messages=[{"role": "user", "content": p}], **GEN)
             for p in PROMPTS]
     while min(r.tokens for r in reqs) < n_tokens:  # every stream is under way
         gets = [asyncio.ensure_future(r.q.get()) for r in reqs if r.tokens < n_tokens]
@@ -45,8 +47,7 @@ async def reference(url: str, reqs) -> list[str]:
     async with await EdgeClient.connect(url, reconnect=False) as c:
         out = []
         for p, r in zip(PROMPTS, reqs):
-            text, _ = await c.complete(messages=[{"role": "user", "content": p}], max_tokens=48, temperature=0.8,
-                                       seed=r.gen.sampling.seed)
+            text, _ = await c.complete(messages=[{"role": "user", "content": p}], **GEN, seed=r.gen.sampling.seed)
             out.append(text)
         return out
 
@@ -78,7 +79,7 @@ async def test_sigkill_and_restart_resumes_exactly(default_replica):
 
 async def test_sigterm_moves_to_the_next_region_and_resumes_exactly(default_replica):
     ports = {"a": free_port(), "b": free_port()}
-    procs = {r: await proxy_on(p, default_replica, "--allow-anonymous", "--region", r, "--drain-timeout", "0.5")
+    procs = {r: await proxy_on(p, default_replica, "--allow-anonymous", "--region", r, "--drain-timeout", "0.1")
              for r, p in ports.items()}
     try:
         regions = {r: f"http://127.0.0.1:{p}" for r, p in ports.items()}
@@ -87,7 +88,7 @@ async def test_sigterm_moves_to_the_next_region_and_resumes_exactly(default_repl
             first = probe.region
             other = "b" if first == "a" else "a"
             reqs = await start_streams(c)
-            os.killpg(procs[first].pid, signal.SIGTERM)  # drains for 0.5 s, cuts the rest (shutting_down), exits
+            os.killpg(procs[first].pid, signal.SIGTERM)  # drains for 0.1 s, cuts the rest (shutting_down), exits
             texts = await asyncio.wait_for(finish(reqs), 120)
             await asyncio.to_thread(procs[first].wait, 30)
             assert c.region == other and c.reconnects == 1

@@ -71,7 +71,7 @@ def sdk(stack):
 
     def client(where: str) -> openai.OpenAI:
         if where not in made:
-            made[where] = openai.OpenAI(base_url=stack[where] + "/v1", api_key=KEYS[where], max_retries=0,
+            made[where] = openai.OpenAI(base_url=stack[where] + "/v1", api_key=KEYS.get(where, "EMPTY"), max_retries=0,
                                         timeout=120)
         return made[where]
     yield client

@@ -10,6 +10,8 @@ from time import perf_counter
 
 import httpx
 
+from tests.replica.server import AUTH
+
 _RUNNING = re.compile(r"^edgechat_replica_running (\S+)$", re.M)
 
 
@@ -41,7 +43,7 @@ class ReplicaRunning:
         return [n for at, n in self.samples if at >= t]
 
     async def __aenter__(self) -> ReplicaRunning:
-        self._http = httpx.AsyncClient(trust_env=False, timeout=10)
+        self._http = httpx.AsyncClient(trust_env=False, timeout=10, headers=AUTH)  # /metrics takes the secret
         self._task = asyncio.get_running_loop().create_task(self._loop())
         return self
 
