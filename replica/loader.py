@@ -19,7 +19,6 @@ Spec resolution and config.json parsing live in the torch-free
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,8 +264,7 @@ def load_model_for(cfg: EngineConfig):
     """(ModelConfig, Hugging Face-named weights) for this engine config."""
     torch.manual_seed(cfg.seed)
     if cfg.device == "cpu":
-        # A pool spinning on every core starves the API process: leave it one.
-        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+        torch.set_num_threads(cfg.engine_threads())
     dtype = getattr(torch, cfg.dtype) if cfg.quantization == "none" else torch.float32  # quantized from fp32
     if cfg.random_weights:
         model_cfg = load_config(cfg.model)

@@ -330,7 +330,14 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
         from replica.quant import quantize_model
 
         quantize_model(model, cfg.quantization, weights, gguf_stored(cfg, model_cfg))
-    return model.eval()
+    model = model.eval()
+    if cfg.device == "cpu" and cfg.graph_mode == "auto":  # the CPU's "graph": the whole step in one C++ call
+        from kernels import cpu_forward
+        from replica import cpu_model
+
+        if cpu_model.supports(model, dtype) and cpu_forward.available():
+            return cpu_model.CpuModel(model, cfg.engine_threads()).eval()
+    return model
 
 
 def gguf_stored(cfg: EngineConfig, model_cfg: ModelConfig) -> dict | None:
