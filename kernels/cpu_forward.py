@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_attention import ATTENTION_CPP
 from kernels.cpu_build import load_cpp
 from kernels.cpu_pool import POOL_CPP
 from kernels.qgemm_cpu import GEMM_CPP
 
-_SOURCE = GEMM_CPP + POOL_CPP + r"""
+_SOURCE = GEMM_CPP + POOL_CPP + ATTENTION_CPP + r"""
 #include <torch/extension.h>
 #include <cmath>
 #include <cstring>
@@ -42,12 +43,9 @@ struct QMat {
   int64_t N, K, bits;
 };
 
-// Where one token's query looks: positions [0, len) of its sequence, or with a tree
-// mask positions [0, prefix) and prefix + j for every node j the mask allows.
-struct Tok {
-  const int32_t* table;
-  int32_t len, prefix, nodes;
-  const bool* mask;
+// One attention work item: a token's kv head over one chunk of its keys.
+struct Item {
+  int64_t t, kvh, i0, i1;
 };
 
 // Quantized activations of the next matmul, and a scratch row for the norm.
@@ -95,6 +93,7 @@ class Decoder {
     h_ = shape[0]; H_ = shape[1]; Hkv_ = shape[2]; D_ = shape[3]; I_ = shape[4]; L_ = shape[5];
     TORCH_CHECK(h_ % 64 == 0 && (H_ * D_) % 64 == 0 && I_ % 64 == 0 && H_ % Hkv_ == 0,
                 "Decoder: hidden, heads * head_dim and intermediate must be multiples of 64");
+    TORCH_CHECK(D_ == 16 || D_ == 32 || D_ == 64 || D_ == 128, "Decoder: head_dim must be 16, 32, 64 or 128");
     TORCH_CHECK((int64_t)norms.size() == 2 * L_ && (int64_t)packed.size() == 4 * L_ && (int64_t)bits.size() == 4 * L_ &&
                 (int64_t)biases.size() == L_, "Decoder: per-layer tensors do not match the layer count");
     const int64_t qkv = (H_ + 2 * Hkv_) * D_;
@@ -122,11 +121,19 @@ class Decoder {
     TORCH_CHECK(kv.is_contiguous() && kv.scalar_type() == torch::kFloat && kv.dim() == 6 && kv.size(0) == L_ &&
                 kv.size(4) == Hkv_ && kv.size(5) == D_, "Decoder: kv must be a contiguous fp32 (L, 2, blocks, page, Hkv, D)");
     ids = ids.contiguous(); positions = positions.contiguous(); slots = slots.contiguous();
-    std::vector<torch::Tensor> keep;  // contiguous copies that the Tok pointers read
-    std::vector<Tok> toks = tokens(T, num_decode, dec_tables, dec_lens, ext_tables, ext_cu, ext_lens, tree_mask,
-                                   tree_prefix, keep);
-    int64_t max_keys = 1;
-    for (const Tok& t : toks) max_keys = std::max<int64_t>(max_keys, t.mask ? t.prefix + t.nodes : t.len);
+    std::vector<torch::Tensor> keep;  // contiguous copies that the Keys' tables point into
+    const std::vector<attn::Keys> keys = tokens(T, num_decode, dec_tables, dec_lens, ext_tables, ext_cu, ext_lens,
+                                                tree_mask, tree_prefix, keep);
+    // attention items: (token, kv head, chunk of keys); a (token, kv head)'s chunks are consecutive
+    std::vector<Item> items;
+    std::vector<int64_t> first(T * Hkv_ + 1, 0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t kh = 0; kh < Hkv_; ++kh) {
+        first[t * Hkv_ + kh] = items.size();
+        for (int64_t i0 = 0; i0 < keys[t].size(); i0 += attn::kChunk)
+          items.push_back({t, kh, i0, std::min<int64_t>(keys[t].size(), i0 + attn::kChunk)});
+      }
+    first[T * Hkv_] = items.size();
 
     auto opts = embed_.options();
     auto x = torch::empty({T, h_}, opts);
@@ -146,7 +153,9 @@ class Decoder {
     Buf act_q;
     act_q.reserve(T, kmax);
     const int W = pool_->workers();
-    std::vector<std::vector<float>> scores(W, std::vector<float>(max_keys));
+    const int64_t G = H_ / Hkv_, part = G * (D_ + 2);
+    std::vector<std::vector<float>> scores(W, std::vector<float>(G * attn::kChunk));
+    std::vector<float> parts(items.size() * part);
     std::vector<Buf> rows(W);
     for (auto& r : rows) r.reserve(0, kmax);
 
@@ -161,7 +170,7 @@ class Decoder {
     const int64_t page = kv.size(3), pool = kv.size(2) * page * Hkv_ * D_;  // floats per layer's K (or V)
     const float* emb = embed_.data_ptr<float>();
     const float* cs = cos_sin_.data_ptr<float>();
-    const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2, G = H_ / Hkv_;
+    const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2;
     const float scale = 1.f / std::sqrt((float)D_);
 
     // Norm (optional) and quantize the T rows of src for the next matmul.
@@ -187,6 +196,7 @@ class Decoder {
       });
     };
 
+    pool_->begin_step();
     for (int64_t t = 0; t < T; ++t) std::memcpy(xp + t * h_, emb + idp[t] * h_, h_ * sizeof(float));
 
     for (int64_t l = 0; l < L_; ++l) {
@@ -211,12 +221,18 @@ class Decoder {
           std::memcpy(vc + (slp[t] * Hkv_ + kh) * D_, row + (H_ + Hkv_ + kh) * D_, D_ * sizeof(float));
         }
       });
-      // attention per (token, query head), reading the pool through the block table
-      pool_->run(T * H_, [&](int64_t i, int w) {
-        const int64_t t = i / H_, hq = i % H_;
-        attend(toks[t], qkvp + t * qkv_n + hq * D_, kc, vc, page, hq / G, scale, scores[w].data(),
-               ap + t * H_ * D_ + hq * D_);
+      // attention: chunk partials per (token, kv head), then merged into the G heads' outputs
+      const attn::Cache cache{kc, vc, page, Hkv_, D_ / 16};
+      pool_->run(items.size(), [&](int64_t i, int w) {
+        const Item& it = items[i];
+        attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n + it.kvh * G * D_, (int)G, it.kvh, scale,
+                          cache, scores[w].data(), parts.data() + i * part);
       });
+      auto merge = [&](int64_t j, int) {  // j = t * Hkv + kv head
+        attn::merge(parts.data() + first[j] * part, first[j + 1] - first[j], (int)G, D_, ap + j * G * D_);
+      };
+      if (T < kSplitRows) for (int64_t j = 0; j < T * Hkv_; ++j) merge(j, 0);
+      else pool_->run(T * Hkv_, merge);
       // x += attn Wo^T
       matmul(prep(ap, H_ * D_, nullptr), m[1], xp, true, nullptr);
       // act = silu(gate) * up: gate/up rows interleaved by 32, so supertile s gives act[:, 32 s : 32 s + 32]
@@ -225,7 +241,11 @@ class Decoder {
           for (int64_t s = sa; s < sz; ++s) {
             const float* g = gup + t * 2 * I_ + 64 * s;
             float* o = actp + t * I_ + 32 * s;
-            for (int r = 0; r < 32; ++r) o[r] = g[r] / (1.f + std::exp(-g[r])) * g[32 + r];
+            for (int r = 0; r < 32; r += 16) {  // silu(g) u = g / (1 + e^-g) u
+              const __m512 gv = _mm512_loadu_ps(g + r);
+              const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+              _mm512_storeu_ps(o + r, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(g + 32 + r)));
+            }
           }
       });
       // x += act Wdown^T
@@ -236,6 +256,7 @@ class Decoder {
     }
     for (int64_t t = 0; t < T; ++t)
       rms_norm_row(xp + t * h_, final_norm_.data_ptr<float>(), h_, eps_, hidden.data_ptr<float>() + t * h_);
+    pool_->end_step();
     if (n_aux) return {hidden, aux};
     return {hidden};
   }
@@ -262,88 +283,59 @@ class Decoder {
   }
 
  private:
-  std::vector<Tok> tokens(int64_t T, int64_t nd, const c10::optional<torch::Tensor>& dec_tables,
-                          const c10::optional<torch::Tensor>& dec_lens, const c10::optional<torch::Tensor>& ext_tables,
-                          const c10::optional<torch::Tensor>& ext_cu, const c10::optional<torch::Tensor>& ext_lens,
-                          const c10::optional<torch::Tensor>& tree_mask, const c10::optional<torch::Tensor>& tree_prefix,
-                          std::vector<torch::Tensor>& keep) {
-    std::vector<Tok> toks(T);
+  // The keys each token's query sees (attn::Keys), from the step's attention metadata.
+  std::vector<attn::Keys> tokens(int64_t T, int64_t nd, const c10::optional<torch::Tensor>& dec_tables,
+                                 const c10::optional<torch::Tensor>& dec_lens,
+                                 const c10::optional<torch::Tensor>& ext_tables,
+                                 const c10::optional<torch::Tensor>& ext_cu, const c10::optional<torch::Tensor>& ext_lens,
+                                 const c10::optional<torch::Tensor>& tree_mask,
+                                 const c10::optional<torch::Tensor>& tree_prefix, std::vector<torch::Tensor>& keep) {
+    std::vector<attn::Keys> keys(T);
     auto hold = [&](const torch::Tensor& t) { keep.push_back(t.contiguous()); return keep.back(); };
     if (nd > 0) {
       TORCH_CHECK(dec_tables.has_value() && dec_lens.has_value(), "Decoder: decode rows need tables and lengths");
       auto tb = hold(*dec_tables);
       auto ln = hold(*dec_lens);
-      for (int64_t b = 0; b < nd; ++b)
-        toks[b] = {tb.data_ptr<int32_t>() + b * tb.size(1), ln.data_ptr<int32_t>()[b], 0, 0, nullptr};
+      for (int64_t b = 0; b < nd; ++b) {
+        keys[b].table = tb.data_ptr<int32_t>() + b * tb.size(1);
+        keys[b].plain = ln.data_ptr<int32_t>()[b];  // 0: a padding row, attends to nothing
+      }
     }
-    if (nd == T) return toks;
+    if (nd == T) return keys;
     TORCH_CHECK(ext_tables.has_value() && ext_cu.has_value(), "Decoder: extend rows need tables and cu_seqlens");
     auto tb = hold(*ext_tables);
     auto cu = hold(*ext_cu);
     const int32_t* cup = cu.data_ptr<int32_t>();
     const int64_t B = cu.size(0) - 1;
     TORCH_CHECK(nd + cup[B] == T, "Decoder: cu_seqlens do not cover the step's tokens");
-    if (tree_mask.has_value()) {
+    if (tree_mask.has_value()) {  // node j of sequence e: the prefix, then the nodes its mask row allows
       TORCH_CHECK(nd == 0 && tree_prefix.has_value(), "Decoder: a tree step has only tree rows and their prefixes");
       auto mk = hold(*tree_mask);
       auto pf = hold(*tree_prefix);
       const int64_t width = mk.size(1);
-      for (int64_t e = 0; e < B; ++e)
-        for (int32_t j = cup[e]; j < cup[e + 1]; ++j)
-          toks[j] = {tb.data_ptr<int32_t>() + e * tb.size(1), 0, pf.data_ptr<int32_t>()[e], cup[e + 1] - cup[e],
-                     mk.data_ptr<bool>() + j * width};
-      return toks;
+      for (int64_t e = 0; e < B; ++e) {
+        const int32_t prefix = pf.data_ptr<int32_t>()[e];
+        for (int32_t j = cup[e]; j < cup[e + 1]; ++j) {
+          attn::Keys& k = keys[j];
+          k.table = tb.data_ptr<int32_t>() + e * tb.size(1);
+          k.plain = prefix;
+          const bool* row = mk.data_ptr<bool>() + j * width;
+          for (int32_t n = 0; n < cup[e + 1] - cup[e]; ++n)
+            if (row[n]) k.extra.push_back(prefix + n);
+        }
+      }
+      return keys;
     }
     TORCH_CHECK(ext_lens.has_value(), "Decoder: extend rows need their lengths");
     auto ln = hold(*ext_lens);
     for (int64_t e = 0; e < B; ++e) {
       const int32_t n = cup[e + 1] - cup[e], total = ln.data_ptr<int32_t>()[e];
-      for (int32_t j = 0; j < n; ++j)  // causal: token j of the chunk sees the cache and chunk tokens <= j
-        toks[nd + cup[e] + j] = {tb.data_ptr<int32_t>() + e * tb.size(1), total - n + j + 1, 0, 0, nullptr};
+      for (int32_t j = 0; j < n; ++j) {  // causal: token j of the chunk sees the cache and chunk tokens <= j
+        keys[nd + cup[e] + j].table = tb.data_ptr<int32_t>() + e * tb.size(1);
+        keys[nd + cup[e] + j].plain = total - n + j + 1;
+      }
     }
-    return toks;
-  }
-
-  // One query head over its token's keys: softmax(q k / sqrt(D)) v, two passes over the pool.
-  void attend(const Tok& tk, const float* q, const float* kc, const float* vc, int64_t page, int64_t kvh, float scale,
-              float* sc, float* out) const {
-    const int64_t D = D_;
-    // the keys: positions [0, n_plain), then (trees) prefix + j for allowed nodes j
-    const int64_t n_plain = tk.mask ? tk.prefix : tk.len;
-    auto at = [&](const float* base, int64_t p) {
-      return base + (((int64_t)tk.table[p / page] * page + p % page) * Hkv_ + kvh) * D;
-    };
-    float mx = -INFINITY;
-    int64_t n = 0;
-    auto score = [&](int64_t p) {
-      const float* __restrict__ k = at(kc, p);
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < D; ++i) s += q[i] * k[i];
-      s *= scale;
-      sc[n++] = s;
-      mx = s > mx ? s : mx;
-    };
-    for (int64_t p = 0; p < n_plain; ++p) score(p);
-    if (tk.mask)
-      for (int32_t j = 0; j < tk.nodes; ++j)
-        if (tk.mask[j]) score(tk.prefix + j);
-    for (int64_t i = 0; i < D; ++i) out[i] = 0.f;
-    if (n == 0) return;
-    float den = 0.f;
-    for (int64_t i = 0; i < n; ++i) { sc[i] = std::exp(sc[i] - mx); den += sc[i]; }
-    int64_t i = 0;
-    auto add = [&](int64_t p) {
-      const float e = sc[i++];
-      const float* __restrict__ v = at(vc, p);
-#pragma omp simd
-      for (int64_t c = 0; c < D; ++c) out[c] += e * v[c];
-    };
-    for (int64_t p = 0; p < n_plain; ++p) add(p);
-    if (tk.mask)
-      for (int32_t j = 0; j < tk.nodes; ++j)
-        if (tk.mask[j]) add(tk.prefix + j);
-    for (int64_t c = 0; c < D; ++c) out[c] /= den;
+    return keys;
   }
 
   float eps_;

@@ -10,6 +10,13 @@ a core taken away, a step degrades to one thread's speed instead of stalling.
 Helpers spin briefly for the next phase (phases of a step follow each other within
 microseconds), then yield the core, then sleep on a condition variable until the
 next step: between steps they leave the cores to the API process.
+
+Helpers pay only when they get a core. The caller marks each step (`begin_step`,
+`end_step`); a step where the helpers did under a fifth of the chunks, or where the
+caller spent over a tenth of the step waiting for chunks a helper held, is
+followed by steps on the caller alone (the helpers sleep, the cores go to whoever
+needs them): 4, then 8, ... up to 256 steps while the probes keep failing. On a
+crowded machine a step thus runs at one thread's speed, never below.
 """
 
 POOL_CPP = r"""
@@ -41,9 +48,30 @@ class Pool {
   }
   int workers() const { return (int)threads_.size() + 1; }
 
+  // Around every step: whether the helpers earned their keep decides the next steps' mode.
+  void begin_step() {
+    solo_ = solo_left_ > 0;
+    if (solo_) --solo_left_;
+    chunks_ = helper_chunks_.load() ; step_chunks_ = 0; waited_ns_ = 0;
+    step_t0_ = std::chrono::steady_clock::now();
+  }
+  void end_step() {
+    if (solo_ || step_chunks_ < 8) return;
+    const int64_t helped = helper_chunks_.load() - chunks_;
+    const int64_t wall = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - step_t0_).count();
+    if (5 * helped < step_chunks_ || 10 * waited_ns_ > wall) {
+      solo_left_ = backoff_;
+      backoff_ = std::min<int64_t>(256, 2 * backoff_);
+    } else {
+      backoff_ = 4;
+    }
+  }
+  bool solo() const { return solo_; }
+
   // f(chunk, worker) for chunk in [0, n); worker 0 is the caller. Returns when every chunk is done.
   void run(int64_t n, const std::function<void(int64_t, int)>& f) {
-    if (threads_.empty() || n <= 1) {
+    step_chunks_ += n;
+    if (threads_.empty() || n <= 1 || solo_) {
       for (int64_t c = 0; c < n; ++c) f(c, 0);
       return;
     }
@@ -56,7 +84,11 @@ class Pool {
       cv_.notify_all();
     }
     work(0);
-    while (done_.load(std::memory_order_acquire) < n) _mm_pause();
+    if (done_.load(std::memory_order_acquire) < n) {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (done_.load(std::memory_order_acquire) < n) _mm_pause();
+      waited_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    }
   }
 
  private:
@@ -77,6 +109,7 @@ class Pool {
         if ((int64_t)(v & 0xffffffffu) >= job.n) return;
       } while (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire));
       (*job.f)((int64_t)(v & 0xffffffffu), worker);
+      if (worker) helper_chunks_.fetch_add(1, std::memory_order_relaxed);
       done_.fetch_add(1, std::memory_order_release);
     }
   }
@@ -112,6 +145,11 @@ class Pool {
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
   uint64_t tag_ = 0;  // the caller's job count
+  // adaptive mode (caller only)
+  bool solo_ = false;
+  int64_t solo_left_ = 0, backoff_ = 4, chunks_ = 0, step_chunks_ = 0, waited_ns_ = 0;
+  std::chrono::steady_clock::time_point step_t0_;
+  std::atomic<int64_t> helper_chunks_{0};
   Job jobs_[kSlots] = {};
   alignas(64) std::atomic<uint64_t> next_{0};
   alignas(64) std::atomic<int64_t> done_{0};

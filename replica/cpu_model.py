@@ -25,7 +25,8 @@ def supports(model: nn.Module, dtype: torch.dtype) -> bool:
                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     c = model.cfg
     return (all(isinstance(x, QLinear) and x.packed is not None for x in lins + [model.lm_head])
-            and c.hidden_size % 64 == 0 and c.q_size % 64 == 0 and c.intermediate_size % 64 == 0)
+            and c.hidden_size % 64 == 0 and c.q_size % 64 == 0 and c.intermediate_size % 64 == 0
+            and c.head_dim in (16, 32, 64, 128))
 
 
 class CpuModel(nn.Module):
