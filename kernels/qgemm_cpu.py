@@ -277,7 +277,8 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t bi
   const int64_t S = qg::supertiles(N);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int threads = (int)std::min<int64_t>(at::get_num_threads(), S);
+  // A few rows take microseconds: a team's barrier would cost more than it saves (and stalls when a core is busy).
+  const int threads = M < 16 ? 1 : (int)std::min<int64_t>(at::get_num_threads(), S);
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
