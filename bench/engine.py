@@ -95,7 +95,7 @@ def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1,
     for variant in variants:
         dtype, _, quant = variant.partition("/")
         cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=1024,
-                           max_num_seqs=64, max_num_batched_tokens=2048)
+                           max_num_seqs=64, max_num_batched_tokens=2048, cpu_threads=torch.get_num_threads())
         weights = ckpt.weights if cfg.quantization != "none" else \
             {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
         engine = LLMEngine(cfg, ckpt.config, weights)
@@ -116,8 +116,8 @@ def main() -> None:
                     help="dtype/quantization pairs to time, e.g. float32/none bfloat16/gguf (default: the "
                          "device's default dtype, unquantized)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="torch threads (default: what the engine process uses, cores - 1)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="the engine's threads on CPU (default: what the engine process uses, every core)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "

@@ -82,7 +82,7 @@ class EngineConfig:
     graph_mode: str = "auto"
     overlap: bool | None = None  # schedule step N+1 while step N runs; None -> on CUDA
     tp: int = 1  # tensor-parallel ranks (one process per device)
-    cpu_threads: int = 0  # threads of the engine's math on CPU; 0 -> every core (see engine_threads)
+    cpu_threads: int = 0  # threads of the engine's math on CPU; 0 -> every core for the C++ step, cores - 1 for torch
     load_report_interval_s: float = 0.5
     speculative: str = "off"  # "off" | "eagle3" (trained head) | "ngram" (prompt lookup) | "auto" (see engine)
     spec_head: str = ""  # EAGLE-3 head folder; "" -> speculative.head.head_dir(model name)
