@@ -24,3 +24,16 @@ def load_cpp(name: str, source: str, functions: tuple[str, ...] | None):
     name = f"{name}_{hashlib.sha1(source.encode()).hexdigest()[:10]}"
     return load_inline(name=name, cpp_sources=source, functions=None if functions is None else list(functions),
                        extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
+def builds(load, what: str, fallback: str) -> bool:
+    """Whether `load()` (a load_cpp call) builds and loads here; if not, says so on stderr
+    and what runs instead (no compiler, no headers: the caller falls back)."""
+    try:
+        load()
+    except (RuntimeError, OSError, ImportError) as e:
+        import sys
+
+        print(f"{what} did not build ({e}); {fallback}", file=sys.stderr)
+        return False
+    return True

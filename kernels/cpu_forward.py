@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_attention import ATTENTION_CPP
-from kernels.cpu_build import load_cpp
+from kernels.cpu_build import builds, load_cpp
 from kernels.cpu_pool import POOL_CPP
 from kernels.qgemm_cpu import GEMM_CPP
 
@@ -367,16 +367,7 @@ def available() -> bool:
     """The decoder step builds (once per machine) and runs here (AVX-512 VNNI)."""
     from kernels import qgemm_cpu
 
-    if not qgemm_cpu.available():
-        return False
-    try:
-        _ext()
-    except (RuntimeError, OSError, ImportError) as e:
-        import sys
-
-        print(f"kernels.cpu_forward: the C++ step did not build ({e}); running op by op", file=sys.stderr)
-        return False
-    return True
+    return qgemm_cpu.available() and builds(_ext, "kernels.cpu_forward: the C++ step", "running op by op")
 
 
 def interleave_gate_up(n_inter: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import load_cpp
+from kernels.cpu_build import builds, load_cpp
 
 BLOCK = 32
 TILE, SUPER = 16, 4  # rows per tile, tiles per supertile
@@ -304,16 +304,7 @@ def _extension():
 
 def available() -> bool:
     """An AVX-512 VNNI CPU and a C++ compiler: the kernel builds (once) and runs."""
-    if not cpu_has_vnni():
-        return False
-    try:
-        _extension()
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler or headers: the caller falls back
-        import sys
-
-        print(f"kernels.qgemm_cpu: the VNNI kernel did not build ({e}); using the reference", file=sys.stderr)
-        return False
-    return True
+    return cpu_has_vnni() and builds(_extension, "kernels.qgemm_cpu: the VNNI kernel", "using the reference")
 
 
 def qgemm_cpu(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
