@@ -108,6 +108,8 @@ class Decoder {
   }
 
   int64_t threads() const { return pool_->workers(); }
+  // (steps, steps run on the caller alone since the pool judged its helpers not worth it)
+  std::vector<int64_t> pool_stats() const { return {pool_->steps(), pool_->solo_steps()}; }
 
   // Returns {hidden (T, h) after the final norm} (+ {aux (T, len(aux_layers) * h)}: the
   // residual stream after each aux layer, what an EAGLE-3 head reads).
@@ -354,7 +356,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<int64_t>, torch::Tensor, int64_t, int64_t>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("logits", &Decoder::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("threads", &Decoder::threads);
+      .def("threads", &Decoder::threads)
+      .def("pool_stats", &Decoder::pool_stats);
 }
 """
 

@@ -13,7 +13,8 @@ next step: between steps they leave the cores to the API process.
 
 Helpers pay only when they get a core. The caller marks each step (`begin_step`,
 `end_step`); a step where the helpers did under a fifth of the chunks, or where the
-caller spent over a tenth of the step waiting for chunks a helper held, is
+caller spent over a quarter of the step waiting for chunks a helper held (the
+API process taking a core for a token's ~0.3 ms costs less than that), is
 followed by steps on the caller alone (the helpers sleep, the cores go to whoever
 needs them): 4, then 8, ... up to 256 steps while the probes keep failing. On a
 crowded machine a step thus runs at one thread's speed, never below.
@@ -50,7 +51,9 @@ class Pool {
 
   // Around every step: whether the helpers earned their keep decides the next steps' mode.
   void begin_step() {
+    ++steps_;
     solo_ = solo_left_ > 0;
+    if (solo_) ++solo_steps_;
     if (solo_) --solo_left_;
     chunks_ = helper_chunks_.load() ; step_chunks_ = 0; waited_ns_ = 0;
     step_t0_ = std::chrono::steady_clock::now();
@@ -59,7 +62,7 @@ class Pool {
     if (solo_ || step_chunks_ < 8) return;
     const int64_t helped = helper_chunks_.load() - chunks_;
     const int64_t wall = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - step_t0_).count();
-    if (5 * helped < step_chunks_ || 10 * waited_ns_ > wall) {
+    if (5 * helped < step_chunks_ || 4 * waited_ns_ > wall) {
       solo_left_ = backoff_;
       backoff_ = std::min<int64_t>(256, 2 * backoff_);
     } else {
@@ -67,6 +70,8 @@ class Pool {
     }
   }
   bool solo() const { return solo_; }
+  int64_t steps() const { return steps_; }
+  int64_t solo_steps() const { return solo_steps_; }
 
   // f(chunk, worker) for chunk in [0, n); worker 0 is the caller. Returns when every chunk is done.
   void run(int64_t n, const std::function<void(int64_t, int)>& f) {
@@ -147,7 +152,7 @@ class Pool {
   uint64_t tag_ = 0;  // the caller's job count
   // adaptive mode (caller only)
   bool solo_ = false;
-  int64_t solo_left_ = 0, backoff_ = 4, chunks_ = 0, step_chunks_ = 0, waited_ns_ = 0;
+  int64_t solo_left_ = 0, backoff_ = 4, chunks_ = 0, step_chunks_ = 0, waited_ns_ = 0, steps_ = 0, solo_steps_ = 0;
   std::chrono::steady_clock::time_point step_t0_;
   std::atomic<int64_t> helper_chunks_{0};
   Job jobs_[kSlots] = {};

@@ -178,7 +178,7 @@ class Runner:
         width = max(len(t) for t in tables)
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
-    def _prepare(self, plan: StepPlan):
+    def prepare(self, plan: StepPlan):
         """Input ids, positions, the attention Context, and the logits rows (token indices)."""
         bs, nt = self.block_size, len(plan.trees)
         pos, slots, last = [], [], []
@@ -238,7 +238,7 @@ class Runner:
             logits, aux = self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
             hidden = None
         else:
-            input_ids, positions, ctx, rows = self._prepare(plan)
+            input_ids, positions, ctx, rows = self.prepare(plan)
             input_ids = resolve_placeholders(input_ids, prev_tokens)
             out = self.model(input_ids, positions, ctx, self.kv_cache, self.aux_layers)
             hidden, aux = (out[0], torch.cat(out[1], -1)) if self.aux_layers else (out, None)

@@ -102,3 +102,19 @@ def test_padding_rows_are_inert():
     assert torch.equal(two[0], one[0])
     changed = (after != before).flatten(2, 3).any(-1).any(-1)  # (layers, k/v, slots): which slots were written
     assert changed[:, :, 10].all() and changed.sum() == changed[:, :, 10].numel()
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    """Chunks go to whichever thread claims them and a loaded machine runs steps on the
+    caller alone (kernels/cpu_pool.py): every chunk's arithmetic is the same either way."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=3)
+    w = tiny_weights(cfg, seed=4)
+    outs = []
+    for threads in (1, 2, 3):
+        r = Runner(EngineConfig(quantization="int4", num_blocks=12, cpu_threads=threads, max_num_seqs=4,
+                                max_num_batched_tokens=64), cfg, w)
+        r.allocate_kv()
+        assert r.model.decoder.threads() == threads
+        prompts = plan(list(range(1, 34)), [0, 0], [25, 8], [[0, 1], [2]], [0, 1], 0)
+        outs.append((r.execute(prompts).logits, r.execute(plan([5, 6], [25, 8], [1, 1], [[0, 1], [2]], [0, 1], 2)).logits))
+    assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
