@@ -89,7 +89,7 @@ def main() -> None:
           f"prefill {args.prompt} tokens ms: best / median |")
     print("|---:|---|---:|---:|")
     for threads in args.threads:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(max(1, threads - 1))  # as the engine process: torch's own pool leaves a core
         engine = LLMEngine(EngineConfig(quantization=args.quantization, cpu_threads=threads, num_blocks=256),
                            ckpt.config, ckpt.weights)
         engine_round(engine, 16, 16, -1)  # warm-up
