@@ -169,8 +169,10 @@ class Server:
     after: list = field(default_factory=list)  # servers started before this one (proxy -> replica)
 
 
-def servers(names: list[str], quantization: str, threads: int) -> list[Server]:
+def servers(names: list[str], quantization: str, threads: int, budget: int = 0) -> list[Server]:
     py = sys.executable
+    ours = ["--quantization", quantization, "--speculative", "off"] + (["--max-num-batched-tokens", str(budget)]
+                                                                        if budget else [])
     out = []
     for name in names:
         port = free_port()
@@ -188,14 +190,12 @@ def servers(names: list[str], quantization: str, threads: int) -> list[Server]:
                 "--served-model-name", "default"], port, "default",
                 env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}))
         elif name == "edgechat":
-            out.append(Server(f"edgechat replica ({quantization})", [
-                py, "-m", "replica", "--port", str(port), "--quantization", quantization, "--speculative", "off"],
-                port, "default"))
+            out.append(Server(f"edgechat replica ({quantization})", [py, "-m", "replica", "--port", str(port), *ours],
+                              port, "default"))
         elif name == "proxy":
             rport = free_port()
-            replica = Server(f"edgechat replica ({quantization})", [
-                py, "-m", "replica", "--port", str(rport), "--quantization", quantization, "--speculative", "off"],
-                rport, "default")
+            replica = Server(f"edgechat replica ({quantization})", [py, "-m", "replica", "--port", str(rport), *ours],
+                             rport, "default")
             out.append(Server(f"edgechat proxy -> 1 replica ({quantization})", [
                 py, "-m", "edge_proxy", "--replica", f"ws://127.0.0.1:{rport}/v1/replica", "--port", str(port),
                 "--tokenizer", "default"], port, "default", after=[replica],
@@ -337,9 +337,11 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--turns", type=int, default=3, help="turns per session")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp and vLLM threads (the machine's cores)")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="edgechat's --max-num-batched-tokens (default: the replica's own for the device)")
     args = ap.parse_args()
     rows = []
-    for server in servers(args.servers, args.quantization, args.threads):
+    for server in servers(args.servers, args.quantization, args.threads, args.budget):
         procs = start(server)
         try:
             row = {"name": server.name}

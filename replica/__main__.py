@@ -40,8 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="CUDA graphs for decode steps (auto: on CUDA)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
-                    help="per-step token budget, decodes + prefill chunks (default: 512 on CUDA; 128 on CPU, where a "
-                         "prefill token costs ~0.5 ms: a chunk beside 16 decodes stays under ~100 ms)")
+                    help="per-step token budget while streams decode, decodes + prefill chunks (default: 512 on "
+                         "CUDA; 64 on CPU, where a prefill token costs ~0.5 ms: docs/perf.md, 16 streams)")
+    ap.add_argument("--prefill-only-tokens", type=int, default=0,
+                    help="per-step token budget while nothing decodes (default: 512)")
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU; gloo on CPU)")
     ap.add_argument("--speculative", default="auto", choices=["auto", "off", "eagle3", "ngram"],
@@ -86,7 +88,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=device, dtype=dtype, quantization=quantization,
                         block_size=args.block_size,
                         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens or (512 if device == "cuda" else 128),
+                        max_num_batched_tokens=args.max_num_batched_tokens or (512 if device == "cuda" else 64),
+                        prefill_only_tokens=args.prefill_only_tokens or 512,
                         max_model_len=args.max_model_len,
                         random_weights=args.random_weights, tp=args.tp,
                         gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode,

@@ -74,6 +74,7 @@ class EngineConfig:
     num_blocks: int = 0  # >0 overrides the memory budget
     max_num_seqs: int = 64  # running sequences at once
     max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
+    prefill_only_tokens: int = 0  # the budget of a step without decodes (nobody waits on it); 0 -> the above
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
     random_weights: bool = False
     seed: int = 0
