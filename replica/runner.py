@@ -5,6 +5,8 @@ parallelism this rank's shard), the op set chosen for the device, the KV pool
 (sized here), the decode graphs and the sampler. Every forward is
 `execute(plan)` over a `replica.plan.StepPlan`: prefill chunks, decodes (eager,
 or replayed per batch-size bucket) and draft-tree verification, then sampling.
+On CPU a quantized fp32 model is built as `replica.cpu_model.CpuModel`: every
+forward is then one C++ call (graph_mode "auto"; "off" keeps op by op).
 
 KV pool: one tensor, layers x {k, v} x blocks x block_size x Hkv x D, plus the
 EAGLE-3 head's one layer (`draft_kv`, same blocks) when a head drafts: the head
