@@ -85,17 +85,17 @@ def host_overhead(device: str) -> None:
         print(f"| {batch} | {row[0]:.3f} | {row[1]:.3f} |")
 
 
-def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16)) -> None:
+def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16), threads: int = 1) -> None:
     """One row per (variant, batch); a variant is "dtype/quantization", e.g. bfloat16/gguf."""
     ckpt = load_checkpoint("default", dtype=torch.float32)
-    print(f"\n## Default model decode ({ckpt.config.name}, {device}, {torch.get_num_threads()} threads, "
+    print(f"\n## Default model decode ({ckpt.config.name}, {device}, {threads} threads, "
           "prompt 128 tokens)\n")
     print("| dtype / quantization | batch | ms/step | ms/token | tokens/s |")
     print("|---|---:|---:|---:|---:|")
     for variant in variants:
         dtype, _, quant = variant.partition("/")
         cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=1024,
-                           max_num_seqs=64, max_num_batched_tokens=2048)
+                           max_num_seqs=64, max_num_batched_tokens=2048, cpu_threads=threads)
         weights = ckpt.weights if cfg.quantization != "none" else \
             {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
         engine = LLMEngine(cfg, ckpt.config, weights)
@@ -116,17 +116,18 @@ def main() -> None:
                     help="dtype/quantization pairs to time, e.g. float32/none bfloat16/gguf (default: the "
                          "device's default dtype, unquantized)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="torch threads (default: what the engine process uses, cores - 1)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="the engine's threads on CPU (default: what the engine process uses, every core)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    torch.set_num_threads(max(1, args.threads - 1))  # as the engine process: torch's own pool leaves a core
+    print(f"machine: {platform.processor() or platform.machine()}, {args.threads} engine threads "
+          f"({torch.get_num_threads()} for torch's own ops), "
           f"torch {torch.__version__}")
     if not args.model_only:
         host_overhead(args.device)
     if not args.host:
         model_speed(args.device, args.variants or ["bfloat16" if args.device == "cuda" else "float32"],
-                    tuple(args.batches))
+                    tuple(args.batches), args.threads)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ conversation with a 120-word system prompt; each turn adds a user message and
 the previous answer, so later turns share their prefix with the earlier ones.
 1 stream = one session at a time; 16 streams = 16 sessions at once. ITL = gaps
 between content chunks as the client receives them; TTFT of the first turn and
-of later turns. Also printed: `llama-bench` decode ms/token (2 threads) and
+of later turns. Also printed: the CPU time per token of each server process
+(edgechat: the replica's API process, its engine process, the proxy: what each
+hop costs on the real model), `llama-bench` decode ms/token (2 threads) and
 edgechat's engine ms/token at batch 1 (`bench/engine.py`), in the same run.
 Never part of `make test`.
 """
@@ -167,8 +169,10 @@ class Server:
     after: list = field(default_factory=list)  # servers started before this one (proxy -> replica)
 
 
-def servers(names: list[str], quantization: str, threads: int) -> list[Server]:
+def servers(names: list[str], quantization: str, threads: int, budget: int = 0) -> list[Server]:
     py = sys.executable
+    ours = ["--quantization", quantization, "--speculative", "off"] + (["--max-num-batched-tokens", str(budget)]
+                                                                        if budget else [])
     out = []
     for name in names:
         port = free_port()
@@ -186,14 +190,12 @@ def servers(names: list[str], quantization: str, threads: int) -> list[Server]:
                 "--served-model-name", "default"], port, "default",
                 env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}))
         elif name == "edgechat":
-            out.append(Server(f"edgechat replica ({quantization})", [
-                py, "-m", "replica", "--port", str(port), "--quantization", quantization, "--speculative", "off"],
-                port, "default"))
+            out.append(Server(f"edgechat replica ({quantization})", [py, "-m", "replica", "--port", str(port), *ours],
+                              port, "default"))
         elif name == "proxy":
             rport = free_port()
-            replica = Server(f"edgechat replica ({quantization})", [
-                py, "-m", "replica", "--port", str(rport), "--quantization", quantization, "--speculative", "off"],
-                rport, "default")
+            replica = Server(f"edgechat replica ({quantization})", [py, "-m", "replica", "--port", str(rport), *ours],
+                             rport, "default")
             out.append(Server(f"edgechat proxy -> 1 replica ({quantization})", [
                 py, "-m", "edge_proxy", "--replica", f"ws://127.0.0.1:{rport}/v1/replica", "--port", str(port),
                 "--tokenizer", "default"], port, "default", after=[replica],
@@ -272,19 +274,23 @@ async def session(client, model: str, turns: int, index: int) -> list[Turn]:
     return out
 
 
-async def drive(port: int, model: str, streams: int, turns: int) -> dict:
+async def drive(port: int, model: str, streams: int, turns: int, pids: list[int]) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=600)
     await session(client, model, 1, -1)  # warm-up
+    pids = with_children(pids)
+    cpu0 = [cpu_seconds(p) for p in pids]
     t0 = time.perf_counter()
     results = await asyncio.gather(*(session(client, model, turns, i) for i in range(streams)))
     wall = time.perf_counter() - t0
+    cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
     await client.close()
     gaps = sorted(g for turns_ in results for t in turns_ for g in t.gaps)
     tokens = sum(t.tokens for turns_ in results for t in turns_)
     pct = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3  # noqa: E731
     return {"itl_p50": pct(0.5), "itl_p99": pct(0.99), "tok_s": tokens / wall,
+            "cpu_ms": [c * 1e3 / tokens for c in cpu],  # per token, each process (with_children order)
             "ttft_first": statistics.median(r[0].ttft for r in results) * 1e3,
             "ttft_later": statistics.median(t.ttft for r in results for t in r[1:]) * 1e3 if turns > 1 else 0.0}
 
@@ -305,6 +311,25 @@ def engine_ms(variant: str) -> float:
     return float(row.split("|")[4])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_children(pids: list[int]) -> list[int]:
+    """Each server process followed by its children (a replica's engine process)."""
+    out = []
+    for pid in pids:
+        out.append(pid)
+        out += [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", nargs="+", default=["llama", "vllm", "edgechat", "proxy"])
@@ -312,15 +337,17 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--turns", type=int, default=3, help="turns per session")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp and vLLM threads (the machine's cores)")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="edgechat's --max-num-batched-tokens (default: the replica's own for the device)")
     args = ap.parse_args()
     rows = []
-    for server in servers(args.servers, args.quantization, args.threads):
+    for server in servers(args.servers, args.quantization, args.threads, args.budget):
         procs = start(server)
         try:
             row = {"name": server.name}
             for n in args.streams:
                 log(f"{server.name}: {n} stream(s) x {args.turns} turns ...")
-                row[n] = asyncio.run(drive(server.port, server.model, n, args.turns))
+                row[n] = asyncio.run(drive(server.port, server.model, n, args.turns, [p.pid for p in procs]))
             rows.append(row)
             log(json.dumps(row))
         finally:
@@ -335,6 +362,10 @@ def main() -> None:
         cells = " | ".join(f"{row[n]['itl_p50']:.1f} / {row[n]['itl_p99']:.1f} | {row[n]['tok_s']:.1f} | "
                            f"{row[n]['ttft_first']:.0f} / {row[n]['ttft_later']:.0f}" for n in args.streams)
         print(f"| {row['name']} | {cells} |")
+    print("\nCPU ms per token of each process (edgechat: replica API, its engine process[, proxy]):\n")
+    for row in rows:
+        for n in args.streams:
+            print(f"- {row['name']}, {n} stream(s): " + " / ".join(f"{c:.2f}" for c in row[n]["cpu_ms"]))
     if "llama" in args.servers:
         print(f"\nllama-bench decode, {args.threads} threads: {llama_bench_ms(args.threads):.2f} ms/token")
     variant = f"float32/{args.quantization}"

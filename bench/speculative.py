@@ -58,8 +58,8 @@ def specs():
 class Engines:
     """LLMEngines over one copy of the model, one draft shape each."""
 
-    def __init__(self, ck, model, head: Path, dev: str, dtype: str, new_tokens: int):
-        self.ck, self.model, self.head, self.dev, self.dtype = ck, model, head, dev, dtype
+    def __init__(self, ck, model, ops, head: Path, dev: str, dtype: str, new_tokens: int):
+        self.ck, self.model, self.ops, self.head, self.dev, self.dtype = ck, model, ops, head, dev, dtype
         self.new_tokens = new_tokens
         self.policies = Path(tempfile.mkdtemp(prefix="bench-spec-"))
 
@@ -78,38 +78,54 @@ class Engines:
         blocks = batch * -(-(max_prompt + self.new_tokens + draft + 1) // 16)
         cfg = EngineConfig(device=self.dev, dtype=self.dtype, num_blocks=blocks, max_num_seqs=batch, max_model_len=2048,
                            max_num_batched_tokens=max(512, batch * (1 + draft)), **kw)
-        return LLMEngine(cfg, self.ck.config, model=self.model, ops=self.model.ops)
+        return LLMEngine(cfg, self.ck.config, model=self.model, ops=self.ops)
 
 
 def gemm_table(model, dev: str, rows=(1, 4, 16, 33), reps: int = 20) -> None:
-    """Time the target's own linear layers (one decoder layer's and the lm head) per row count."""
+    """Time the target's own linear layers (one decoder layer's and the lm head) per row count:
+    dense weights through F.linear, quantized ones (replica.quant.QLinear) through their kernel."""
+    model = getattr(model, "model", model)  # replica.cpu_model.CpuModel wraps the LlamaModel
     layer = model.layers[0]
-    mats = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
-            "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight,
-            "lm head": model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight}
+    head = model.lm_head if model.lm_head is not None else torch.nn.Linear(1, 1)
+    if model.lm_head is None:
+        head.weight = model.embed_tokens.weight
+    mats = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+            "down": layer.mlp.down_proj, "lm head": head}
+
+    def size(mod) -> tuple[int, int, int]:  # out, in, bytes read
+        if isinstance(mod, torch.nn.Linear):
+            return *mod.weight.shape, mod.weight.numel() * mod.weight.element_size()
+        return mod.out_features, mod.in_features, sum(t.numel() * t.element_size() for t in
+                                                      ((mod.packed,) if mod.packed is not None else (mod.qs, mod.d, mod.m)))
+
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     print("\n| weights (out x in) | " + " | ".join(f"{m} rows: us, GB/s" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
-    for name, w in mats.items():
-        cells = []
-        for m in rows:
-            x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
-            for _ in range(3):
-                torch.nn.functional.linear(x, w)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                torch.nn.functional.linear(x, w)
-            sync()
-            dt = (time.perf_counter() - t0) / reps
-            cells.append(f"{dt * 1e6:.0f}, {w.numel() * w.element_size() / dt / 1e9:.1f}")
-        print(f"| {name} ({w.shape[0]} x {w.shape[1]}) | " + " | ".join(cells) + " |", flush=True)
+    with torch.inference_mode():
+        for name, mod in mats.items():
+            n_out, n_in, nbytes = size(mod)
+            cells = []
+            for m in rows:
+                x = torch.randn(m, n_in, device=dev, dtype=torch.float32 if not isinstance(mod, torch.nn.Linear)
+                                else mod.weight.dtype)
+                for _ in range(3):
+                    mod(x)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    mod(x)
+                sync()
+                dt = (time.perf_counter() - t0) / reps
+                cells.append(f"{dt * 1e6:.0f}, {nbytes / dt / 1e9:.1f}")
+            print(f"| {name} ({n_out} x {n_in}) | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--quantization", default=None,
+                    help="none|int8|int4|gguf (default: gguf on CPU for a GGUF model, as served; none on CUDA)")
     ap.add_argument("--head", help="head folder (default: speculative.cache.head_dir(model))")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,4,16")
@@ -127,14 +143,20 @@ def main() -> None:
 
     dev = args.device
     dtype = "bfloat16" if dev.startswith("cuda") else "float32"
+    if args.quantization is None:
+        from replica.__main__ import default_quantization
+
+        args.quantization = default_quantization(args.model, dev, 1, False)
     ck = load_checkpoint(args.model)
-    model = build_model(ck.config, EngineConfig(device=dev, dtype=dtype), ck.weights,
-                        kernels.ops(torch.device(dev).type), 2048)
+    ops = kernels.ops(torch.device(dev).type)
+    # the model as served: on CPU quantized (the GGUF's own blocks, or --quantization) and one C++ call per step
+    model = build_model(ck.config, EngineConfig(device=dev, dtype=dtype, quantization=args.quantization), ck.weights,
+                        ops, 2048)
     path = Path(args.head) if args.head else head_dir(ck.config.name)
     texts = load_prompts(args.split)[: args.limit or None]
     prompts = [ck.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
     longest = max(map(len, prompts))
-    engines = Engines(ck, model, path, dev, dtype, args.new_tokens)
+    engines = Engines(ck, model, ops, path, dev, dtype, args.new_tokens)
     name = torch.cuda.get_device_name() if dev.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"# {ck.config.name} on {name}, {dtype}; head {path}; {len(prompts)} {args.split} prompts, "
           f"{args.new_tokens} new tokens; the engine (continuous batching)")

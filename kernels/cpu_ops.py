@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels import decode_attention, rmsnorm, rotary, store_kv, swiglu
-from kernels.cpu_build import load_cpp
+from kernels.cpu_build import builds, load_cpp
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -218,11 +218,4 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
 
 def available() -> bool:
     """The C++ ops build (once per machine) and run here."""
-    try:
-        _ext()
-    except (RuntimeError, OSError, ImportError) as e:
-        import sys
-
-        print(f"kernels.cpu_ops: the C++ ops did not build ({e}); using the references", file=sys.stderr)
-        return False
-    return True
+    return builds(_ext, "kernels.cpu_ops: the C++ ops", "using the references")

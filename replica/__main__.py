@@ -11,6 +11,7 @@ Every endpoint but /healthz needs the replica secret: $EDGECHAT_REPLICA_SECRET, 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -38,7 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--graph-mode", default="auto", choices=["auto", "off", "buffers"],
                     help="CUDA graphs for decode steps (auto: on CUDA)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="per-step token budget while streams decode, decodes + prefill chunks (default: 512 on "
+                         "CUDA; 64 on CPU, where a prefill token costs ~0.5 ms: docs/perf.md, 16 streams)")
+    ap.add_argument("--prefill-only-tokens", type=int, default=0,
+                    help="per-step token budget while nothing decodes (default: 512)")
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU; gloo on CPU)")
     ap.add_argument("--speculative", default="auto", choices=["auto", "off", "eagle3", "ngram"],
@@ -83,7 +88,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=device, dtype=dtype, quantization=quantization,
                         block_size=args.block_size,
                         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        max_num_batched_tokens=args.max_num_batched_tokens or (512 if device == "cuda" else 64),
+                        prefill_only_tokens=args.prefill_only_tokens or 512,
+                        max_model_len=args.max_model_len,
                         random_weights=args.random_weights, tp=args.tp,
                         gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode,
                         speculative=args.speculative, spec_head=args.spec_head, spec_depth=args.spec_depth,
@@ -121,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         sys.exit(f"replica: no secret: {e}")
     app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id, secret=secret)
+    gc.freeze()  # start-up objects (tokenizer, app) are never garbage: collections skip them
     try:
         import uvloop  # noqa: F401
 

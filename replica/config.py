@@ -74,13 +74,16 @@ class EngineConfig:
     num_blocks: int = 0  # >0 overrides the memory budget
     max_num_seqs: int = 64  # running sequences at once
     max_num_batched_tokens: int = 512  # per-step token budget (decodes + prefill chunks)
+    prefill_only_tokens: int = 0  # the budget of a step without decodes (nobody waits on it); 0 -> the above
     max_model_len: int = 0  # 0 -> model's max_position_embeddings
     random_weights: bool = False
     seed: int = 0
-    graph_mode: str = "auto"  # "auto": CUDA graphs on CUDA; "off"; "buffers": padded graph buffers, eager
+    # "auto": CUDA graphs on CUDA, the whole step in one C++ call on CPU (quantized fp32 models);
+    # "off": op by op; "buffers": padded graph buffers, eager
+    graph_mode: str = "auto"
     overlap: bool | None = None  # schedule step N+1 while step N runs; None -> on CUDA
     tp: int = 1  # tensor-parallel ranks (one process per device)
-    cpu_threads: int = 0  # torch intra-op threads on CPU; 0 -> cores - 1 (the API process needs one)
+    cpu_threads: int = 0  # threads of the engine's math on CPU; 0 -> every core for the C++ step, cores - 1 for torch
     load_report_interval_s: float = 0.5
     speculative: str = "off"  # "off" | "eagle3" (trained head) | "ngram" (prompt lookup) | "auto" (see engine)
     spec_head: str = ""  # EAGLE-3 head folder; "" -> speculative.head.head_dir(model name)
@@ -92,6 +95,13 @@ class EngineConfig:
     # EAGLE-3 chains draw their drafts from the head at the request's temperature and are verified by
     # rejection sampling: lossless, but a seeded output is no longer the plain decoder's tokens.
     spec_sample: bool = False
+
+    def engine_threads(self) -> int:
+        """Threads for the engine's math on CPU: every core unless cpu_threads says otherwise.
+        The API process needs a core only briefly once per step (one frame of tokens)."""
+        import os
+
+        return self.cpu_threads or os.cpu_count() or 1
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -99,7 +99,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(layout.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-                                   speculation=self.speculator)
+                                   speculation=self.speculator, prefill_only_tokens=cfg.prefill_only_tokens)
         # Overlap: with TP every rank samples each step itself, so the next step's
         # placeholders resolve on every rank's device. With speculation it covers the
         # plain steps; a verify step drains the pipeline first (drafting needs the

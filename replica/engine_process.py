@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import select
 import socket
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = msgspec.json.decode(args.config, type=EngineConfig)
     engine = build_engine(cfg)
+    gc.freeze()  # the model and its tensors' wrappers: collections between steps scan only new objects
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
     try:

@@ -13,10 +13,10 @@ after those layers), the graphs also write those features, (b, 3h), so plain
 decode steps of a speculating engine replay too: the head sees every token the
 target computes.
 
-On CPU (or with graphs disabled) the same padded-buffer path runs eagerly, which
-is how the padding logic is tested without a GPU. A step compiled per bucket
-(the CPU fast path) fits the same seam: `_forward(b)` over the same persistent
-buffers, compiled once per bucket where CUDA captures it.
+With graph_mode="buffers" the same padded-buffer path runs eagerly, which is how
+the padding logic is tested without a GPU. On CPU the analogue of a replayed
+graph is the model itself: replica/cpu_model.py runs any step (no padding, no
+buckets) as one C++ call.
 """
 
 from __future__ import annotations

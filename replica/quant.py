@@ -5,15 +5,17 @@ weight, so a step costs the bytes it reads: fp32 SmolLM2-135M is 540 MB a token,
 its GGUF (Q4_1 layers, a Q8_0 embedding that is also the head) 97 MB. Every
 quantized weight here has GGUF's block form (`kernels.qgemm_cpu`):
 
-    W[n, 32 b + i] = d[n, b] * u[n, 32 b + i] + m[n, b]
+    W[n, 32 b + i] = d[n, b] * u[n, 32 b + i] + m[n, b]          d, m fp16 values, as GGUF stores them
 
     --quantization int4   Q4_1's recipe on the dense weights (u in 0..15, min/max per block); head int8
     --quantization int8   Q8_0's recipe (symmetric per block: u = q + 128, m = -128 d)
     --quantization gguf   a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored; others as int8
 
 The matmul runs on AVX-512 VNNI with the activations quantized per block to int16
-(kernels/qgemm_cpu.py); the residual stream, norms, attention and KV stay in the
-model's dtype. Without VNNI or a compiler the PyTorch reference serves (slowly).
+(kernels/qgemm_cpu.py, over weights packed once at load); the residual stream,
+norms, attention and KV stay in the model's dtype. Without VNNI or a compiler the
+PyTorch reference serves (slowly). On CPU the whole step runs in one C++ call over
+the same packed weights (replica/cpu_model.py).
 """
 
 from __future__ import annotations
@@ -65,20 +67,25 @@ def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     return (u[..., :16] | (u[..., 16:] << 4)).reshape(u.shape[0], -1)
 
 
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    """Scales and offsets are stored as fp16 (GGUF's choice; the packed kernel reads them so)."""
+    return t.half().float()
+
+
 def quantize_int4(w: torch.Tensor) -> QWeight:
-    """Q4_1's recipe: per block, 16 levels from its min to its max."""
+    """Q4_1's recipe: per block, 16 levels from its min to its max (d and min rounded to fp16)."""
     g = _blocks(w)
-    lo, hi = g.amin(-1), g.amax(-1)
-    d = (hi - lo) / 15
+    lo, hi = _fp16(g.amin(-1)), g.amax(-1)
+    d = _fp16((hi - lo) / 15)
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     u = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
     return QWeight(_pack_nibbles(u), d, lo, 4)
 
 
 def quantize_int8(w: torch.Tensor) -> QWeight:
-    """Q8_0's recipe: per block, symmetric codes -127..127 stored offset by 128."""
+    """Q8_0's recipe: per block, symmetric codes -127..127 stored offset by 128 (d rounded to fp16)."""
     g = _blocks(w)
-    d = g.abs().amax(-1) / 127
+    d = _fp16(g.abs().amax(-1) / 127)
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = (g * inv[..., None]).round().clamp(-127, 127)
     return QWeight((q + 128).to(torch.uint8).reshape(w.shape), d, -128 * d, 8)
@@ -106,22 +113,39 @@ def from_gguf(raw: np.ndarray, qtype_name: str) -> QWeight:
 
 
 class QLinear(nn.Module):
-    """y = x W^T (+ bias) over a QWeight; `gemm` is the kernel chosen at start-up."""
+    """y = x W^T (+ bias) over a QWeight: the packed VNNI kernel when `packed`, else
+    the PyTorch reference. The codes, scales and offsets stay as buffers (the C++
+    step repacks the fused gate/up rows from them)."""
 
-    def __init__(self, w: QWeight, bias: torch.Tensor | None, gemm):
+    def __init__(self, w: QWeight, bias: torch.Tensor | None, packed: bool):
         super().__init__()
+        from kernels import qgemm_cpu
+
         self.out_features = w.qs.shape[0]
         self.in_features = w.qs.shape[1] * 8 // w.bits
-        self.bits, self.gemm = w.bits, gemm
+        self.bits = w.bits
         self.register_buffer("qs", w.qs.contiguous())
         self.register_buffer("d", w.d.float().contiguous())
         self.register_buffer("m", w.m.float().contiguous())
+        packed = packed and qgemm_cpu.packable(self.out_features, self.in_features)
+        self.register_buffer("packed", qgemm_cpu.pack(self.qs, self.d, self.m, self.bits) if packed else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @property
+    def weight(self) -> QWeight:
+        return QWeight(self.qs, self.d, self.m, self.bits)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels import qgemm_cpu
+
+        if self.packed is not None:
+            return qgemm_cpu.qgemm_cpu(x, self.packed, self.out_features, self.bits)
+        return qgemm_cpu.qgemm_ref(x, self.qs, self.d, self.m, self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and self.bias is None:  # the decode path: one call
-            return self.gemm(x, self.qs, self.d, self.m, self.bits)
-        y = self.gemm(x.reshape(-1, self.in_features).float(), self.qs, self.d, self.m, self.bits)
+            return self._gemm(x)
+        y = self._gemm(x.reshape(-1, self.in_features).float())
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -136,11 +160,11 @@ class QLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
 
 
-def choose_gemm():
-    """The VNNI kernel where it builds and runs, else the PyTorch reference."""
+def packed_kernel_available() -> bool:
+    """The VNNI kernel builds and runs here (else QLinear serves the PyTorch reference)."""
     from kernels import qgemm_cpu
 
-    return qgemm_cpu.qgemm_cpu if qgemm_cpu.available() else qgemm_cpu.qgemm_ref
+    return qgemm_cpu.available()
 
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -148,13 +172,14 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, weights: dict[str, torch.Tensor],
-                   stored: dict[str, QWeight] | None = None, gemm=None) -> nn.Module:
+                   stored: dict[str, QWeight] | None = None, packed: bool | None = None) -> nn.Module:
     """Replace the decoder's linears and the LM head by QLinears, in place.
 
     `weights`: the checkpoint's dense tensors by Hugging Face name (fp32 is best:
     they are quantized from these). `stored` (mode "gguf"): the file's quantized
     tensors; a linear whose parts are all there is served from them as they are,
-    any other is quantized to int8. A tied head becomes its own quantized copy of
+    any other is quantized to int8. `packed`: serve through the VNNI kernel
+    (default: where it runs). A tied head becomes its own quantized copy of
     the embedding (the lookup keeps the dense table: it reads one row a token)."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
@@ -162,14 +187,14 @@ def quantize_model(model: nn.Module, mode: str, weights: dict[str, torch.Tensor]
         return model
     if mode == "gguf" and stored is None:
         raise ValueError("--quantization gguf serves a GGUF file's own blocks: the model must be a .gguf file")
-    gemm = gemm or choose_gemm()
+    packed = packed_kernel_available() if packed is None else packed
     quantize = quantize_int4 if mode == "int4" else quantize_int8
     stored = stored or {}
 
     def linear(names: list[str], bias, recipe=quantize) -> QLinear:
         if all(n in stored for n in names) and len({stored[n].bits for n in names}) == 1:
-            return QLinear(QWeight.cat([stored[n] for n in names]), bias, gemm)
-        return QLinear(recipe(torch.cat([weights[n] for n in names])), bias, gemm)
+            return QLinear(QWeight.cat([stored[n] for n in names]), bias, packed)
+        return QLinear(recipe(torch.cat([weights[n] for n in names])), bias, packed)
 
     for i, layer in enumerate(model.layers):
         for part in ("self_attn", "mlp"):

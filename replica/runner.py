@@ -5,6 +5,8 @@ parallelism this rank's shard), the op set chosen for the device, the KV pool
 (sized here), the decode graphs and the sampler. Every forward is
 `execute(plan)` over a `replica.plan.StepPlan`: prefill chunks, decodes (eager,
 or replayed per batch-size bucket) and draft-tree verification, then sampling.
+On CPU a quantized fp32 model is built as `replica.cpu_model.CpuModel`: every
+forward is then one C++ call (graph_mode "auto"; "off" keeps op by op).
 
 KV pool: one tensor, layers x {k, v} x blocks x block_size x Hkv x D, plus the
 EAGLE-3 head's one layer (`draft_kv`, same blocks) when a head drafts: the head
@@ -178,7 +180,7 @@ class Runner:
         width = max(len(t) for t in tables)
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
-    def _prepare(self, plan: StepPlan):
+    def prepare(self, plan: StepPlan):
         """Input ids, positions, the attention Context, and the logits rows (token indices)."""
         bs, nt = self.block_size, len(plan.trees)
         pos, slots, last = [], [], []
@@ -238,7 +240,7 @@ class Runner:
             logits, aux = self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
             hidden = None
         else:
-            input_ids, positions, ctx, rows = self._prepare(plan)
+            input_ids, positions, ctx, rows = self.prepare(plan)
             input_ids = resolve_placeholders(input_ids, prev_tokens)
             out = self.model(input_ids, positions, ctx, self.kv_cache, self.aux_layers)
             hidden, aux = (out[0], torch.cat(out[1], -1)) if self.aux_layers else (out, None)
@@ -330,7 +332,14 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
         from replica.quant import quantize_model
 
         quantize_model(model, cfg.quantization, weights, gguf_stored(cfg, model_cfg))
-    return model.eval()
+    model = model.eval()
+    if cfg.device == "cpu" and cfg.graph_mode == "auto":  # the CPU's "graph": the whole step in one C++ call
+        from kernels import cpu_forward
+        from replica import cpu_model
+
+        if cpu_model.supports(model, dtype) and cpu_forward.available():
+            return cpu_model.CpuModel(model, cfg.engine_threads()).eval()
+    return model
 
 
 def gguf_stored(cfg: EngineConfig, model_cfg: ModelConfig) -> dict | None:

@@ -1,6 +1,8 @@
 """Continuous batching under a per-step token budget.
 
-Each step:
+Each step (budget: max_num_batched_tokens while sequences decode, stretched so that
+prefill keeps half of it beside many decodes; the larger prefill_only_tokens while
+none decodes, when no stream's next token waits on the step):
   1. running decodes first (one token each), so streams never stall behind a prompt;
   2. running prefills continue in chunks with what is left of the budget;
   3. waiting requests are admitted (priority class, then arrival), reusing cached
@@ -39,12 +41,14 @@ class Batch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int = 1 << 62, speculation=None):
+                 max_model_len: int = 1 << 62, speculation=None, prefill_only_tokens: int = 0):
         self.blocks = blocks
         self.speculation = speculation
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the budget of a step without decodes: no stream waits on it, so prompts go in bigger chunks
+        self.prefill_only_tokens = max(prefill_only_tokens, max_num_batched_tokens)
         self.waiting: dict[int, deque[Sequence]] = {}  # priority class -> FIFO
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,7 +106,10 @@ class Scheduler:
             self.speculation.spec_for(sum(1 for s in self.running if s.is_decode)) is not None
 
     def schedule(self) -> Batch:
-        budget = self.max_num_batched_tokens
+        decoding = sum(1 for s in self.running if s.is_decode)
+        # prefill keeps at least half the budget however many streams decode (a waiting prompt never starves)
+        budget = max(self.max_num_batched_tokens, decoding + self.max_num_batched_tokens // 2) if decoding \
+            else self.prefill_only_tokens
         scheduled: dict[Sequence, int] = {}  # seq -> tokens this step, in order
         speculating: set[Sequence] = set()
         spec, extra = None, 0  # draft shape, and the budget a speculating decode takes beyond its one token

@@ -12,18 +12,38 @@ needs_qgemm = pytest.mark.skipif(not qgemm_cpu.available(), reason="needs AVX-51
 needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason="needs a C++ compiler")
 
 
+def random_weight(g, N, K, bits):
+    """Codes, fp16-valued scales and offsets (symmetric for 8 bits, as Q8_0)."""
+    qs = torch.randint(0, 256, (N, K * bits // 8), dtype=torch.uint8, generator=g)
+    d = (torch.rand(N, K // 32, generator=g) * 0.01).half().float()
+    m = (torch.randn(N, K // 32, generator=g) * 0.01).half().float() if bits == 4 else -128 * d
+    return qs, d, m
+
+
 @needs_qgemm
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("M,K,N", [(1, 576, 960), (3, 32, 7), (5, 1536, 576), (9, 96, 130)])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 960), (2, 64, 48), (3, 1536, 576), (5, 64, 16), (9, 128, 208),
+                                   (37, 576, 3072)])
 def test_qgemm_matches_reference(bits, M, K, N):
+    """N = 48, 208: a partial last supertile (3 and 1 tiles); M covers every row tiling."""
     g = torch.Generator().manual_seed(M * K + N)
     x = torch.randn(M, K, generator=g) * 3
-    qs = torch.randint(0, 256, (N, K * bits // 8), dtype=torch.uint8, generator=g)
-    d, m = torch.rand(N, K // 32, generator=g) * 0.01, torch.randn(N, K // 32, generator=g) * 0.01
+    qs, d, m = random_weight(g, N, K, bits)
     ref = qgemm_cpu.qgemm_ref(x, qs, d, m, bits)
-    out = qgemm_cpu.qgemm_cpu(x, qs, d, m, bits)
+    out = qgemm_cpu.qgemm_cpu(x, qgemm_cpu.pack(qs, d, m, bits), N, bits)
     # Same integer codes on both sides: only the fp32 summation order differs.
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+def test_pack_refuses_what_the_kernel_cannot_read():
+    g = torch.Generator().manual_seed(1)
+    qs, d, m = random_weight(g, 32, 64, 4)
+    with pytest.raises(ValueError, match="fp16"):
+        qgemm_cpu.pack(qs, d + 1e-7, m, 4)
+    with pytest.raises(ValueError, match="symmetric"):
+        qgemm_cpu.pack(torch.zeros(32, 64, dtype=torch.uint8), d, m, 8)
+    with pytest.raises(ValueError, match="rows % 16"):
+        qgemm_cpu.pack(qs[:8], d[:8], m[:8], 4)
 
 
 def test_qgemm_reference_is_the_dequantized_matmul_up_to_activation_rounding():
@@ -79,7 +99,8 @@ def test_qgemm_row_does_not_depend_on_its_batch():
     """Seeded sampling must not depend on batch composition: each row bit-for-bit alone."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(11, 576, generator=g)
-    qs = torch.randint(0, 256, (96, 288), dtype=torch.uint8, generator=g)
-    d, m = torch.rand(96, 18, generator=g), torch.randn(96, 18, generator=g)
-    full = qgemm_cpu.qgemm_cpu(x, qs, d, m, 4)
-    assert all(torch.equal(full[i:i + 1], qgemm_cpu.qgemm_cpu(x[i:i + 1], qs, d, m, 4)) for i in range(11))
+    for bits in (4, 8):
+        qs, d, m = random_weight(g, 96, 576, bits)
+        packed = qgemm_cpu.pack(qs, d, m, bits)
+        full = qgemm_cpu.qgemm_cpu(x, packed, 96, bits)
+        assert all(torch.equal(full[i:i + 1], qgemm_cpu.qgemm_cpu(x[i:i + 1], packed, 96, bits)) for i in range(11))

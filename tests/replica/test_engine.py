@@ -212,3 +212,21 @@ def test_default_model_logits_match_reference_and_golden_greedy():
     assert len(seen) == len(ref) == 8
     assert (torch.stack(seen) - ref).abs().max() < 1e-4
     assert ckpt.tokenizer.decode(toks["g"]) == "The capital of France is Paris."
+
+
+def test_token_budget_beside_decodes_and_alone():
+    """A step without decodes takes prompts in prefill_only_tokens chunks (no stream waits
+    on it); beside decodes the budget holds, stretched so prefill keeps half of it."""
+    engine, _, _ = make_engine(max_num_batched_tokens=8, max_num_seqs=8, prefill_only_tokens=40)
+    sched = engine.scheduler
+    for rid, ids in prompts([60] + [3] * 6, seed=5).items():
+        assert engine.add(P.Generate(id=rid, prompt_ids=ids, sampling=greedy(32))) is None
+    first = sched.schedule()  # nothing decodes yet: 40 tokens, all of them s0's
+    assert first.num_tokens == [40] and first.num_decodes == 0
+    engine.abort("s0")
+    for _ in range(12):  # s1..s6 prefill (8 tokens a step), then decode
+        engine.step()
+    assert sum(s.is_decode for s in sched.running) == 6
+    assert engine.add(P.Generate(id="late", prompt_ids=prompts([30], seed=6)["s0"], sampling=greedy(4))) is None
+    batch = sched.schedule()  # 6 decodes: max(8, 6 + 8 // 2) = 10 tokens, the late prompt gets 4
+    assert batch.num_decodes == 6 and batch.num_tokens[6:] == [4]

@@ -1,0 +1,78 @@
+"""The quantized model on CPU as one C++ call per step (kernels/cpu_forward.py).
+
+`CpuModel` wraps a `LlamaModel` whose linears are packed `QLinear`s and offers its
+interface (`forward`, `compute_logits`, `embed_tokens`, `cos_sin`), so the Runner
+runs every step (decode rows, prefill chunks, draft trees, EAGLE-3 features)
+through it unchanged: on CPU this is where CUDA would replay a graph. The wrapped
+model stays the reference and keeps the weights; the C++ `Decoder` reads the same
+packed tensors (gate/up repacked with its rows interleaved).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replica.model import Context, LlamaModel
+from replica.quant import QLinear
+
+
+def supports(model: nn.Module, dtype: torch.dtype) -> bool:
+    """fp32, one rank, every linear and the head packed, shapes the step handles."""
+    if not isinstance(model, LlamaModel) or dtype != torch.float32 or model.tp.world > 1:
+        return False
+    lins = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    c = model.cfg
+    return (all(isinstance(x, QLinear) and x.packed is not None for x in lins + [model.lm_head])
+            and c.hidden_size % 64 == 0 and c.q_size % 64 == 0 and c.intermediate_size % 64 == 0
+            and c.head_dim in (16, 32, 64, 128))
+
+
+class CpuModel(nn.Module):
+    def __init__(self, model: LlamaModel, threads: int):
+        super().__init__()
+        from kernels import cpu_forward, qgemm_cpu
+
+        self.model = model
+        c = model.cfg
+        order = cpu_forward.interleave_gate_up(c.intermediate_size)
+        norms, biases, packed, bits = [], [], [], []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            gu = mlp.gate_up_proj
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            biases.append(attn.qkv_proj.bias)
+            packed += [attn.qkv_proj.packed, attn.o_proj.packed,
+                       qgemm_cpu.pack(gu.qs[order], gu.d[order], gu.m[order], gu.bits), mlp.down_proj.packed]
+            bits += [attn.qkv_proj.bits, attn.o_proj.bits, gu.bits, mlp.down_proj.bits]
+        shape = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers)
+        self.decoder = cpu_forward.decoder(shape, c.rms_norm_eps, model.embed_tokens.weight.detach(), model.cos_sin,
+                                           model.norm.weight.detach(), [n.detach() for n in norms], biases, packed,
+                                           bits, model.lm_head.packed, model.lm_head.bits, threads)
+
+    @property
+    def embed_tokens(self):
+        return self.model.embed_tokens
+
+    @property
+    def cos_sin(self) -> torch.Tensor:
+        return self.model.cos_sin
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    def forward(self, input_ids, positions, ctx: Context, kv_cache: torch.Tensor, aux_layers: tuple[int, ...] = ()):
+        """LlamaModel.forward's contract: final hidden states (T, hidden), with aux_layers
+        also the residual streams after those layers as a list of (T, hidden)."""
+        out = self.decoder.forward(input_ids, positions, ctx.slot_mapping, ctx.num_decode_tokens,
+                                   ctx.decode_block_tables, ctx.decode_seq_lens, ctx.extend_block_tables,
+                                   ctx.extend_cu_seqlens_q, ctx.extend_seq_lens, ctx.tree_mask, ctx.tree_prefix_lens,
+                                   kv_cache, list(aux_layers))
+        if not aux_layers:
+            return out[0]
+        return out[0], list(out[1].split(self.cfg.hidden_size, dim=-1))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder.logits(hidden)

@@ -1,0 +1,120 @@
+"""The whole-step C++ decoder (kernels/cpu_forward.py through replica/cpu_model.py)
+against the op-by-op LlamaModel over the same packed QLinears, on a small random
+model whose shapes exercise partial supertiles, GQA and a qkv bias: prefill
+chunks over a cached prefix, a mixed decode + prefill step, a draft-tree verify
+step, EAGLE-3 features, a padding row; and a row's logits bit for bit alone or
+batched. Tolerance: 3e-4 of the values' scale. Only fp32 summation orders differ,
+but an input that moves in its last bit can round an int16 activation code the
+other way; the op-by-op model with the PyTorch reference ops differs from itself
+with the C++ ops by the same 1e-4."""
+
+import pytest
+import torch
+
+from kernels import cpu_forward
+from replica.config import EngineConfig
+from replica.cpu_model import CpuModel
+from replica.plan import StepPlan
+from replica.runner import Runner
+from tests.replica.tiny import tiny_config, tiny_weights
+
+pytestmark = pytest.mark.skipif(not cpu_forward.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+
+GREEDY = (0.0, 0, 1.0, 0, 0)
+
+
+def runners(bias: bool, aux=()):
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                      num_layers=3, attention_bias=bias)
+    w = tiny_weights(cfg, seed=3)
+    out = []
+    for mode in ("auto", "off"):  # auto on CPU: the C++ step; off: op by op
+        r = Runner(EngineConfig(quantization="int4", graph_mode=mode, num_blocks=12, cpu_threads=2, max_num_seqs=4,
+                                max_num_batched_tokens=64), cfg, w)
+        r.allocate_kv(aux_layers=aux)
+        r.kv_cache.normal_(generator=torch.Generator().manual_seed(5))  # stale pool contents must not matter
+        out.append(r)
+    assert isinstance(out[0].model, CpuModel) and not isinstance(out[1].model, CpuModel)
+    return out
+
+
+def plan(ids, starts, num_tokens, tables, sample_rows, num_decodes, trees=()):
+    n_logits = sum(len(t) for t in trees) + len(sample_rows)
+    return StepPlan(input_ids=ids, starts=starts, num_tokens=num_tokens, block_tables=tables, sample_rows=sample_rows,
+                    num_decodes=num_decodes, sampling=[GREEDY] * n_logits, trees=[list(t) for t in trees])
+
+
+def same(a: torch.Tensor, b: torch.Tensor):
+    tol = 3e-4 * b.abs().max().item()
+    assert (a - b).abs().max().item() <= tol, (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_step_matches_the_op_by_op_model(bias):
+    fast, ref = runners(bias, aux=(0, 2))
+    g = torch.Generator().manual_seed(7)
+    ids = lambda n: torch.randint(1, 96, (n,), generator=g).tolist()  # noqa: E731
+    steps = [
+        # prefill: A 20 tokens (two blocks), B 7 tokens
+        plan(ids(27), [0, 0], [20, 7], [[0, 1], [2]], [0, 1], 0),
+        # A decodes at 20 while B prefills 12 more tokens over its 7 cached ones
+        plan(ids(13), [20, 7], [1, 12], [[0, 1], [2, 3]], [0, 1], 1),
+        # A verifies a draft tree (root, two children, a grandchild) beside B's decode at 19
+        plan(ids(5), [21, 19], [4, 1], [[0, 1], [2, 3]], [1], 1, trees=[[-1, 0, 0, 1]]),
+    ]
+    for p in steps:
+        a, b = fast.execute(p), ref.execute(p)
+        same(a.logits, b.logits)
+        same(a.aux, b.aux)
+        assert a.tokens.tolist() == b.tokens.tolist()
+        same(fast.kv_cache, ref.kv_cache)
+
+
+def test_a_rows_logits_do_not_depend_on_its_batch():
+    fast, _ = runners(False)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (18, 5, 30, 9)]
+    tables = [[0, 1], [2], [3, 4], [5]]
+    fast.execute(plan(sum(prompts, []), [0] * 4, [len(p) for p in prompts], tables, [0, 1, 2, 3], 0))
+    starts = [len(p) for p in prompts]
+    together = fast.execute(plan([11, 12, 13, 14], starts, [1] * 4, tables, [0, 1, 2, 3], 4)).logits
+    for i in range(4):  # each alone rewrites the same KV slot with the same values
+        alone = fast.execute(plan([11 + i], [starts[i]], [1], [tables[i]], [0], 1)).logits
+        assert torch.equal(alone[0], together[i])
+
+
+def test_padding_rows_are_inert():
+    """A decode row with slot -1 and length 0 (what padded batch buckets send) stores
+    nothing and does not change the other rows."""
+    fast, _ = runners(False)
+    fast.execute(plan(list(range(1, 11)), [0], [10], [[0]], [0], 0))
+    before = fast.kv_cache.clone()
+    model, kv = fast.model, fast.kv_cache
+    from replica.model import Context
+
+    ctx = lambda n: Context(slot_mapping=torch.tensor([10, -1][:n]), num_decode_tokens=n,  # noqa: E731
+                            decode_block_tables=torch.tensor([[0], [0]][:n], dtype=torch.int32),
+                            decode_seq_lens=torch.tensor([11, 0][:n], dtype=torch.int32), extend_block_tables=None,
+                            extend_cu_seqlens_q=None, extend_seq_lens=None)
+    two = model(torch.tensor([5, 9]), torch.tensor([10, 0]), ctx(2), kv)
+    after = kv.clone()
+    one = model(torch.tensor([5]), torch.tensor([10]), ctx(1), kv)
+    assert torch.equal(two[0], one[0])
+    changed = (after != before).flatten(2, 3).any(-1).any(-1)  # (layers, k/v, slots): which slots were written
+    assert changed[:, :, 10].all() and changed.sum() == changed[:, :, 10].numel()
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    """Chunks go to whichever thread claims them and a loaded machine runs steps on the
+    caller alone (kernels/cpu_pool.py): every chunk's arithmetic is the same either way."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=3)
+    w = tiny_weights(cfg, seed=4)
+    outs = []
+    for threads in (1, 2, 3):
+        r = Runner(EngineConfig(quantization="int4", num_blocks=12, cpu_threads=threads, max_num_seqs=4,
+                                max_num_batched_tokens=64), cfg, w)
+        r.allocate_kv()
+        assert r.model.decoder.threads() == threads
+        prompts = plan(list(range(1, 34)), [0, 0], [25, 8], [[0, 1], [2]], [0, 1], 0)
+        outs.append((r.execute(prompts).logits, r.execute(plan([5, 6], [25, 8], [1, 1], [[0, 1], [2]], [0, 1], 2)).logits))
+    assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
