@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(400)]
 SECRET = {"EDGECHAT_REPLICA_SECRET": "dns-e2e-secret"}
 SRV = "_ws._tcp.edgechat-replica.e2e.test"
 STORY = [{"role": "user", "content": "Write a long story about a brave little dragon."}]
+# Long enough that the stream outlives a DNS re-resolution (0.1 s) on an engine at ~5 ms a token.
+GEN = {"max_tokens": 256, "temperature": 0, "ignore_eos": True}
 
 
 def listing(ports: dict[str, int]) -> list[tuple[str, int]]:
@@ -51,7 +53,7 @@ async def test_a_real_replica_leaving_dns_mid_stream_is_resumed_exactly():
         zone.set_srv(SRV, listing(ports))
         port = free_port()
         proxy = subprocess.Popen([sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous",
-                                  "--replicas-dns", SRV, "--dns-server", zone.server, "--dns-interval", "0.3",
+                                  "--replicas-dns", SRV, "--dns-server", zone.server, "--dns-interval", "0.1",
                                   "--log-level", "warning"], env={**os.environ, **SECRET}, start_new_session=True)
         try:
             async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
@@ -64,8 +66,8 @@ async def test_a_real_replica_leaving_dns_mid_stream_is_resumed_exactly():
                 else:
                     raise AssertionError("the proxy never had both replicas")
                 async with await EdgeClient.connect(f"ws://127.0.0.1:{port}/v1/stream") as c:
-                    whole, _ = await c.complete(messages=STORY, max_tokens=48, temperature=0)
-                    req = await c.generate(messages=STORY, max_tokens=48, temperature=0)
+                    whole, _ = await c.complete(messages=STORY, **GEN)
+                    req = await c.generate(messages=STORY, **GEN)
                     seen, leaving = 0, None
                     async for _ in req:
                         seen += 1
