@@ -116,8 +116,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, forbid
             return f"temperature must be in [0, 100], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:
             return f"top_p must be in (0, 1], got {self.top_p}"
-        if not 0 <= self.top_k < 1 << 31:
-            return f"top_k must be >= 0 (0: off), got {self.top_k}"
+        if not 0 <= self.top_k <= INT32_MAX:
+            return f"top_k must be in [0, {INT32_MAX}] (0: off), got {self.top_k}"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return f"seed must be in [0, 2**63), got {self.seed}"
         if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
