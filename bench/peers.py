@@ -64,6 +64,7 @@ QUESTIONS = ["Where should I go for a weekend in spring?", "How do I get there f
              "What should I pack?", "Any food I should try?", "Is it good for kids?"]
 NEW_TOKENS = 64
 API_KEY = "sk-peers"  # the proxy's key for this run, without a practical rate limit
+REPLICA_ENV = {"EDGECHAT_REPLICA_SECRET": API_KEY}  # a replica takes its secret as the bearer (replica.auth)
 
 
 def log(msg: str) -> None:
@@ -191,15 +192,15 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
                 env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}))
         elif name == "edgechat":
             out.append(Server(f"edgechat replica ({quantization})", [py, "-m", "replica", "--port", str(port), *ours],
-                              port, "default"))
+                              port, "default", env=REPLICA_ENV))
         elif name == "proxy":
             rport = free_port()
             replica = Server(f"edgechat replica ({quantization})", [py, "-m", "replica", "--port", str(rport), *ours],
-                             rport, "default")
+                             rport, "default", env=REPLICA_ENV)
             out.append(Server(f"edgechat proxy -> 1 replica ({quantization})", [
                 py, "-m", "edge_proxy", "--replica", f"ws://127.0.0.1:{rport}/v1/replica", "--port", str(port),
                 "--tokenizer", "default"], port, "default", after=[replica],
-                env={"EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9"}))
+                env={"EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9", **REPLICA_ENV}))
         else:
             raise SystemExit(f"unknown server {name!r}: choose from llama, vllm, edgechat, proxy")
     return out
