@@ -85,13 +85,14 @@ def host_overhead(device: str) -> None:
         print(f"| {batch} | {row[0]:.3f} | {row[1]:.3f} |")
 
 
-def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16), threads: int = 1) -> None:
-    """One row per (variant, batch); a variant is "dtype/quantization", e.g. bfloat16/gguf."""
+def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16), threads: int = 1,
+                prompt_lens: tuple[int, ...] = (128,)) -> None:
+    """One row per (variant, prompt length, batch); a variant is "dtype/quantization", e.g.
+    bfloat16/gguf. 48 decode steps after the prompt: the context grows by 48 while timed."""
     ckpt = load_checkpoint("default", dtype=torch.float32)
-    print(f"\n## Default model decode ({ckpt.config.name}, {device}, {threads} threads, "
-          "prompt 128 tokens)\n")
-    print("| dtype / quantization | batch | ms/step | ms/token | tokens/s |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"\n## Default model decode ({ckpt.config.name}, {device}, {threads} threads)\n")
+    print("| dtype / quantization | prompt tokens | batch | ms/step | ms/token | tokens/s |")
+    print("|---|---:|---:|---:|---:|---:|")
     for variant in variants:
         dtype, _, quant = variant.partition("/")
         cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=1024,
@@ -99,12 +100,13 @@ def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1,
         weights = ckpt.weights if cfg.quantization != "none" else \
             {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
         engine = LLMEngine(cfg, ckpt.config, weights)
-        for batch in batches:
-            decode_steps(engine, batch, prompt_len=128, steps=4, temperature=0.0)  # warm-up
-            t = decode_steps(engine, batch, prompt_len=128, steps=48, temperature=0.0)
-            step = statistics.median(t)
-            print(f"| {variant} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | {batch / step:.1f} |",
-                  flush=True)
+        for plen in prompt_lens:
+            for batch in batches:
+                decode_steps(engine, batch, prompt_len=plen, steps=4, temperature=0.0)  # warm-up
+                t = decode_steps(engine, batch, prompt_len=plen, steps=48, temperature=0.0)
+                step = statistics.median(t)
+                print(f"| {variant} | {plen} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | "
+                      f"{batch / step:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -116,6 +118,8 @@ def main() -> None:
                     help="dtype/quantization pairs to time, e.g. float32/none bfloat16/gguf (default: the "
                          "device's default dtype, unquantized)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128],
+                    help="prompt tokens before the timed decode steps (the context a served turn decodes at)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="the engine's threads on CPU (default: what the engine process uses, every core)")
     args = ap.parse_args()
@@ -127,7 +131,7 @@ def main() -> None:
         host_overhead(args.device)
     if not args.host:
         model_speed(args.device, args.variants or ["bfloat16" if args.device == "cuda" else "float32"],
-                    tuple(args.batches), args.threads)
+                    tuple(args.batches), args.threads, tuple(args.prompt_lens))
 
 
 if __name__ == "__main__":

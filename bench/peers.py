@@ -305,11 +305,14 @@ def llama_bench_ms(threads: int) -> float:
     return 1e3 / json.loads(out)[0]["avg_ts"]
 
 
-def engine_ms(variant: str) -> float:
+def engine_ms(variant: str, prompt_lens: tuple[int, ...] = (128, 320)) -> dict[int, float]:
+    """Batch-1 decode ms/token of edgechat's engine after each prompt length (320: about the
+    context the workload's later turns decode at)."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--model-only", "--batches", "1",
-                          "--variants", variant], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    row = next(line for line in out.splitlines() if line.startswith(f"| {variant} | 1 |"))
-    return float(row.split("|")[4])
+                          "--variants", variant, "--prompt-lens", *map(str, prompt_lens)],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = [line.split("|") for line in out.splitlines() if line.startswith(f"| {variant} |")]
+    return {int(r[2]): float(r[5]) for r in rows if int(r[3]) == 1}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -370,7 +373,8 @@ def main() -> None:
     if "llama" in args.servers:
         print(f"\nllama-bench decode, {args.threads} threads: {llama_bench_ms(args.threads):.2f} ms/token")
     variant = f"float32/{args.quantization}"
-    print(f"edgechat engine decode at batch 1 ({variant}, bench/engine.py): {engine_ms(variant):.2f} ms/token")
+    for plen, ms in engine_ms(variant).items():
+        print(f"edgechat engine decode at batch 1 ({variant}, bench/engine.py, {plen}-token prompt): {ms:.2f} ms/token")
 
 
 if __name__ == "__main__":
