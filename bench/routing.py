@@ -117,7 +117,8 @@ class Stack:
         for i in range(a.replicas):
             port = free_port()
             cmd = [PY, "-m", "replica", "--port", str(port), "--replica-id", f"r{i}", "--kv-memory-gb",
-                   str(a.kv_memory_gb), "--speculative", "off"]
+                   str(a.kv_memory_gb), "--speculative", "off", "--cpu-threads",
+                   str(a.cpu_threads or max(1, (os.cpu_count() or 1) // a.replicas))]
             if a.random_weights:
                 cmd.append("--random-weights")
             reps.append(spawn(cmd, logs / f"replica-r{i}.log", {"EDGECHAT_REPLICA_SECRET": SECRET}))
@@ -455,6 +456,9 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--random-weights", action="store_true", help="replicas on random weights (larger N)")
     p.add_argument("--kv-memory-gb", type=float, default=0.5)
+    p.add_argument("--cpu-threads", type=int, default=0,
+                   help="each replica's engine threads (default: this machine's cores split over --replicas; "
+                        "spinning pools of several replicas on the same cores slow every one of them)")
     p.add_argument("--workloads", default="multi-turn,shared-prefix")
     p.add_argument("--runs", default="", help="comma-separated runs (default: the table's, per workload)")
     p.add_argument("--conversations", type=int, default=12)

@@ -157,6 +157,11 @@ class Stack:
                 "--replica-id", rep.id]
         if rep.tp > 1:
             argv += ["--tp", str(rep.tp)]
+        if not rep.gpus and "--cpu-threads" not in t.replica_args:
+            # CPU replicas on this one machine split its cores: several spinning pools on the same cores
+            # slow every one of them (docs/perf.md, routing).
+            on_cpu = sum(not r.gpus for region in t.regions for r in region.replicas)
+            argv += ["--cpu-threads", str(max(1, (os.cpu_count() or 1) // max(1, on_cpu)))]
         return argv + list(t.replica_args)
 
     def _proxy_argv(self, region) -> list[str]:

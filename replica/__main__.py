@@ -39,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--graph-mode", default="auto", choices=["auto", "off", "buffers"],
                     help="CUDA graphs for decode steps (auto: on CUDA)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--cpu-threads", type=int, default=0,
+                    help="threads of the engine's math on CPU (default: every core). Replicas sharing a machine "
+                         "should split its cores: spinning pools of several processes on the same cores slow "
+                         "every one of them (docs/perf.md, routing)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
                     help="per-step token budget while streams decode, decodes + prefill chunks (default: 512 on "
                          "CUDA; 64 on CPU, where a prefill token costs ~0.5 ms: docs/perf.md, 16 streams)")
@@ -95,7 +99,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode,
                         speculative=args.speculative, spec_head=args.spec_head, spec_depth=args.spec_depth,
                         spec_top_k=args.spec_top_k, spec_budget=args.spec_budget, spec_max_batch=args.spec_max_batch,
-                        spec_policy=args.spec_policy, spec_sample=args.spec_sample)
+                        spec_policy=args.spec_policy, spec_sample=args.spec_sample, cpu_threads=args.cpu_threads)
 
 
 def default_quantization(model: str, device: str, tp: int, random_weights: bool) -> str:

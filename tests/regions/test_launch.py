@@ -98,6 +98,24 @@ def test_proxies_get_routing_and_peers(tmp_path):
     assert argv[argv.index("--peer") + 1].startswith(f"us=ws://{topo.host}:{topo.region('us').proxy_port}/")
 
 
+def test_cpu_replicas_on_one_machine_split_its_cores(tmp_path, monkeypatch):
+    """Each model replica without GPUs gets cores // (CPU replicas) engine threads, at least one;
+    a --cpu-threads the topology gives its replicas wins."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    base = free_block(12)
+    regions = '[regions.eu]\nreplicas = [{}, {}]\n[regions.us]\nreplicas = [{}]\n'
+    clients = '[clients.here]\nrtt_ms = { eu = 5, us = 80 }\n'
+    topo = parse(f"base_port = {base}\n{regions}{clients}", "three.toml")
+    stack = Stack(topo, log_dir=tmp_path, out=io.StringIO())
+    for region in topo.regions:
+        for rep in region.replicas:
+            argv = stack._replica_argv(rep, region.name)
+            assert argv[argv.index("--cpu-threads") + 1] == "2"  # 8 cores over 3 replicas
+    topo = parse(f'base_port = {base}\nreplica_args = ["--cpu-threads", "4"]\n{regions}{clients}', "own.toml")
+    argv = Stack(topo, log_dir=tmp_path, out=io.StringIO())._replica_argv(topo.regions[0].replicas[0], "eu")
+    assert argv.count("--cpu-threads") == 1 and argv[argv.index("--cpu-threads") + 1] == "4"
+
+
 @contextlib.contextmanager
 def _cli_up(tmp_path):
     """`python -m regions up` on a stub topology, read until ready: (process, its lines
