@@ -1,27 +1,13 @@
 """Free loopback ports for topologies under test."""
 
-import contextlib
-import socket
+from tests.replica.server import free_port_range
 
 
 def free_block(n: int) -> int:
-    """A base port with `n` consecutive ports free right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s, contextlib.suppress(OSError):
-                s.bind(("127.0.0.1", p))
-                continue
-            ok = False
-            break
-        if ok:
-            return base
-    raise RuntimeError(f"no block of {n} free ports")
+    """A base port with `n` consecutive ports free right now, below the kernel's ephemeral
+    range: a block taken from it (bind to port 0) lost races to the topology's own outgoing
+    connections (CI: "address already in use" on a relay port)."""
+    return free_port_range(n)
 
 
 def stub_topology(base: int, step_ms: float = 5.0) -> str:

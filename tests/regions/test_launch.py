@@ -137,6 +137,7 @@ def _cli_up(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        proc.stdout.close()  # a failed start must not leave its pipe to a later test's garbage collection
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

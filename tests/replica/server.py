@@ -27,8 +27,11 @@ def free_port_range(span: int) -> int:
     """A base port B with B..B+span-1 all free, below the kernel's ephemeral range
     (so no outgoing connection takes one of them while a topology starts)."""
     rng = random.Random()
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    top = min(32000, ephemeral_low) - span
     for _ in range(200):
-        base = rng.randrange(20000, 32000 - span)
+        base = rng.randrange(min(20000, top - 1000), top)
         try:
             with contextlib.ExitStack() as es:
                 for p in range(base, base + span):
