@@ -33,13 +33,8 @@ draining (503).
 `app.py`); Starlette's `WebSocket` does the handshake only.
 
 Frames: under uvicorn's sans-I/O websockets protocol (what `server.py` runs) the
-connection writes its frames itself, straight into the socket's transport: a
-server frame is a 2-10 byte header and the JSON payload, and the websockets state
-machine behind ASGI `send` (a Frame object, extension hooks, an output queue and
-a task switch per message) cost more than the rest of the proxy's per-token
-work. Pings, pongs and the close handshake stay with uvicorn; both sides write
-whole frames from the event loop's thread, so they never interleave inside one.
-Deltas that arrive in one event-loop turn are flushed together at its end, one
+connection writes its frames itself, straight into the socket's transport
+(`wire.ws_frames`: why, and why it is safe). Deltas that arrive in one event-loop turn are flushed together at its end, one
 write per client (`Flusher`), without waking any task; only a client whose
 transport is over its high-water mark gets the writer task, which waits for the
 transport to drain while new tokens merge into the pending entries. With any
@@ -50,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 from urllib.parse import urlsplit
 
 import msgspec
@@ -63,40 +57,13 @@ from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
 from edge_proxy.prompt import plan_prompt_ids
 from edge_proxy.structured import ToolSink, messages, structured
+from wire.ws_frames import direct_protocol, text_frame
 from wire.openai import Fim, OpenAIError
 
 log = logging.getLogger("edge_proxy.ws")
 
 SUBPROTOCOL = "edgechat.v1"
 KEY_SUBPROTOCOL_PREFIX = "bearer."
-
-
-try:  # the protocol uvicorn runs for ws="websockets-sansio" (server.uvicorn_config)
-    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
-except ImportError:  # pragma: no cover - another uvicorn: frames go through ASGI send
-    WebSocketsSansIOProtocol = None
-
-_U16, _U64 = struct.Struct("!BBH"), struct.Struct("!BBQ")
-
-
-def text_frame(payload: bytes) -> bytes:
-    """A final, unmasked server text frame (RFC 6455 5.2) carrying UTF-8 `payload`."""
-    n = len(payload)
-    if n < 126:
-        return bytes((0x81, n)) + payload
-    if n < 1 << 16:
-        return _U16.pack(0x81, 126, n) + payload
-    return _U64.pack(0x81, 127, n) + payload
-
-
-def direct_protocol(send):
-    """uvicorn's protocol object behind an ASGI `send`, when frames may be written to its transport."""
-    proto = getattr(send, "__self__", None)
-    if WebSocketsSansIOProtocol is None or not isinstance(proto, WebSocketsSansIOProtocol):
-        return None
-    if not all(hasattr(proto, a) for a in ("transport", "writable", "disconnected", "close_sent")):
-        return None  # pragma: no cover - a uvicorn whose protocol keeps its state elsewhere
-    return proto
 
 
 class Flusher:

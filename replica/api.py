@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Route
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from wire import protocol as P
@@ -38,6 +38,7 @@ from wire.metrics import ReplicaMetrics
 from wire.openai_stream import http_error
 from replica.tokenizer import Tokenizer
 from replica.validation import MAX_ID_CHARS
+from wire.ws_frames import binary_frame, can_write, direct_protocol
 
 log = logging.getLogger("replica.api")
 
@@ -55,8 +56,10 @@ class ReplicaConnection:
 
     _ids = itertools.count()
 
-    def __init__(self, ws: WebSocket, client: EngineClient):
+    def __init__(self, ws: WebSocket, client: EngineClient, send=None):
         self.ws, self.client = ws, client
+        # uvicorn's protocol behind the raw ASGI `send`: frames go straight to its transport
+        self._proto = direct_protocol(send) if send is not None else None
         self.prefix = f"c{next(self._ids)}/"
         self._seq = itertools.count()
         self.live: dict[str, str] = {}  # this connection's requests in flight: proxy id -> engine id
@@ -81,10 +84,27 @@ class ReplicaConnection:
         self.pending.append(msg)
 
     def _flush(self) -> None:
+        """End of the loop turn that queued messages: one frame for all of them, written
+        to the transport at once (`wire.ws_frames`), or, when it is over its high-water
+        mark, by one task that waits for it to drain (messages queue behind it in order)."""
         if self.closed or not self.pending:
             return
-        frame, self.pending = self.codec.encode(self.pending), []
-        self._sending = asyncio.ensure_future(self._send(frame))
+        proto = self._proto
+        if proto is None:
+            frame, self.pending = self.codec.encode(self.pending), []
+            self._sending = asyncio.ensure_future(self._send(frame))
+        elif self._sending is None or self._sending.done():
+            if can_write(proto):
+                frame, self.pending = self.codec.encode(self.pending), []
+                proto.transport.write(binary_frame(frame))
+            elif proto.disconnected or proto.close_sent or proto.transport.is_closing():
+                self.pending = []  # the proxy is gone; close() aborts its requests
+            else:
+                self._sending = asyncio.ensure_future(self._drain(proto))
+
+    async def _drain(self, proto) -> None:
+        await proto.writable.wait()
+        self._flush()
 
     async def _send(self, frame: bytes) -> None:
         with contextlib.suppress(WebSocketDisconnect, RuntimeError):
@@ -195,14 +215,15 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
     def client() -> EngineClient:
         return client_box["c"]
 
-    # -- proxy WebSocket -------------------------------------------------------------
-    async def replica_ws(ws: WebSocket):
+    # -- proxy WebSocket (called with the raw ASGI send, see ReplicaFront) -------------
+    async def replica_ws(scope, receive, send):
+        ws = WebSocket(scope, receive, send)
         await ws.accept()
         c = client()
         if not c.ready.is_set():  # no Hello without an engine: the proxy retries the connection
             await ws.close(code=ENGINE_RESTARTING, reason="engine process restarting")
             return
-        conn = ReplicaConnection(ws, c)
+        conn = ReplicaConnection(ws, c, send)
         # The served name (not the spec), and the fingerprint of the tokenizer the proxy must use.
         conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=fingerprint))
         conn.sink(P.KvEvents(stored=list(c.cached_blocks), cleared=True))
@@ -246,7 +267,6 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes = [
-        WebSocketRoute("/v1/replica", replica_ws),
         Route("/v1/chat/completions", oa.chat, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
         Route("/infill", oa.infill, methods=["POST"]),
@@ -257,4 +277,20 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         Route("/metrics", metrics_endpoint),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    return RequireSecret(app, secret, open_paths=("/healthz", "/health"))
+    return RequireSecret(ReplicaFront(app, replica_ws), secret, open_paths=("/healthz", "/health"))
+
+
+class ReplicaFront:
+    """Plain ASGI front: the proxy's WebSocket (the per-token hot path) goes straight to its
+    handler with uvicorn's own `send` (Starlette's exception wrapper would hide the protocol
+    behind it); HTTP, the lifespan and anything else go to Starlette."""
+
+    def __init__(self, app: Starlette, replica_ws):
+        self.app, self.replica_ws = app, replica_ws
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == "/v1/replica":
+            await self.replica_ws(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)

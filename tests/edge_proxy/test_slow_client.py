@@ -116,25 +116,6 @@ async def test_direct_frames_merge_while_the_transport_is_full():
     assert p.proxy.metrics.coalesced.get() >= 1
 
 
-@pytest.mark.parametrize("n", [0, 1, 125, 126, 65535, 65536, 70000])
-def test_text_frames_parse_as_rfc6455(n):
-    """Our server frames, read by websockets' own parser (as a client reads them)."""
-    from websockets.frames import Frame, Opcode
-    from websockets.streams import StreamReader
-
-    from edge_proxy.ws import text_frame
-
-    payload = ("é" * n).encode()[:n]
-    reader = StreamReader()
-    reader.feed_data(text_frame(payload))
-    parser = Frame.parse(reader.read_exact, mask=False)
-    try:
-        next(parser)
-    except StopIteration as done:
-        frame = done.value
-    assert frame.opcode == Opcode.TEXT and frame.fin and frame.data == payload
-
-
 async def test_error_frames_and_cancels_share_the_outbox_budget():
     """Item 6: a client that floods frames the proxy must answer (errors, cancels of
     unknown ids) while not reading is cut off like one that does not read its tokens."""
