@@ -7,9 +7,10 @@ Prefill is the queue's work, so the predicted time to first token is
 
     ttft ~= step_ms + (waiting_tokens + pending + prefill) / rate
 
-where `pending` is the prompt tokens this proxy sent since that report, `prefill`
-the new request's uncached prompt tokens and `rate` the replica's reported tokens
-per ms (or `default_tokens_per_s` before it reports any).
+where `pending` is the uncached prompt tokens (as the proxy's prefix index saw
+them) this proxy sent since that report, `prefill` the new request's uncached
+prompt tokens and `rate` the replica's measured prefill rate in tokens per ms
+(`Load.tokens_per_s`; `default_tokens_per_s` before it has measured one).
 
 A replica also runs at most `max_running` requests at once (its `max_num_seqs`,
 reported in `Load`). When that many are ahead of a new request, it waits for a
@@ -51,7 +52,7 @@ class LoadView:
     step_ms: float = 0.0
     tokens_per_s: float = 0.0
     waiting_tokens: int = 0
-    pending_tokens: int = 0  # prompt tokens this proxy sent since the last report
+    pending_tokens: int = 0  # uncached prompt tokens this proxy sent since the last report
     max_running: int = 0  # requests the replica runs at once; 0: unknown (no slot wait predicted)
     ahead: list[int] = field(default_factory=list)  # steps left of each request ahead, in the order they run
     unknown_ahead: int = 0  # further requests ahead (reported by the replica, not this proxy's)

@@ -296,7 +296,10 @@ class Proxy:
 
     def _candidates(self, s: Stream, conns) -> list[Candidate]:
         now = perf_counter()
-        return [Candidate(c.id, c.effective_load(), c.index.match(s.hashes, now)) for c in conns]
+        rates = {c.id: c.load.tokens_per_s for c in conns if c.load is not None and c.load.tokens_per_s > 0}
+        mean = sum(rates.values()) / len(rates) if rates else 0.0
+        return [Candidate(c.id, c.effective_load(), c.index.match(s.hashes, now), c.prefill_pending,
+                          len(c.prefilling), rates[c.id] / mean if c.id in rates else 1.0) for c in conns]
 
     def _place_new(self, s: Stream, deadline_ms: float, prefer: str | None = None) -> None:
         conns = self.pool.ready()
@@ -335,7 +338,8 @@ class Proxy:
     def _attach(self, s: Stream, conn, d: Decision, deadline_ms: float) -> None:
         s.conn = conn
         s.tried.add(conn.id)
-        s.rid = conn.start(s, s.next_generate(deadline_ms))
+        s.rid = conn.start(s, s.next_generate(deadline_ms),
+                           max(len(s.gen.prompt_ids) - d.cached_blocks * self.pool.block_size, 1))
         conn.index.expect(s.hashes, perf_counter())
         if s.session is not None:
             s.session.replica = conn.id

@@ -118,7 +118,9 @@ class ReplicaConn:
         self.load_event = asyncio.Event()  # set on every Load report (watchers clear it)
         self.own_inflight = 0  # this proxy's requests on it
         self.own_at_report = 0
-        self.pending_tokens = 0  # prompt tokens sent since the last Load
+        self.pending_tokens = 0  # uncached prompt tokens sent since the last Load
+        self.prefilling: dict[str, int] = {}  # this proxy's requests on it without a first token: id -> uncached tokens
+        self.prefill_pending = 0  # their sum: the prefill queued ahead of a new request, as far as this proxy knows
         self.last_rx = 0.0
         self.busy_since = 0.0  # when the first of the current streams was sent
         self.last_tokens_rx = 0.0
@@ -172,15 +174,19 @@ class ReplicaConn:
 
     # -- outgoing --------------------------------------------------------------
 
-    def start(self, stream, gen) -> str:
-        """Register `stream` under a fresh internal id and queue its Generate."""
+    def start(self, stream, gen, uncached: int | None = None) -> str:
+        """Register `stream` under a fresh internal id and queue its Generate; `uncached`:
+        the prompt tokens the replica is expected to prefill (default: all of them)."""
         self._seq += 1
         rid = gen.id = f"{self._prefix}{self._seq}"
         if not self.streams:
             self.busy_since = perf_counter()
         self.streams[rid] = stream
         self.own_inflight += 1
-        self.pending_tokens += len(gen.prompt_ids)
+        u = len(gen.prompt_ids) if uncached is None else uncached
+        self.pending_tokens += u
+        self.prefilling[rid] = u
+        self.prefill_pending += u
         self._send(gen)
         return rid
 
@@ -188,6 +194,7 @@ class ReplicaConn:
         """Forget a request (finished, cancelled or moved); tell the replica to stop when `abort`."""
         if self.streams.pop(rid, None) is not None:
             self.own_inflight -= 1
+            self._prefilled(rid)
             if abort and self.connected:
                 self._send(Abort(rid))
 
@@ -230,6 +237,8 @@ class ReplicaConn:
             t = type(m)
             if t is Tokens:
                 self.last_tokens_rx = now
+                if self.prefilling:
+                    self._prefilled(m.id)
                 s = streams.get(m.id)
                 if s is not None:
                     s.on_tokens(m, now)
@@ -252,6 +261,12 @@ class ReplicaConn:
                     log.warning("replica %s: %s: %s", self.id, m.code, m.message)
             else:
                 log.warning("replica %s sent unexpected %s", self.id, t.__name__)
+
+    def _prefilled(self, rid: str) -> None:
+        """`rid`'s prompt is no longer queued prefill here (its first token came, or it ended)."""
+        u = self.prefilling.pop(rid, None)
+        if u is not None:
+            self.prefill_pending -= u
 
     def _on_first_frame(self, data: bytes, now: float) -> None:
         """Until Hello: the first frame must start with it (the rest of it is ordinary traffic)."""
@@ -290,6 +305,8 @@ class ReplicaConn:
         self.streams.clear()
         self.own_inflight = 0
         self.pending_tokens = 0
+        self.prefilling.clear()
+        self.prefill_pending = 0
         self._out.clear()
         if was_ready:
             self.pool.on_state_change()

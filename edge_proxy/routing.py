@@ -4,7 +4,7 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
 
 1. Safety valve (in the spirit of SGLang's router): when the loads are far apart
    (`max - min > balance_abs_threshold` and `max > balance_rel_threshold * min`),
-   the least loaded replica, whatever it holds.
+   the least loaded replica, whatever it holds (loads as `weighed_load` counts them).
 2. Bounded-load prefix placement. `prefill(r)` is the prompt length minus the
    leading blocks replica r is believed to hold (`prefix_index`). The replicas that
    could prefill the prompt nearly as cheaply as the cheapest one (within
@@ -19,12 +19,18 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    A conversation's later turn has one cheap replica, the one holding its
    history, and stays there; a new conversation, or a prompt that only shares a
    system prompt held everywhere, has several and goes to the least loaded.
-3. Spill, when every such replica is at its bound. Several of them (a prefix many
-   prompts share, e.g. a system prompt): one more copy, on the replica under its
-   bound that prefills least. Only one (a conversation's history): the replica
-   minimising `prefill + load_cost_tokens * load` (an outstanding request weighs
-   like that many prefill tokens), so the history moves only when the queue costs
-   more than prefilling it again.
+3. Spill, when every such replica is at its bound: the replica with the least
+   `cost = (prefill + queued prefill + load_cost_tokens * decoding) / speed`, where
+   `queued prefill` is the uncached prompt tokens of this proxy's requests there
+   that have no first token yet (a new request waits for them), `decoding` the rest
+   of its load (each outstanding request weighs like `load_cost_tokens` prefill
+   tokens) and `speed` its measured prefill rate against the others' (replicas
+   report it; 1 when unknown). A replica holding the prefix keeps the request while
+   its cost is within the near margin of the cheapest: a conversation's history
+   moves only when its queue costs more than prefilling it again, and a prompt
+   being prefilled right now gets no second cold copy while queueing behind the
+   first costs no more than making one (a cold start's burst of users of one long
+   system prompt fills one replica while it computes the prompt, then spreads).
 
 `load` is the effective number of outstanding requests (running + waiting) as
 the proxy best knows it; see `effective_load`.
@@ -61,7 +67,7 @@ class RouterConfig:
     near_tokens: int = 32  # "nearly as cheaply": within this many prefill tokens of the cheapest replica ...
     near_frac: float = 0.125  # ... or this fraction of the prompt, whichever is more
     load_cost_tokens: float = 256.0  # spill: one outstanding request weighs like this many prefill tokens
-    balance_abs_threshold: float = 4.0
+    balance_abs_threshold: float = 8.0  # 4 made a third cold copy of a shared prompt mid-burst (bench/routing.py)
     balance_rel_threshold: float = 1.5
     session_load_factor: float = 1.25  # mode "sticky": c in its rendezvous bound
     session_slack: int = 4  # mode "sticky": requests of headroom before a session moves
@@ -83,6 +89,9 @@ class Candidate:
     id: str
     load: float  # effective outstanding requests
     cached_blocks: int = 0  # leading blocks of this prompt the replica is believed to hold
+    queued_prefill: int = 0  # uncached prompt tokens of this proxy's requests there still without a first token
+    queued_requests: int = 0  # how many requests those are (part of `load`)
+    speed: float = 1.0  # its measured prefill rate over the candidates' mean (1: unknown)
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,9 +139,16 @@ def pick_sticky(key: str, current: str | None, cands: list[Candidate], cfg: Rout
     return min(cands, key=lambda c: c.load)  # unreachable for c >= 1; kept as a total function
 
 
+def weighed_load(c: Candidate, cfg: RouterConfig) -> float:
+    """The safety valve's load: requests past their first token count one each; those
+    still waiting to prefill count their uncached tokens in units of `load_cost_tokens`
+    (ten users queued behind one prefill of a shared prompt are not ten requests of work)."""
+    return c.load - c.queued_requests + c.queued_prefill / cfg.load_cost_tokens
+
+
 def is_imbalanced(cands: list[Candidate], cfg: RouterConfig) -> bool:
-    lo = min(c.load for c in cands)
-    hi = max(c.load for c in cands)
+    loads = [weighed_load(c, cfg) for c in cands]
+    lo, hi = min(loads), max(loads)
     return hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo
 
 
@@ -142,7 +158,7 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
     replica (kept while under the bound), `key`: the rendezvous tie-break."""
     assert cands, "pick_prefix needs at least one candidate"
     if len(cands) > 1 and is_imbalanced(cands, cfg):
-        c = min(cands, key=lambda c: (c.load, -c.cached_blocks, -hrw_score(key, c.id)))
+        c = min(cands, key=lambda c: (weighed_load(c, cfg), -c.cached_blocks, -hrw_score(key, c.id)))
         return Decision(c.id, LOAD, c.cached_blocks)
     prefill = {c.id: max(prompt_tokens - c.cached_blocks * block_size, 0) for c in cands}
     cheapest = min(prefill.values())
@@ -156,13 +172,23 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
         c = min(ok, key=lambda c: (c.id != prefer, c.load, prefill[c.id], -hrw_score(key, c.id)))
         reason = STICKY if c.id == prefer else PREFIX if c.cached_blocks else LOAD
         return Decision(c.id, reason, c.cached_blocks)
-    if len(close) > 1:  # a prefix several replicas hold (a shared system prompt), all of them full: one more copy
-        under = [c for c in cands if c.load + 1 <= bound]
-        c = min(under, key=lambda c: (prefill[c.id], c.load, -hrw_score(key, c.id)))
-        return Decision(c.id, SPILL, c.cached_blocks)
-    c = min(cands, key=lambda c: (prefill[c.id] + cfg.load_cost_tokens * c.load, c.load, -hrw_score(key, c.id)))
-    reason = SPILL if prefill[c.id] > near else STICKY if c.id == prefer else PREFIX if c.cached_blocks else LOAD
-    return Decision(c.id, reason, c.cached_blocks)
+
+    def cost(c: Candidate) -> float:
+        decoding = max(c.load - c.queued_requests, 0.0)
+        return (prefill[c.id] + c.queued_prefill + cfg.load_cost_tokens * decoding) / c.speed
+
+    def order(c: Candidate):
+        return cost(c), c.load, -hrw_score(key, c.id)
+
+    # Several holders, all full (a shared system prompt): one more copy, on a replica under its bound ...
+    others = [c for c in cands if c.load + 1 <= bound] if len(close) > 1 else cands
+    best = min(others or cands, key=order)
+    holder = min(close, key=order)
+    if cost(holder) <= cost(best) + (near - cheapest) / best.speed:  # ... unless waiting at a holder costs no more
+        best = holder
+    reason = (SPILL if prefill[best.id] > near else STICKY if best.id == prefer else PREFIX if best.cached_blocks
+              else LOAD)
+    return Decision(best.id, reason, best.cached_blocks)
 
 
 class Router:

@@ -26,6 +26,11 @@ from replica.sequence import Sequence, Status
 from replica.tp import TensorParallel
 from replica.validation import check_for_model, check_generate
 
+# Steps computing at least this many prompt tokens time the prefill rate reported in Load
+# (`tokens_per_s`; the proxy prices queued prefill and spills with it). Smaller chunks
+# are dominated by the step's fixed cost and would understate it.
+PREFILL_RATE_MIN_TOKENS = 32
+
 
 @dataclass
 class _Launched:
@@ -41,6 +46,7 @@ class _Launched:
     logprobs: sampling.StepLogprobs | None = None
     prompt_rows: list = ()  # prefill chunks' prompt logprobs: (seq, position, offset) into prompt_logits
     prompt_logits: torch.Tensor | None = None
+    prefill_tokens: int = 0  # prompt tokens this step computes (beyond one per decode row)
 
 
 @dataclass
@@ -112,6 +118,7 @@ class LLMEngine:
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
         self.step_ms = 0.0  # exponential moving average
+        self.prefill_tokens_per_s = 0.0  # measured on steps with PREFILL_RATE_MIN_TOKENS or more (moving average)
         self.stats = EngineStats()
 
     # -- requests ---------------------------------------------------------------------
@@ -265,7 +272,7 @@ class LLMEngine:
         self.stats.decode_rows += batch.num_decodes
         self.stats.decode_tokens += batch.num_decodes
         return _Launched(batch.seqs, sampled, out.tokens, host, event, out.logits, t0, out.logprobs, prompt_rows,
-                         out.prompt_logits)
+                         out.prompt_logits, sum(batch.num_tokens) - batch.num_decodes)
 
     def _resolve(self, step: _Launched) -> list:
         """Read a launched step's tokens back, replace its placeholders, check stops."""
@@ -294,13 +301,17 @@ class LLMEngine:
                 self.blocks.commit(seq)
         for seq, _ in step.sampled:  # their prompts are cached: their samples may start
             self._release_forks(seq)
-        self._count_step(step.t0)
+        self._count_step(step.t0, step.prefill_tokens)
         return out
 
-    def _count_step(self, t0: float) -> None:
+    def _count_step(self, t0: float, prefill_tokens: int = 0) -> None:
         self.stats.steps += 1
         dt = (time.perf_counter() - t0) * 1e3
         self.step_ms = dt if self.stats.steps == 1 else 0.9 * self.step_ms + 0.1 * dt
+        if prefill_tokens >= PREFILL_RATE_MIN_TOKENS:  # a step that was mostly prefill: its rate is the prefill rate
+            rate = prefill_tokens / dt * 1e3
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
+                0.8 * self.prefill_tokens_per_s + 0.2 * rate)
 
     def _step_speculative(self, batch) -> list:
         """Draft, verify and append: rows [0, batch.num_spec) may emit several tokens."""
@@ -396,7 +407,8 @@ class LLMEngine:
         s = self.scheduler
         return P.Load(running=len(s.running), waiting=s.num_waiting, free_blocks=self.blocks.num_free,
                       total_blocks=self.blocks.num_blocks, step_ms=round(self.step_ms, 3),
-                      waiting_tokens=s.waiting_tokens(), max_running=self.cfg.max_num_seqs)
+                      waiting_tokens=s.waiting_tokens(), tokens_per_s=round(self.prefill_tokens_per_s, 1),
+                      max_running=self.cfg.max_num_seqs)
 
     def kv_events(self) -> P.KvEvents | None:
         stored, removed = self.blocks.drain_events()

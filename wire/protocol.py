@@ -227,7 +227,7 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     total_blocks: int
     step_ms: float = 0.0  # recent mean engine step time
     waiting_tokens: int = 0  # prompt tokens still to prefill
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # measured prefill rate (prompt tokens a second); 0: not measured yet
     max_running: int = 0  # requests run at once (max_num_seqs); 0: not reported
 
 

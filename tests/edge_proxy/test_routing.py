@@ -239,8 +239,8 @@ def test_a_conversation_leaves_its_replica_only_when_the_queue_costs_more():
     assert (d.replica, d.reason) == ("a", PREFIX)  # ... less than prefilling 960 tokens on c
     d = later_turn(100, dict(a=2.0, b=1.0, c=0.0))
     assert (d.replica, d.reason) == ("c", SPILL)  # ... more than prefilling 100 tokens on c
-    d = later_turn(960, dict(a=6.0, b=1.0, c=1.0))
-    assert d.replica != "a" and d.reason == LOAD  # far above the others (> 4 and > 1.5 x): the valve
+    d = later_turn(960, dict(a=10.0, b=1.0, c=1.0))
+    assert d.replica != "a" and d.reason == LOAD  # far above the others (> 8 and > 1.5 x): the valve
 
 
 def test_a_session_keeps_its_replica_within_the_bound():
@@ -252,3 +252,45 @@ def test_a_session_keeps_its_replica_within_the_bound():
     reps.load.update(a=6.0, b=0.0, c=0.0)
     d, _ = reps.route(prompt, session_key="s1", session_current="a")
     assert d.replica != "a"  # far above the others: moved
+
+
+def test_a_cold_burst_of_one_long_prompt_makes_one_copy_at_a_time():
+    """Eight users of one 800-token system prompt arrive at once, nothing cached. The
+    first goes to a; the rest find a's copy in flight (the proxy indexes what it sent).
+    A replica computing the prompt right now keeps new users while waiting behind it
+    costs no more than a second cold copy; then one more copy, never three at once
+    (on shared cores three cold prefills at once slow every one of them)."""
+    bs, prompt, tail = 16, 816, 16
+    blocks = (prompt - tail) // bs
+    cands = {r: Candidate(r, 0.0) for r in ("a", "b", "c")}
+    placed = []
+    for _ in range(8):
+        d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
+        c = cands[d.replica]
+        uncached = prompt - c.cached_blocks * bs
+        c.load += 1
+        c.queued_prefill += uncached
+        c.queued_requests += 1
+        c.cached_blocks = blocks  # what it was sent is in the index before any KV event
+        placed.append(d.replica)
+    counts = Counter(placed)
+    assert placed[0] == placed[1]  # the second user queues behind the first's prefill
+    assert len(counts) == 2 and max(counts.values()) >= 5  # one holder, then one more copy
+    # Once the prompt is computed (first tokens: no queued prefill), the next user goes
+    # to the copy with room; a third copy only when both are full of decoding requests.
+    for c in cands.values():
+        c.queued_prefill = c.queued_requests = 0
+    holder, other = counts.most_common()[0][0], counts.most_common()[1][0]
+    d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
+    assert (d.replica, d.reason) == (other, PREFIX)
+    cands[other].load = cands[holder].load
+    d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
+    assert d.replica not in counts and d.reason == SPILL
+
+
+def test_a_faster_replica_is_priced_by_its_measured_rate():
+    # Only a holds the history; a is full. b prefills three times as fast as c (reported rates).
+    history = 600
+    cands = [Candidate("a", 3.0, history // 16), Candidate("b", 1.0, 0, speed=1.5), Candidate("c", 1.0, 0, speed=0.5)]
+    d = pick_prefix(history + 8, 16, cands, CFG, key="k")
+    assert (d.replica, d.reason) == ("b", SPILL)

@@ -186,3 +186,24 @@ async def test_metrics_and_spans():
     # The replica got the proxy span's context, so its spans nest under the proxy's.
     g = next(g for r in reps for g in r.generates if g.traceparent.startswith("00-4bf92f35"))
     assert g.traceparent.split("-")[2] == f"{s.context.span_id:016x}"
+
+
+async def test_queued_prefill_is_counted_until_the_first_token():
+    """What routing prices as a replica's queued prefill: the uncached prompt tokens of
+    this proxy's requests there, from the send until each one's first token."""
+    async with stubs("a", max_running=1) as reps, proxy_for(reps) as p:
+        conn = p.conn("a")
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            first = await c.generate(messages=turn(0), max_tokens=60)
+            await anext(aiter(first))  # producing tokens: no longer queued
+            assert conn.prefilling == {} and conn.prefill_pending == 0
+            second = await c.generate(messages=turn(1), max_tokens=2)  # waits for the stub's one slot
+            async with asyncio.timeout(5):
+                while not conn.prefilling:  # the proxy admits and sends it (no event to await)
+                    await asyncio.sleep(0.002)
+            (queued,) = conn.prefilling.values()
+            assert conn.prefill_pending == queued > 0
+            await anext(aiter(second))
+            assert conn.prefilling == {} and conn.prefill_pending == 0
+            await first.cancel()
+            await second.result()

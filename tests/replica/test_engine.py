@@ -2,6 +2,7 @@
 reference forward, prefix reuse, preemption, abort, seeded sampling."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -230,3 +231,21 @@ def test_token_budget_beside_decodes_and_alone():
     assert engine.add(P.Generate(id="late", prompt_ids=prompts([30], seed=6)["s0"], sampling=greedy(4))) is None
     batch = sched.schedule()  # 6 decodes: max(8, 6 + 8 // 2) = 10 tokens, the late prompt gets 4
     assert batch.num_decodes == 6 and batch.num_tokens[6:] == [4]
+
+
+def test_load_reports_the_measured_prefill_rate():
+    """Load.tokens_per_s: prompt tokens per second on steps that prefill at least
+    PREFILL_RATE_MIN_TOKENS (the proxy prices queued prefill and spills with it)."""
+    from replica.engine import PREFILL_RATE_MIN_TOKENS
+
+    engine, _, _ = make_engine(max_num_batched_tokens=64)
+    assert engine.load().tokens_per_s == 0.0  # nothing measured yet: not reported
+    engine.add(P.Generate(id="d", prompt_ids=prompts([8])["s0"], sampling=greedy(4)))
+    run(engine)
+    assert engine.load().tokens_per_s == 0.0  # a short prompt's step is mostly fixed cost: not a rate
+    engine.add(P.Generate(id="p", prompt_ids=prompts([4 * PREFILL_RATE_MIN_TOKENS])["s0"], sampling=greedy(2)))
+    t0 = time.perf_counter()
+    run(engine)
+    elapsed = time.perf_counter() - t0
+    rate = engine.load().tokens_per_s
+    assert rate >= 2 * PREFILL_RATE_MIN_TOKENS / elapsed  # two 64-token steps, each at most the whole run
