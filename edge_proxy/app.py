@@ -37,6 +37,7 @@ from edge_proxy.openai_api import OpenAIRoutes
 from edge_proxy.prompt import load_tokenizer
 from edge_proxy.ws import StreamEndpoint
 from wire.openai_stream import http_error
+from wire.ws_frames import WebSocketFront
 
 
 STATIC = Path(__file__).with_name("static")
@@ -74,20 +75,14 @@ def build_proxy(cfg: ProxyConfig, tokenizer=None, keys: KeyStore | None = None, 
     return Proxy(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer), keys, tracer=tracer)
 
 
-class EdgeApp:
-    """Plain ASGI front: the public WebSocket (the per-token hot path) goes straight to
-    its endpoint; HTTP, the lifespan and anything else go to Starlette. `guard` is the
-    connection guard the server's protocols report to (`server.uvicorn_config`)."""
+class EdgeApp(WebSocketFront):
+    """The public WebSocket `/v1/stream` (the per-token hot path) straight to its endpoint,
+    the rest to Starlette. `guard` is the connection guard the server's protocols report
+    to (`server.uvicorn_config`)."""
 
     def __init__(self, app: Starlette, stream: StreamEndpoint, guard: ConnectionGuard):
-        self.app, self.stream, self.guard = app, stream, guard
-        self.state = app.state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "websocket" and scope["path"] == "/v1/stream":
-            await self.stream(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+        super().__init__(app, "/v1/stream", stream)
+        self.guard = guard
 
 
 def create_app(proxy: Proxy) -> EdgeApp:

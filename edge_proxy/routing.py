@@ -140,10 +140,11 @@ def pick_sticky(key: str, current: str | None, cands: list[Candidate], cfg: Rout
 
 
 def weighed_load(c: Candidate, cfg: RouterConfig) -> float:
-    """The safety valve's load: requests past their first token count one each; those
-    still waiting to prefill count their uncached tokens in units of `load_cost_tokens`
-    (ten users queued behind one prefill of a shared prompt are not ten requests of work)."""
-    return c.load - c.queued_requests + c.queued_prefill / cfg.load_cost_tokens
+    """A replica's load as the valve and the spill price see it: requests past their first
+    token count one each; those still waiting to prefill count their uncached tokens in
+    units of `load_cost_tokens` (ten users queued behind one prefill of a shared prompt
+    are not ten requests of work)."""
+    return max(c.load - c.queued_requests, 0.0) + c.queued_prefill / cfg.load_cost_tokens
 
 
 def is_imbalanced(cands: list[Candidate], cfg: RouterConfig) -> bool:
@@ -174,8 +175,7 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
         return Decision(c.id, reason, c.cached_blocks)
 
     def cost(c: Candidate) -> float:
-        decoding = max(c.load - c.queued_requests, 0.0)
-        return (prefill[c.id] + c.queued_prefill + cfg.load_cost_tokens * decoding) / c.speed
+        return (prefill[c.id] + cfg.load_cost_tokens * weighed_load(c, cfg)) / c.speed
 
     def order(c: Candidate):
         return cost(c), c.load, -hrw_score(key, c.id)

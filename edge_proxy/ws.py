@@ -34,8 +34,9 @@ draining (503).
 
 Frames: under uvicorn's sans-I/O websockets protocol (what `server.py` runs) the
 connection writes its frames itself, straight into the socket's transport
-(`wire.ws_frames`: why, and why it is safe). Deltas that arrive in one event-loop turn are flushed together at its end, one
-write per client (`Flusher`), without waking any task; only a client whose
+(`wire.ws_frames`: why, and why it is safe). Deltas that arrive in one event-loop
+turn are flushed together at its end, one write per client (`Flusher`), without
+waking any task; only a client whose
 transport is over its high-water mark gets the writer task, which waits for the
 transport to drain while new tokens merge into the pending entries. With any
 other ASGI server the writer task sends through ASGI `send`.
@@ -57,7 +58,7 @@ from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
 from edge_proxy.prompt import plan_prompt_ids
 from edge_proxy.structured import ToolSink, messages, structured
-from wire.ws_frames import direct_protocol, text_frame
+from wire.ws_frames import direct_protocol, gone, text_frame
 from wire.openai import Fim, OpenAIError
 
 log = logging.getLogger("edge_proxy.ws")
@@ -288,7 +289,7 @@ class ClientConnection:
     def _flush_direct(self) -> None:
         """End of a loop turn: write what is pending, unless the transport is full (then the writer waits)."""
         proto = self._proto
-        if self._closing or proto.disconnected or proto.close_sent or proto.transport.is_closing():
+        if self._closing or gone(proto):
             return
         if not proto.writable.is_set():
             self._wake()

@@ -38,7 +38,7 @@ from wire.metrics import ReplicaMetrics
 from wire.openai_stream import http_error
 from replica.tokenizer import Tokenizer
 from replica.validation import MAX_ID_CHARS
-from wire.ws_frames import binary_frame, can_write, direct_protocol
+from wire.ws_frames import WebSocketFront, binary_frame, direct_protocol, gone
 
 log = logging.getLogger("replica.api")
 
@@ -56,10 +56,10 @@ class ReplicaConnection:
 
     _ids = itertools.count()
 
-    def __init__(self, ws: WebSocket, client: EngineClient, send=None):
+    def __init__(self, ws: WebSocket, client: EngineClient, send):
         self.ws, self.client = ws, client
         # uvicorn's protocol behind the raw ASGI `send`: frames go straight to its transport
-        self._proto = direct_protocol(send) if send is not None else None
+        self._proto = direct_protocol(send)
         self.prefix = f"c{next(self._ids)}/"
         self._seq = itertools.count()
         self.live: dict[str, str] = {}  # this connection's requests in flight: proxy id -> engine id
@@ -94,11 +94,11 @@ class ReplicaConnection:
             frame, self.pending = self.codec.encode(self.pending), []
             self._sending = asyncio.ensure_future(self._send(frame))
         elif self._sending is None or self._sending.done():
-            if can_write(proto):
+            if gone(proto):
+                self.pending = []  # the proxy is gone; close() aborts its requests
+            elif proto.writable.is_set():
                 frame, self.pending = self.codec.encode(self.pending), []
                 proto.transport.write(binary_frame(frame))
-            elif proto.disconnected or proto.close_sent or proto.transport.is_closing():
-                self.pending = []  # the proxy is gone; close() aborts its requests
             else:
                 self._sending = asyncio.ensure_future(self._drain(proto))
 
@@ -215,7 +215,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
     def client() -> EngineClient:
         return client_box["c"]
 
-    # -- proxy WebSocket (called with the raw ASGI send, see ReplicaFront) -------------
+    # -- proxy WebSocket (called with the raw ASGI send: wire.ws_frames.WebSocketFront) --
     async def replica_ws(scope, receive, send):
         ws = WebSocket(scope, receive, send)
         await ws.accept()
@@ -277,20 +277,4 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         Route("/metrics", metrics_endpoint),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    return RequireSecret(ReplicaFront(app, replica_ws), secret, open_paths=("/healthz", "/health"))
-
-
-class ReplicaFront:
-    """Plain ASGI front: the proxy's WebSocket (the per-token hot path) goes straight to its
-    handler with uvicorn's own `send` (Starlette's exception wrapper would hide the protocol
-    behind it); HTTP, the lifespan and anything else go to Starlette."""
-
-    def __init__(self, app: Starlette, replica_ws):
-        self.app, self.replica_ws = app, replica_ws
-        self.state = app.state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "websocket" and scope["path"] == "/v1/replica":
-            await self.replica_ws(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+    return RequireSecret(WebSocketFront(app, "/v1/replica", replica_ws), secret, open_paths=("/healthz", "/health"))

@@ -53,6 +53,23 @@ def direct_protocol(send):
     return proto
 
 
-def can_write(proto) -> bool:
-    """May a frame go to `proto`'s transport now (open, not closing, under its high-water mark)?"""
-    return not (proto.disconnected or proto.close_sent or proto.transport.is_closing()) and proto.writable.is_set()
+def gone(proto) -> bool:
+    """Is `proto`'s connection closed or closing (nothing more may be written to it)?"""
+    return proto.disconnected or proto.close_sent or proto.transport.is_closing()
+
+
+class WebSocketFront:
+    """Plain ASGI front: the per-token WebSocket at `path` goes straight to `handler` with
+    uvicorn's own `send` (Starlette's exception wrapper would hide the protocol behind it,
+    and `direct_protocol` would find nothing); HTTP, the lifespan and anything else go to
+    the Starlette `app`."""
+
+    def __init__(self, app, path: str, handler):
+        self.app, self.path, self.handler = app, path, handler
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == self.path:
+            await self.handler(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
