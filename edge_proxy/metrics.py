@@ -44,6 +44,9 @@ class ProxyMetrics(Registry):
                                  LATENCY_BUCKETS))
         self.inflight = add(Gauge(p + "inflight", "Requests in flight."))
         self.replicas_ready = add(Gauge(p + "replicas_ready", "Replicas connected and healthy."))
+        self.compute_groups = add(Gauge(p + "compute_groups",
+                                        "Compute groups among the ready replicas: replicas sharing a GPU or one "
+                                        "machine's cores are one (the routing valve weighs groups)."))
         self.dns_refreshes = add(Counter(p + "dns_refreshes_total",
                                          "Replica discovery refreshes (--replicas-dns) by outcome: ok, outage.",
                                          ("outcome",)))

@@ -45,7 +45,7 @@ import msgspec
 from edge_proxy.admission import LoadView
 from edge_proxy.prefix_index import BlockIndex
 from edge_proxy.replica_link import LinkClosed, LinkRefused, ReplicaLink
-from edge_proxy.routing import effective_load
+from edge_proxy.routing import compute_groups, effective_load
 from wire.protocol import BAD_REQUEST, Abort, Codec, Error, Finished, Generate, Hello, KvEvents, Load, Tokens
 
 log = logging.getLogger("edge_proxy.pool")
@@ -107,6 +107,7 @@ class ReplicaConn:
         self.cfg = pool.cfg
         self.id = url  # replaced by Hello.replica_id
         self.hello: Hello | None = None
+        self.group = ""  # its compute group among the connected replicas (`routing.compute_groups`)
         self.link: ReplicaLink | None = None
         self.connected = False
         self.healthy = True  # /healthz verdict
@@ -451,6 +452,10 @@ class ReplicaPool:
         return True
 
     def on_state_change(self) -> None:
+        live = [c for c in self.conns if c.connected and c.hello is not None]
+        groups = compute_groups({c.id: c.hello.compute for c in live})
+        for c in live:
+            c.group = groups[c.id]
         for fn in self.state_listeners:
             fn()
         asyncio.get_running_loop().create_task(self._notify())

@@ -2,9 +2,15 @@
 
 The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
 
-1. Safety valve (in the spirit of SGLang's router): when the loads are far apart
-   (`max - min > balance_abs_threshold` and `max > balance_rel_threshold * min`),
-   the least loaded replica, whatever it holds (loads as `weighed_load` counts them).
+1. Safety valve (in the spirit of SGLang's router): when the loads of the compute
+   groups are far apart (`max - min > balance_abs_threshold` and
+   `max > balance_rel_threshold * min`), the least loaded replica of the least
+   loaded group, whatever it holds (loads as `weighed_load` counts them, summed
+   over a group). A group is the replicas that share compute (the same GPU, cores
+   of one machine: `Hello.compute`, `compute_groups`); a replica computing alone
+   is its own. Moving work to another replica of the same group frees no compute
+   and costs a cold prefill, so a pool that is one group (several replicas on one
+   machine's cores) has no valve: the bounded-load and spill rules below spread it.
 2. Bounded-load prefix placement. `prefill(r)` is the prompt length minus the
    leading blocks replica r is believed to hold (`prefix_index`). The replicas that
    could prefill the prompt nearly as cheaply as the cheapest one (within
@@ -67,7 +73,7 @@ class RouterConfig:
     near_tokens: int = 32  # "nearly as cheaply": within this many prefill tokens of the cheapest replica ...
     near_frac: float = 0.125  # ... or this fraction of the prompt, whichever is more
     load_cost_tokens: float = 256.0  # spill: one outstanding request weighs like this many prefill tokens
-    balance_abs_threshold: float = 8.0  # 4 made a third cold copy of a shared prompt mid-burst (bench/routing.py)
+    balance_abs_threshold: float = 4.0  # between compute groups (a pool on shared cores has one: no valve)
     balance_rel_threshold: float = 1.5
     session_load_factor: float = 1.25  # mode "sticky": c in its rendezvous bound
     session_slack: int = 4  # mode "sticky": requests of headroom before a session moves
@@ -92,6 +98,7 @@ class Candidate:
     queued_prefill: int = 0  # uncached prompt tokens of this proxy's requests there still without a first token
     queued_requests: int = 0  # how many requests those are (part of `load`)
     speed: float = 1.0  # its measured prefill rate over the candidates' mean (1: unknown)
+    group: str = ""  # its compute group (`compute_groups`); "": computes alone
 
 
 @dataclass(slots=True, frozen=True)
@@ -147,10 +154,41 @@ def weighed_load(c: Candidate, cfg: RouterConfig) -> float:
     return max(c.load - c.queued_requests, 0.0) + c.queued_prefill / cfg.load_cost_tokens
 
 
-def is_imbalanced(cands: list[Candidate], cfg: RouterConfig) -> bool:
-    loads = [weighed_load(c, cfg) for c in cands]
-    lo, hi = min(loads), max(loads)
-    return hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo
+def compute_groups(units: dict[str, list[str]]) -> dict[str, str]:
+    """Replica id -> its compute group's name (the first member's id, in `units`' order):
+    replicas whose compute units meet, directly or through others, are one group. A
+    replica that names no units is its own."""
+    parent = {rid: rid for rid in units}
+    order = {rid: i for i, rid in enumerate(units)}
+
+    def find(r: str) -> str:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    owner: dict[str, str] = {}  # unit -> the first replica naming it
+    for rid, us in units.items():
+        for u in us:
+            a, b = sorted((find(owner.setdefault(u, rid)), find(rid)), key=order.__getitem__)
+            parent[b] = a
+    return {rid: find(rid) for rid in units}
+
+
+def valve_pick(cands: list[Candidate], cfg: RouterConfig, key: str) -> Candidate | None:
+    """Rule 1: when the compute groups' loads are far apart, the least loaded replica
+    of the least loaded group; None when they are not (or there is one group)."""
+    loads: dict[str, float] = {}
+    for c in cands:
+        g = c.group or c.id
+        loads[g] = loads.get(g, 0.0) + weighed_load(c, cfg)
+    if len(loads) < 2:
+        return None
+    lo, hi = min(loads.values()), max(loads.values())
+    if not (hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo):
+        return None
+    idle = [c for c in cands if loads[c.group or c.id] == lo]
+    return min(idle, key=lambda c: (weighed_load(c, cfg), -c.cached_blocks, -hrw_score(key, c.id)))
 
 
 def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg: RouterConfig, key: str = "",
@@ -158,8 +196,8 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
     """The bounded-load prefix rule of the module docstring. `prefer`: the session's
     replica (kept while under the bound), `key`: the rendezvous tie-break."""
     assert cands, "pick_prefix needs at least one candidate"
-    if len(cands) > 1 and is_imbalanced(cands, cfg):
-        c = min(cands, key=lambda c: (weighed_load(c, cfg), -c.cached_blocks, -hrw_score(key, c.id)))
+    c = valve_pick(cands, cfg, key) if len(cands) > 1 else None
+    if c is not None:
         return Decision(c.id, LOAD, c.cached_blocks)
     prefill = {c.id: max(prompt_tokens - c.cached_blocks * block_size, 0) for c in cands}
     cheapest = min(prefill.values())

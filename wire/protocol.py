@@ -244,6 +244,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
     max_model_len: int
     version: int = PROTOCOL_VERSION
     tokenizer: str = ""  # Tokenizer.fingerprint: the proxy routes token ids only to replicas that match it
+    compute: list[str] = []  # the units it computes on (cores of one kernel, GPU UUIDs): replicas whose sets meet share them
 
 
 Message = Union[Generate, Abort, Tokens, Finished, Error, Load, KvEvents, Hello]

@@ -3,9 +3,9 @@
 from collections import Counter
 
 from edge_proxy.prefix_index import BlockIndex, reply_hashes
-from edge_proxy.routing import (FAILOVER, LOAD, PREFIX, SPILL, STICKY, Candidate, Router, RouterConfig,
-                                effective_load, is_imbalanced, load_bound, pick_prefix, pick_sticky,
-                                rendezvous_order)
+from edge_proxy.routing import (FAILOVER, LOAD, PREFIX, SPILL, STICKY, Candidate, Decision, Router, RouterConfig,
+                                compute_groups, effective_load, load_bound, pick_prefix, pick_sticky,
+                                rendezvous_order, valve_pick)
 from wire.hashing import block_hashes
 from wire.protocol import KvEvents
 
@@ -65,11 +65,29 @@ def test_prefix_prefers_cached_blocks():
 
 def test_imbalance_overrides_the_cache():
     cands = [Candidate("r0", 40.0, 30), Candidate("r1", 2.0, 0)]
-    assert is_imbalanced(cands, CFG)
+    assert valve_pick(cands, CFG, "k").id == "r1"
     d = pick_prefix(512, 16, cands, CFG)
     assert (d.replica, d.reason) == ("r1", LOAD)
-    assert not is_imbalanced([Candidate("r0", 20.0), Candidate("r1", 14.0)], CFG)  # 20 <= 1.5 x 14
-    assert not is_imbalanced([Candidate("r0", 4.0), Candidate("r1", 0.0)], CFG)  # 4 - 0 <= 4
+    assert valve_pick([Candidate("r0", 20.0), Candidate("r1", 14.0)], CFG, "k") is None  # 20 <= 1.5 x 14
+    assert valve_pick([Candidate("r0", 4.0), Candidate("r1", 0.0)], CFG, "k") is None  # 4 - 0 <= 4
+
+
+def test_compute_groups_join_replicas_whose_units_meet():
+    groups = compute_groups({"a": ["cpu:m1:0", "cpu:m1:1"], "b": ["gpu:X"], "c": ["cpu:m1:1", "cpu:m1:2"],
+                             "d": ["cpu:m1:2"], "e": [], "f": ["gpu:Y", "gpu:X"]})
+    assert groups == {"a": "a", "b": "b", "c": "a", "d": "a", "e": "e", "f": "b"}  # d meets a through c
+
+
+def test_the_valve_weighs_compute_groups_not_replicas():
+    # Two replicas on one GPU, 3 requests each, and one alone with 1: the GPU shared by
+    # six requests is the loaded one (6 - 1 > 4): the lone replica takes the request.
+    shared = [Candidate("a", 3.0, 30, group="g"), Candidate("b", 3.0, 30, group="g")]
+    d = pick_prefix(512, 16, shared + [Candidate("c", 1.0)], CFG)
+    assert (d.replica, d.reason) == ("c", LOAD)
+    # One machine's cores under all three: no replica has compute the others lack, so no
+    # valve (bounded load and the spill price still apply: the next test).
+    one = [Candidate("a", 9.0, 30, group="m"), Candidate("b", 0.0, group="m"), Candidate("c", 0.0, group="m")]
+    assert valve_pick(one, CFG, "k") is None
 
 
 def test_no_cache_anywhere_is_a_load_decision():
@@ -240,7 +258,7 @@ def test_a_conversation_leaves_its_replica_only_when_the_queue_costs_more():
     d = later_turn(100, dict(a=2.0, b=1.0, c=0.0))
     assert (d.replica, d.reason) == ("c", SPILL)  # ... more than prefilling 100 tokens on c
     d = later_turn(960, dict(a=10.0, b=1.0, c=1.0))
-    assert d.replica != "a" and d.reason == LOAD  # far above the others (> 8 and > 1.5 x): the valve
+    assert d.replica != "a" and d.reason == LOAD  # far above the others (> 4 and > 1.5 x): the valve
 
 
 def test_a_session_keeps_its_replica_within_the_bound():
@@ -259,10 +277,11 @@ def test_a_cold_burst_of_one_long_prompt_makes_one_copy_at_a_time():
     first goes to a; the rest find a's copy in flight (the proxy indexes what it sent).
     A replica computing the prompt right now keeps new users while waiting behind it
     costs no more than a second cold copy; then one more copy, never three at once
-    (on shared cores three cold prefills at once slow every one of them)."""
+    (the replicas share one machine's cores, where three cold prefills at once slow
+    every one of them)."""
     bs, prompt, tail = 16, 816, 16
     blocks = (prompt - tail) // bs
-    cands = {r: Candidate(r, 0.0) for r in ("a", "b", "c")}
+    cands = {r: Candidate(r, 0.0, group="machine") for r in ("a", "b", "c")}
     placed = []
     for _ in range(8):
         d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
@@ -286,6 +305,22 @@ def test_a_cold_burst_of_one_long_prompt_makes_one_copy_at_a_time():
     cands[other].load = cands[holder].load
     d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
     assert d.replica not in counts and d.reason == SPILL
+
+
+def test_a_replica_with_compute_of_its_own_takes_work_the_cache_would_keep():
+    """A conversation with a 2,000-token history on a, which decodes for 6 others; b and
+    c idle. Priced alone, queueing at a (6 x 256 tokens) costs less than prefilling the
+    history again, so replicas sharing a's cores leave it there; but b and c with a GPU
+    each have compute going spare while a's queue is 6 apart: the valve moves it."""
+    history = 2000
+
+    def route(group: str) -> Decision:
+        cands = [Candidate("a", 6.0, history // 16, group=group and "m"), Candidate("b", 0.0, group=group and "m"),
+                 Candidate("c", 0.0, group=group and "m")]
+        return pick_prefix(history + 8, 16, cands, CFG, key="k")
+
+    assert route("").reason == LOAD and route("").replica != "a"
+    assert (route("m").replica, route("m").reason) == ("a", PREFIX)
 
 
 def test_a_faster_replica_is_priced_by_its_measured_rate():

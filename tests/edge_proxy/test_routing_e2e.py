@@ -5,7 +5,8 @@ Six conversations start together (each with its own system prompt), and take thr
 short turns each, all six streaming at once. Each later turn must find its
 conversation's replica with nothing but the prompt: the cached tokens it reports
 cover at least every full block of its first turn's prompt; and the replicas stay
-balanced (two conversations each).
+balanced (two conversations each). The replicas announce the cores they run on, so
+the proxy sees them as one compute group.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from collections import Counter
 
+import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
@@ -67,6 +69,9 @@ def test_later_turns_find_their_replica_without_a_session():
                 return await asyncio.gather(*(chat(c, k, 3) for k in range(len(SUBJECTS))))
 
         convs = asyncio.run(run())
+        metrics = httpx.get(url.replace("ws://", "http://").replace("/v1/stream", "/metrics"), trust_env=False).text
+    # The three replicas run on this machine's cores: one compute group (no valve between them).
+    assert "edgechat_proxy_compute_groups 1" in metrics.splitlines()
     for first, *later in convs:
         assert first.usage.prompt_tokens >= 3 * BLOCK
         for d in later:

@@ -114,6 +114,23 @@ async def test_imbalanced_replicas_route_by_load():
                 assert d.replica == "b"
 
 
+async def test_replicas_sharing_compute_are_one_group_and_the_valve_skips_them():
+    # a and b say they run on the same GPU, c on its own. a is loaded (6 running): the
+    # valve weighs the a+b group against c, so the request goes to c, not to idle b.
+    async with stubs("a", "b", compute=["gpu:A"]) as ab, stubs("c", compute=["gpu:C"]) as c1, \
+            proxy_for(ab + c1) as p:
+        assert (p.conn("a").group, p.conn("b").group, p.conn("c").group) == ("a", "a", "c")
+        ab[0].cfg.load_override = {"running": 6}
+        await until_load(p.conn("a"), lambda ld: ld.running == 6)
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            for k in range(6):  # prompts of their own: the tie-break between b and c differs
+                _, d = await c.complete(prompt=f"conversation {k} " * 20, max_tokens=1)
+                assert d.replica == "c"
+        async with httpx.AsyncClient() as h:
+            text = (await h.get(p.http + "/metrics")).text
+        assert "edgechat_proxy_compute_groups 2" in text.splitlines()
+
+
 async def test_deadline_admission_rejects_at_once():
     async with stubs("a", "b") as reps, proxy_for(reps) as p:
         for r in reps:  # both replicas report a long prefill queue: ~2 s of work

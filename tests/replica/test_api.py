@@ -4,6 +4,7 @@ OpenAI HTTP API, the proxy WebSocket protocol, cancellation and bad input."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import msgspec
@@ -234,3 +235,20 @@ def test_bad_frames_get_errors_and_the_connection_keeps_serving(server):
     assert "malformed frame" in text and "binary" in text and "max_tokens" in text and "context" in text
     assert "token ids" in text
     assert isinstance(fin, P.Finished) and fin.usage.completion_tokens == 3
+
+
+async def _hello(server):
+    async with connect(ws_url(server), additional_headers=AUTH) as ws:
+        c = ReplicaWS(ws)
+        while c.hello is None:
+            await c.recv()
+        return c.hello
+
+
+def test_hello_names_the_cores_it_computes_on(server):
+    # The proxy groups replicas whose units meet (edge_proxy.routing.compute_groups): two
+    # replicas on this machine's cores must name the same ones, whatever their host names.
+    hello = asyncio.run(asyncio.wait_for(_hello(server), 60))
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        machine = f.read().strip()
+    assert sorted(hello.compute) == sorted(f"cpu:{machine}:{c}" for c in os.sched_getaffinity(0))
