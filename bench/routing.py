@@ -30,6 +30,13 @@ had gone to the replica holding its conversation, computed from this run's own
 prompts and replies with the model's tokenizer (a reply the template re-renders into
 other ids makes it a slight overestimate); requests per replica from each replica's
 /metrics; TTFT = the client's time to the first streamed chunk with text.
+
+With 48 turns a run's "p99" is its slowest turn: in practice one of the six cold
+first turns sent at once, whose time depends on how three engines share the
+machine's cores while they prefill. `--repeat K` runs the whole list K times,
+alternated (a noisy machine drifts alike for every router), and adds a pooled
+table: p50 / p99 over all K x 48 turns of each run, each repeat's p99, and in how
+many repeats each run's p99 was at or below SGLang cache_aware's of that repeat.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -264,6 +272,10 @@ class Turn:
     prompt_tokens: int = 0
     cached: int = 0
     ttft_ms: float = 0.0
+    start_s: float = 0.0  # since the workload began
+    replica: str = ""  # edgechat only: the replica that served it, and its own queue + prefill time
+    replica_ttft_ms: float = 0.0
+    proxy_ttft_ms: float = 0.0
 
 
 def corpus():
@@ -287,6 +299,7 @@ def own_system_prompt(k: int, c, words: int = 120) -> str:
 
 async def one_turn(client, model: str, t: Turn, a, headers: dict) -> None:
     t0 = time.perf_counter()
+    t.start_s = t0 - a.began
     stream = await client.chat.completions.create(
         model=model, messages=t.messages, max_tokens=a.max_tokens, temperature=a.temperature,
         seed=1000 * t.conv + t.turn, stream=True, stream_options={"include_usage": True}, extra_headers=headers)
@@ -302,6 +315,10 @@ async def one_turn(client, model: str, t: Turn, a, headers: dict) -> None:
             t.prompt_tokens = chunk.usage.prompt_tokens
             d = chunk.usage.prompt_tokens_details
             t.cached = (d.cached_tokens or 0) if d is not None else 0
+        ext = (chunk.model_extra or {}).get("edgechat")
+        if ext:
+            t.replica, t.replica_ttft_ms = ext["replica"], ext["timing"]["replica_ttft_ms"]
+            t.proxy_ttft_ms = ext["timing"]["ttft_ms"]
     t.reply = "".join(parts)
 
 
@@ -397,7 +414,7 @@ def summarize(run: str, workload: str, turns: list[Turn], served: list[int], tok
     row = {"run": run, "workload": workload, "cached": sum(t.cached for t in later) / max(prompt, 1),
            "hits": sum(t.cached > 0 for t in later), "later": len(later), "served": served,
            "p50": pct([t.ttft_ms for t in turns], 0.5), "p99": pct([t.ttft_ms for t in turns], 0.99),
-           "retokenized": retok}
+           "retokenized": retok, "turns": [dataclasses.asdict(t) | {"messages": len(t.messages)} for t in turns]}
     if workload == "multi-turn":
         row["oracle"] = sum(oracle_cached(turns, tok).values()) / max(prompt, 1)
     mean = sum(served) / len(served)
@@ -433,8 +450,8 @@ def print_tables(rows: list[dict], a) -> None:
         else:
             print(f"\nshared-prefix: {a.users} users, one ~800-token system prompt, one turn each, "
                   f"{a.shared_concurrency} at a time")
-            print("| router | cached | requests with a hit | requests per replica | TTFT p50 / p99 ms |")
-            print("|---|---:|---:|---|---:|")
+            print("| router | session id | cached | requests with a hit | requests per replica | TTFT p50 / p99 ms |")
+            print("|---|---|---:|---:|---|---:|")
         for r in part:
             name, session = label(r["run"])
             served = " / ".join(map(str, r["served"])) + f" (±{r['dev']:.0%})"
@@ -443,12 +460,33 @@ def print_tables(rows: list[dict], a) -> None:
                 print(f"| {name} | {session} | {r['cached']:.3f} | {r['oracle']:.3f} | {r['cached'] / r['oracle']:.1%} "
                       f"| {r['hits']}/{r['later']} | {served} | {ttft} |")
             else:
-                print(f"| {name} | {r['cached']:.3f} | {r['hits']}/{r['later']} | {served} | {ttft} |")
+                print(f"| {name} | {session} | {r['cached']:.3f} | {r['hits']}/{r['later']} | {served} | {ttft} |")
         retok = [f"{label(r['run'])[0]} {label(r['run'])[1]}: {r['retokenized']:g}" for r in part
                  if r["retokenized"] is not None]
         if retok:
             print("replies the template re-rendered into other ids (edgechat_proxy_retokenized_replies_total): "
                   + "; ".join(retok))
+
+
+def print_pooled(rows: list[dict], a) -> None:
+    """Per run: p50 / p99 over the turns of all its repeats, each repeat's p99, and the
+    repeats whose p99 was at or below that of SGLang cache_aware in the same repeat."""
+    for workload in a.workloads:
+        part = [r for r in rows if r["workload"] == workload]
+        names = list(dict.fromkeys(r["run"] for r in part))
+        reps = {n: [r for r in part if r["run"] == n] for n in names}
+        ref = reps.get("sglang:cache_aware", [])
+        print(f"\n{workload}, pooled over {a.repeat} alternated repeats")
+        print("| router | session id | turns | TTFT p50 / p99 ms (pooled) | p99 per repeat | "
+              "repeats with p99 <= SGLang cache_aware's |")
+        print("|---|---|---:|---:|---|---:|")
+        for n in names:
+            turns = [t["ttft_ms"] for r in reps[n] for t in r["turns"]]
+            each = [r["p99"] for r in reps[n]]
+            wins = sum(p <= q["p99"] for p, q in zip(each, ref))
+            name, session = label(n)
+            print(f"| {name} | {session} | {len(turns)} | {pct(turns, 0.5):.0f} / {pct(turns, 0.99):.0f} | "
+                  f"{', '.join(f'{p:.0f}' for p in each)} | {wins}/{min(len(each), len(ref))} |")
 
 
 def main() -> None:
@@ -470,7 +508,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--sglang-venv", default=str(ROOT / ".cache" / "sglang-router-venv"))
     p.add_argument("--log-dir", default="", help="process logs (default: a fresh temporary folder)")
-    p.add_argument("--json", default="", help="also write the rows here")
+    p.add_argument("--repeat", type=int, default=1, help="run the list this many times, alternated; "
+                   "adds a table pooled over the repeats")
+    p.add_argument("--json", default="", help="also write the rows (with every turn) here")
     p.add_argument("--role", default="main", choices=["main", "passthrough"], help=argparse.SUPPRESS)
     p.add_argument("specs", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -494,7 +534,7 @@ def main() -> None:
     tok = load_tokenizer("default")
     rows = []
     for workload in a.workloads:
-        runs = [r for r in a.runs.split(",") if r] or DEFAULT_RUNS[workload]
+        runs = ([r for r in a.runs.split(",") if r] or DEFAULT_RUNS[workload]) * max(a.repeat, 1)
         for run in runs:
             if run == "pinned" and workload != "multi-turn":
                 continue
@@ -505,6 +545,7 @@ def main() -> None:
                 models = httpx.get(st.replicas[0] + "/v1/models", trust_env=False, headers=REPLICA_AUTH).json()
                 model = models["data"][0]["id"]
                 drive = multi_turn if workload == "multi-turn" else shared_prefix
+                a.began = time.perf_counter()
                 turns = asyncio.run(drive(st, model, a))
                 row = summarize(run, workload, turns, st.served(), tok,
                                 st.proxy_metric("edgechat_proxy_retokenized_replies_total"))
@@ -516,6 +557,8 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     print_tables(rows, a)
+    if a.repeat > 1:
+        print_pooled(rows, a)
 
 
 if __name__ == "__main__":
