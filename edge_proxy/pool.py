@@ -107,7 +107,8 @@ class ReplicaConn:
         self.cfg = pool.cfg
         self.id = url  # replaced by Hello.replica_id
         self.hello: Hello | None = None
-        self.group = ""  # its compute group among the connected replicas (`routing.compute_groups`)
+        self.group = ""  # its compute group among the connected replicas (`routing.compute_groups`) ...
+        self.share = 1.0  # ... and the fraction of that group's compute it uses at once
         self.link: ReplicaLink | None = None
         self.connected = False
         self.healthy = True  # /healthz verdict
@@ -453,9 +454,9 @@ class ReplicaPool:
 
     def on_state_change(self) -> None:
         live = [c for c in self.conns if c.connected and c.hello is not None]
-        groups = compute_groups({c.id: c.hello.compute for c in live})
+        groups = compute_groups({c.id: c.hello.compute for c in live}, {c.id: c.hello.uses for c in live})
         for c in live:
-            c.group = groups[c.id]
+            c.group, c.share = groups[c.id]
         for fn in self.state_listeners:
             fn()
         asyncio.get_running_loop().create_task(self._notify())

@@ -31,7 +31,11 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    that have no first token yet (a new request waits for them), `decoding` the rest
    of its load (each outstanding request weighs like `load_cost_tokens` prefill
    tokens) and `speed` its measured prefill rate against the others' (replicas
-   report it; 1 when unknown). A replica holding the prefix keeps the request while
+   report it; 1 when unknown), divided among the busy replicas of its compute
+   group when with it they would want more than the group has (a share is the
+   fraction of the group's units a replica computes on at once: three one-thread
+   engines on two cores have a half each, so a third busy one slows all three).
+   A replica holding the prefix keeps the request while
    its cost is within the near margin of the cheapest: a conversation's history
    moves only when its queue costs more than prefilling it again, and a prompt
    being prefilled right now gets no second cold copy while queueing behind the
@@ -99,6 +103,7 @@ class Candidate:
     queued_requests: int = 0  # how many requests those are (part of `load`)
     speed: float = 1.0  # its measured prefill rate over the candidates' mean (1: unknown)
     group: str = ""  # its compute group (`compute_groups`); "": computes alone
+    share: float = 1.0  # the fraction of its group's compute it can use at once
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,10 +159,12 @@ def weighed_load(c: Candidate, cfg: RouterConfig) -> float:
     return max(c.load - c.queued_requests, 0.0) + c.queued_prefill / cfg.load_cost_tokens
 
 
-def compute_groups(units: dict[str, list[str]]) -> dict[str, str]:
-    """Replica id -> its compute group's name (the first member's id, in `units`' order):
-    replicas whose compute units meet, directly or through others, are one group. A
-    replica that names no units is its own."""
+def compute_groups(units: dict[str, list[str]], uses: dict[str, int] | None = None) -> dict[str, tuple[str, float]]:
+    """Replica id -> (its compute group's name, its share): replicas whose compute units
+    meet, directly or through others, are one group, named by its first member in
+    `units`' order; a replica's share is the fraction of the group's units it computes
+    on at once (`uses[id]` of its own units, 0 or absent: all of them). A replica that
+    names no units is its own group, with all of it."""
     parent = {rid: rid for rid in units}
     order = {rid: i for i, rid in enumerate(units)}
 
@@ -172,7 +179,16 @@ def compute_groups(units: dict[str, list[str]]) -> dict[str, str]:
         for u in us:
             a, b = sorted((find(owner.setdefault(u, rid)), find(rid)), key=order.__getitem__)
             parent[b] = a
-    return {rid: find(rid) for rid in units}
+    size: dict[str, int] = {}  # group -> its distinct units
+    for u, rid in owner.items():
+        g = find(rid)
+        size[g] = size.get(g, 0) + 1
+    out = {}
+    for rid, us in units.items():
+        g, n = find(rid), len(set(us))
+        at_once = min((uses or {}).get(rid) or n, n)
+        out[rid] = (g, at_once / size[g] if n else 1.0)
+    return out
 
 
 def valve_pick(cands: list[Candidate], cfg: RouterConfig, key: str) -> Candidate | None:
@@ -212,8 +228,18 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
         reason = STICKY if c.id == prefer else PREFIX if c.cached_blocks else LOAD
         return Decision(c.id, reason, c.cached_blocks)
 
+    busy: dict[str, float] = {}  # compute group -> the shares of its replicas with work
+    for c in cands:
+        if c.load > 0:
+            busy[c.group or c.id] = busy.get(c.group or c.id, 0.0) + c.share
+
+    def rate(c: Candidate) -> float:
+        """Its prefill rate if it takes the request: its measured speed, divided among the
+        busy replicas of its group once they would want more compute than the group has."""
+        return c.speed / max(busy.get(c.group or c.id, 0.0) + (0.0 if c.load > 0 else c.share), 1.0)
+
     def cost(c: Candidate) -> float:
-        return (prefill[c.id] + cfg.load_cost_tokens * weighed_load(c, cfg)) / c.speed
+        return (prefill[c.id] + cfg.load_cost_tokens * weighed_load(c, cfg)) / rate(c)
 
     def order(c: Candidate):
         return cost(c), c.load, -hrw_score(key, c.id)
@@ -222,7 +248,7 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
     others = [c for c in cands if c.load + 1 <= bound] if len(close) > 1 else cands
     best = min(others or cands, key=order)
     holder = min(close, key=order)
-    if cost(holder) <= cost(best) + (near - cheapest) / best.speed:  # ... unless waiting at a holder costs no more
+    if cost(holder) <= cost(best) + (near - cheapest) / rate(best):  # ... unless waiting at a holder costs no more
         best = holder
     reason = (SPILL if prefill[best.id] > near else STICKY if best.id == prefer else PREFIX if best.cached_blocks
               else LOAD)

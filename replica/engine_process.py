@@ -76,7 +76,8 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
     contained = Containment(engine)
     sock.sendall(codec.pack([P.Hello(replica_id=replica_id, model=model_name, block_size=engine.cfg.block_size,
                                      max_model_len=engine.max_model_len,
-                                     compute=compute_units(engine.cfg.device, engine.cfg.tp))]))
+                                     compute=compute_units(engine.cfg.device, engine.cfg.tp),
+                                     uses=engine.cfg.engine_threads() if engine.cfg.device == "cpu" else 0)]))
     next_report = 0.0
     while True:
         busy = engine.has_work()

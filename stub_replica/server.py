@@ -94,6 +94,7 @@ class StubConfig:
     kv_events: bool = True  # False: a replica that never reports its cache (the proxy must guess)
     tokenizer: str = "bytes-v1"  # fingerprint in Hello (edge_proxy.prompt.ByteTokenizer's)
     compute: list = field(default_factory=list)  # Hello.compute: the units it claims to compute on ([]: its own)
+    uses: int = 0  # Hello.uses: how many of them at once (0: all)
     max_running: int = 0  # requests producing tokens at once (0: no limit); the rest wait
     poison_token: int = -1  # a prompt holding this id is a query of death: see poison_action
     poison_action: str = "crash"  # crash: the whole stub dies (as a killed process); fault: Error(engine_fault)
@@ -231,7 +232,7 @@ class StubReplica:
         cfg = self.cfg
         # Like the replica: Hello, then the whole cache state, in the first frame.
         first = [rp.Hello(cfg.replica_id, cfg.model, cfg.block_size, cfg.max_model_len, tokenizer=cfg.tokenizer,
-                          compute=list(cfg.compute))]
+                          compute=list(cfg.compute), uses=cfg.uses)]
         if cfg.kv_events:
             first.append(rp.KvEvents(stored=list(self._cache), cleared=True))
         await ws.send(self._codec.encode(first))

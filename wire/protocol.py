@@ -245,6 +245,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
     version: int = PROTOCOL_VERSION
     tokenizer: str = ""  # Tokenizer.fingerprint: the proxy routes token ids only to replicas that match it
     compute: list[str] = []  # the units it computes on (cores of one kernel, GPU UUIDs): replicas whose sets meet share them
+    uses: int = 0  # how many of them it computes on at once (its engine's CPU threads); 0: all
 
 
 Message = Union[Generate, Abort, Tokens, Finished, Error, Load, KvEvents, Hello]

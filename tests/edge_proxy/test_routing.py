@@ -74,8 +74,12 @@ def test_imbalance_overrides_the_cache():
 
 def test_compute_groups_join_replicas_whose_units_meet():
     groups = compute_groups({"a": ["cpu:m1:0", "cpu:m1:1"], "b": ["gpu:X"], "c": ["cpu:m1:1", "cpu:m1:2"],
-                             "d": ["cpu:m1:2"], "e": [], "f": ["gpu:Y", "gpu:X"]})
-    assert groups == {"a": "a", "b": "b", "c": "a", "d": "a", "e": "e", "f": "b"}  # d meets a through c
+                             "d": ["cpu:m1:2"], "e": [], "f": ["gpu:Y", "gpu:X"]}, {"a": 1, "c": 4})
+    assert {r: g for r, (g, _) in groups.items()} == {"a": "a", "b": "b", "c": "a", "d": "a", "e": "e", "f": "b"}
+    # shares: a uses 1 of the group's 3 cores, c both of its own (4 asked, 2 named), d its one;
+    # b one of the two GPUs its group has, f both; e computes alone.
+    assert {r: s for r, (_, s) in groups.items()} == {"a": 1 / 3, "b": 0.5, "c": 2 / 3, "d": 1 / 3, "e": 1.0,
+                                                      "f": 1.0}
 
 
 def test_the_valve_weighs_compute_groups_not_replicas():
@@ -276,12 +280,12 @@ def test_a_cold_burst_of_one_long_prompt_makes_one_copy_at_a_time():
     """Eight users of one 800-token system prompt arrive at once, nothing cached. The
     first goes to a; the rest find a's copy in flight (the proxy indexes what it sent).
     A replica computing the prompt right now keeps new users while waiting behind it
-    costs no more than a second cold copy; then one more copy, never three at once
-    (the replicas share one machine's cores, where three cold prefills at once slow
-    every one of them)."""
+    costs no more than a second cold copy; then one more copy, never three at once.
+    The replicas are one-thread engines on a two-core machine (a half of it each):
+    two busy ones use it all, and a third would only slow them."""
     bs, prompt, tail = 16, 816, 16
     blocks = (prompt - tail) // bs
-    cands = {r: Candidate(r, 0.0, group="machine") for r in ("a", "b", "c")}
+    cands = {r: Candidate(r, 0.0, group="machine", share=0.5) for r in ("a", "b", "c")}
     placed = []
     for _ in range(8):
         d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
@@ -296,15 +300,30 @@ def test_a_cold_burst_of_one_long_prompt_makes_one_copy_at_a_time():
     assert placed[0] == placed[1]  # the second user queues behind the first's prefill
     assert len(counts) == 2 and max(counts.values()) >= 5  # one holder, then one more copy
     # Once the prompt is computed (first tokens: no queued prefill), the next user goes
-    # to the copy with room; a third copy only when both are full of decoding requests.
+    # to the copy with room.
     for c in cands.values():
         c.queued_prefill = c.queued_requests = 0
     holder, other = counts.most_common()[0][0], counts.most_common()[1][0]
     d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
     assert (d.replica, d.reason) == (other, PREFIX)
-    cands[other].load = cands[holder].load
+    (third,) = set(cands) - {holder, other}
+    # Both holders decode for 4 users (8 at a time): waiting there (16 + 4 x 256 tokens)
+    # costs less than a cold copy on a third engine, which would get a third of two cores
+    # (816 / (2/3)) and slow both holders.
+    cands[holder].load = cands[other].load = 4.0
     d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
-    assert d.replica not in counts and d.reason == SPILL
+    assert d.replica in (holder, other) and d.reason == PREFIX
+    # On three cores the third engine has one of its own: the copy pays at once.
+    for c in cands.values():
+        c.share = 1 / 3
+    d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
+    assert (d.replica, d.reason) == (third, SPILL)
+    # And on two, once each holder decodes for 6, the queue costs more than that copy.
+    for c in cands.values():
+        c.share = 0.5
+    cands[holder].load = cands[other].load = 6.0
+    d = pick_prefix(prompt, bs, list(cands.values()), CFG, key="burst")
+    assert (d.replica, d.reason) == (third, SPILL)
 
 
 def test_a_replica_with_compute_of_its_own_takes_work_the_cache_would_keep():

@@ -115,11 +115,12 @@ async def test_imbalanced_replicas_route_by_load():
 
 
 async def test_replicas_sharing_compute_are_one_group_and_the_valve_skips_them():
-    # a and b say they run on the same GPU, c on its own. a is loaded (6 running): the
-    # valve weighs the a+b group against c, so the request goes to c, not to idle b.
-    async with stubs("a", "b", compute=["gpu:A"]) as ab, stubs("c", compute=["gpu:C"]) as c1, \
+    # a and b say they run on the same two cores, one thread each; c on a GPU of its own.
+    # a is loaded (6 running): the valve weighs the a+b group against c, so the request
+    # goes to c, not to idle b.
+    async with stubs("a", "b", compute=["cpu:m:0", "cpu:m:1"], uses=1) as ab, stubs("c", compute=["gpu:C"]) as c1, \
             proxy_for(ab + c1) as p:
-        assert (p.conn("a").group, p.conn("b").group, p.conn("c").group) == ("a", "a", "c")
+        assert [(p.conn(r).group, p.conn(r).share) for r in "abc"] == [("a", 0.5), ("a", 0.5), ("c", 1.0)]
         ab[0].cfg.load_override = {"running": 6}
         await until_load(p.conn("a"), lambda ld: ld.running == 6)
         async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:

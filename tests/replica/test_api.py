@@ -252,3 +252,4 @@ def test_hello_names_the_cores_it_computes_on(server):
     with open("/proc/sys/kernel/random/boot_id") as f:
         machine = f.read().strip()
     assert sorted(hello.compute) == sorted(f"cpu:{machine}:{c}" for c in os.sched_getaffinity(0))
+    assert hello.uses == os.cpu_count()  # its engine's threads (no --cpu-threads: every core)
