@@ -172,7 +172,8 @@ class Sim:
     # -- the proxy ----------------------------------------------------------------------
     def route(self, req: Req) -> None:
         now = self.clock / 1e3
-        cands = [Candidate(r, float(self.load[r]), self.index[r].match(req.hashes, now)) for r in self.reps]
+        cands = [Candidate(r, float(self.load[r]), self.index[r].match(req.hashes, now), held_blocks=len(self.index[r]))
+                 for r in self.reps]
         session = f"conv{req.conv}" if self.sessions else None
         d = self.router.route(cands, len(req.prompt), BS, key=str(req.hashes[0]), session_key=session,
                               session_current=self.session_at.get(req.conv))

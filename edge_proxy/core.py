@@ -299,8 +299,8 @@ class Proxy:
         rates = {c.id: c.load.tokens_per_s for c in conns if c.load is not None and c.load.tokens_per_s > 0}
         mean = sum(rates.values()) / len(rates) if rates else 0.0
         return [Candidate(c.id, c.effective_load(), c.index.match(s.hashes, now), c.prefill_pending,
-                          len(c.prefilling), rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share)
-                for c in conns]
+                          len(c.prefilling), rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share,
+                          len(c.index)) for c in conns]
 
     def _place_new(self, s: Stream, deadline_ms: float, prefer: str | None = None) -> None:
         conns = self.pool.ready()

@@ -53,6 +53,10 @@ class BlockIndex:
         self.capacity = capacity
         self.expect_s = expect_s
 
+    def __len__(self) -> int:
+        """Blocks it is believed to hold (confirmed, or expected and not yet confirmed)."""
+        return len(self.confirmed or ()) + len(self.expected)
+
     @property
     def precise(self) -> bool:
         return self.confirmed is not None

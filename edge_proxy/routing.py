@@ -20,8 +20,11 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    flight never moves a conversation) takes nothing new (consistent hashing with
    bounded loads, Mirrokni et al. 2016). Among the rest: the session's replica
    first (when a session id is given), then the least loaded, then the cheaper
-   prefill, then a rendezvous draw on the request's key (its session, else its
-   first block), so ties spread and every proxy worker breaks them alike.
+   prefill, then the one holding the fewest blocks in all (SGLang's "smallest
+   tree": of replicas equally busy this instant, the one with fewer conversations
+   on it; one whose conversation is between two turns looks as idle as one whose
+   conversation ended), then a rendezvous draw on the request's key (its session,
+   else its first block), so ties spread and every proxy worker breaks them alike.
    A conversation's later turn has one cheap replica, the one holding its
    history, and stays there; a new conversation, or a prompt that only shares a
    system prompt held everywhere, has several and goes to the least loaded.
@@ -104,6 +107,7 @@ class Candidate:
     speed: float = 1.0  # its measured prefill rate over the candidates' mean (1: unknown)
     group: str = ""  # its compute group (`compute_groups`); "": computes alone
     share: float = 1.0  # the fraction of its group's compute it can use at once
+    held_blocks: int = 0  # blocks it is believed to hold in all (the tie-break of equally loaded cold choices)
 
 
 @dataclass(slots=True, frozen=True)
@@ -224,7 +228,7 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
     close = [c for c in cands if prefill[c.id] <= near]
     ok = [c for c in close if c.load + 1 <= bound]
     if ok:
-        c = min(ok, key=lambda c: (c.id != prefer, c.load, prefill[c.id], -hrw_score(key, c.id)))
+        c = min(ok, key=lambda c: (c.id != prefer, c.load, prefill[c.id], c.held_blocks, -hrw_score(key, c.id)))
         reason = STICKY if c.id == prefer else PREFIX if c.cached_blocks else LOAD
         return Decision(c.id, reason, c.cached_blocks)
 

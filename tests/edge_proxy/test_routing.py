@@ -163,7 +163,8 @@ class Replicas:
             idx.apply(KvEvents(cleared=True))  # connected: precise mode, nothing cached
 
     def cands(self, hashes, now=0.0):
-        return [Candidate(r, self.load[r], idx.match(hashes, now)) for r, idx in self.index.items()]
+        return [Candidate(r, self.load[r], idx.match(hashes, now), held_blocks=len(idx))
+                for r, idx in self.index.items()]
 
     def route(self, prompt, now=0.0, router=None, **kw):
         h = block_hashes(prompt, 16)
@@ -227,6 +228,25 @@ def test_new_conversations_spread_and_stay():
     for k in range(6):  # their second turns (all six still streaming): each finds its own replica
         d, _ = reps.route(chat_turn([1, 299, 50 + k] + [60 + k] * 90, [7] * 5) + [9] * 20)
         assert d.replica == placed[k] and d.reason == PREFIX
+
+
+def test_a_new_conversation_among_equally_busy_replicas_goes_where_fewer_are():
+    """b serves three conversations, a and c two; this instant each has one request in
+    flight (b's other two are between turns). A new conversation goes to a or c, the
+    ones holding fewer blocks, whatever its key's rendezvous draw says."""
+    reps = Replicas()
+    for r, convs in (("a", 2), ("b", 3), ("c", 2)):
+        for k in range(convs):
+            reps.index[r].expect(block_hashes(chat_turn([1, 299, ord(r), k] + [40 + k] * 90, [7] * 5), 16), 0.0)
+    reps.load.update(a=1.0, b=1.0, c=1.0)
+    drawn = set()
+    for k in range(12):
+        prompt = chat_turn([1, 299, 500 + k] + [80 + k] * 90, [7] * 5)
+        drawn.add(rendezvous_order(str(block_hashes(prompt, 16)[0]), ["a", "b", "c"])[0])
+        cands = reps.cands(block_hashes(prompt, 16))
+        d = pick_prefix(len(prompt), 16, cands, CFG, key=str(block_hashes(prompt, 16)[0]))
+        assert d.replica in ("a", "c") and d.reason == LOAD
+    assert "b" in drawn  # the rendezvous draw alone would have sent some of them to b
 
 
 def test_bounded_load_spill_keeps_the_cache_where_it_can():
