@@ -3,7 +3,9 @@
     python bench/clients.py [--replica http://HOST:PORT] [--rounds 20] [--skip browser]
 
 - browser: the chat page at / in headless Chromium (Playwright, Debian's chromium): time to
-  first token and inter-token gaps as the page measures them (performance.now() per frame);
+  first token and inter-token gaps as the page measures them (performance.now() per frame),
+  and beside them the gaps the proxy saw on the same streams (its ITL histogram over the
+  browser's rounds, interpolated within its buckets): what the browser adds on top;
 - voice: examples/voice_agent.py, a reply interrupted after a few spoken words: barge-in ->
   the new reply's first token, and the user's turn -> first sentence ready to speak;
 - autocomplete: examples/autocomplete.py typing bursts of keystrokes 50 ms apart (each
@@ -39,7 +41,7 @@ QUESTIONS = ["What is the capital of France?", "Give me three tips for sleeping 
              "Explain what a hash table is.", "Write a haiku about the sea.", "How do vaccines work?"]
 
 
-def browser(port: int, rounds: int) -> dict[str, list[float]]:
+def browser(port: int, rounds: int, temperature: str = "") -> dict[str, list[float]]:
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
@@ -49,6 +51,8 @@ def browser(port: int, rounds: int) -> dict[str, list[float]]:
         page.goto(f"http://127.0.0.1:{port}/")
         page.wait_for_selector("#status[data-status=open]")
         page.fill("#max-tokens", "64")
+        if temperature:
+            page.fill("#temperature", temperature)  # the page's own default otherwise (0.7)
         for i in range(rounds):
             page.fill("#message", QUESTIONS[i % len(QUESTIONS)])
             page.press("#message", "Enter")
@@ -89,12 +93,44 @@ async def autocomplete(url: str, rounds: int) -> dict[str, list[float]]:
     return {"autocomplete keystroke -> suggestion": [s.latency_ms for s in ac.suggestions]}
 
 
+def itl_buckets(port: int) -> list[tuple[float, int]]:
+    """The proxy's cumulative ITL histogram: (upper bound in ms, count) per bucket."""
+    import httpx
+
+    out = []
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text.splitlines():
+        if line.startswith("edgechat_proxy_itl_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out.append((float("inf") if le == "+Inf" else float(le) * 1e3, int(float(line.rsplit(" ", 1)[1]))))
+    return out
+
+
+def bucket_quantiles(before, after, qs=(0.5, 0.99)) -> list[float]:
+    """Quantiles of what was observed between two scrapes, linear within a bucket."""
+    counts = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
+    total = counts[-1][1]
+    out = []
+    for q in qs:
+        want, lo = q * total, 0.0
+        prev = 0
+        for le, c in counts:
+            if c >= want and c > prev:
+                out.append(lo + (le - lo) * (want - prev) / (c - prev) if le != float("inf") else lo)
+                break
+            lo, prev = le, c
+    return out
+
+
 async def run(args, replica: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     with proxy([replica], "--allow-anonymous", "--region", "bench") as (port, _):
         url = f"ws://127.0.0.1:{port}/v1/stream"
         if "browser" not in args.skip:
-            out.update(await asyncio.to_thread(browser, port, args.rounds))
+            before = itl_buckets(port)
+            out.update(await asyncio.to_thread(browser, port, args.rounds, args.temperature))
+            p50, p99 = bucket_quantiles(before, itl_buckets(port))
+            print(f"the proxy's inter-token gaps on the browser's streams (from its histogram): "
+                  f"p50 {p50:.1f} ms, p99 {p99:.1f} ms", flush=True)
         if "voice" not in args.skip:
             out.update(await voice(url, args.rounds))
         if "autocomplete" not in args.skip:
@@ -107,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replica", default="", help="a running replica's http URL (default: start one)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--skip", default="", help="comma-separated: browser, voice, autocomplete")
+    ap.add_argument("--temperature", default="", help="the chat page's temperature (default: the page's, 0.7)")
     args = ap.parse_args(argv)
     if args.replica:
         figures = asyncio.run(run(args, args.replica))

@@ -60,12 +60,20 @@ async function send(text) {
   const body = el.querySelector(".text");
   const sampling = {max_tokens: Number($("max-tokens").value) || 256, temperature: Number($("temperature").value)};
   const req = current = chat.generate({messages: history.slice(), sampling});
-  req.ondelta = () => { body.textContent = req.text; el.dataset.tokens = req.tokens; log.scrollTop = log.scrollHeight; };
+  // The reply is drawn once a frame, not once a token: reading scrollHeight forces a
+  // layout, and at a token every few ms those layouts took CPU the model was using.
+  let frame = 0;
+  const draw = () => { frame = 0; body.textContent = req.text; el.dataset.tokens = req.tokens;
+                       log.scrollTop = log.scrollHeight; };
+  req.ondelta = () => { frame ||= requestAnimationFrame(draw); };
   stopBtn.disabled = false;
   try {
     await req.finished;
+    cancelAnimationFrame(frame);
+    draw();
     el.dataset.state = req.done.finish_reason === "abort" ? "stopped" : "done";
   } catch (e) {
+    cancelAnimationFrame(frame);
     el.dataset.state = "error";
     el.dataset.error = e.code;
     body.textContent = req.text + (req.text ? "\n" : "") + `[${e.message}]`;
