@@ -32,6 +32,10 @@ _M32 = 0xFFFFFFFF
 # int64 reference is exact and matches the kernel's wrapping uint32 multiply.
 _MUL1, _MUL2 = 0x7FEB352D, 0x7B935975
 _WEYL = 0x61C88647  # 2^32 / golden ratio, negated mod 2^32
+# The largest uniform: (2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in fp32, where the Gumbel
+# noise -log(-log(u)) is +inf and that token wins whatever its logit (one step in ~340
+# over a 49,152-token vocabulary). Clamped to the largest fp32 below 1.
+_U_MAX = 1.0 - 2.0**-24
 
 
 def _mix32(x):
@@ -55,7 +59,12 @@ def uniforms_ref(seeds, positions, index):
     h1 = _mix32(h1 ^ ((positions >> 32) & _M32))
     h2 = _mix32(h1 ^ 0x2545F491)
     r = _mix32((((index * _WEYL) + h1[:, None]) & _M32) ^ h2[:, None])
-    return ((r >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_float(r)
+
+
+def unit_float(bits):
+    """uint32 hashes (int64 tensor) -> fp32 in (0, 1): the top 24 bits, centred, never 1."""
+    return (((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_max(_U_MAX)
 
 
 def _kept(x, t, top_k, top_p, width: int = 1024):
@@ -242,7 +251,7 @@ def _sample_kernel(
             offs = v0 + tl.arange(0, BLOCK)
             x = tl.load(base + offs, mask=offs < V, other=float("-inf"))
             r = _mix32_tl((offs.to(tl.uint32) * 0x61C88647 + h1) ^ h2)
-            u = ((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = tl.minimum(((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994)  # unit_float
             s = tl.where((offs < V) & (_order_key_tl(x) >= thr), x / t - tl.log(-tl.log(u)), float("-inf"))
             m = tl.max(s, axis=0)
             better = m > best_s

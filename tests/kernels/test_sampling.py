@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.sampling import probs_ref, sample_ref, uniforms_ref
+from kernels.sampling import probs_ref, sample_ref, uniforms_ref, unit_float
 from tests.kernels.pool import DEVICES, triton_ops
 
 
@@ -101,6 +101,27 @@ def test_uniforms_are_uniform():
     counts = torch.histc(u, bins=64, min=0, max=1)
     ok, stat, crit = chi_square_ok(counts, torch.full((64,), 1 / 64), u.numel())
     assert ok, (stat, crit)
+
+
+def test_the_largest_hash_is_not_a_uniform_of_one():
+    # (2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in fp32, where the Gumbel noise is +inf.
+    u = unit_float(torch.tensor([0xFFFFFFFF, 0xFFFFFEFF, 0], dtype=torch.int64))
+    g = -torch.log(-torch.log(u))
+    assert u.max() < 1 and torch.isfinite(g).all() and g[0] >= g[1]
+
+
+def test_an_impossible_token_is_never_sampled_over_a_real_vocabulary():
+    """One token holds all the mass (the others are 30 nats below). With a uniform of 1.0
+    reachable, one step in ~340 over 49,152 tokens sampled a random one: ~12 of these
+    4,000 draws."""
+    v, n = 49152, 4000
+    logits = torch.full((1, v), -30.0)
+    logits[0, 7] = 0.0
+    for start in range(0, n, 200):
+        b = 200
+        tokens = sample_ref(logits.expand(b, v), torch.ones(b), torch.zeros(b, dtype=torch.int32), torch.ones(b),
+                            torch.arange(start, start + b) * 7919, torch.arange(start, start + b))
+        assert (tokens == 7).all(), tokens[tokens != 7]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 8, 1.0), (1.3, 0, 0.7), (1.0, 12, 0.9)])
