@@ -163,6 +163,11 @@ def weighed_load(c: Candidate, cfg: RouterConfig) -> float:
     return max(c.load - c.queued_requests, 0.0) + c.queued_prefill / cfg.load_cost_tokens
 
 
+def group_of(c: Candidate) -> str:
+    """The compute group `c` is weighed in (its own id when it computes alone)."""
+    return c.group or c.id
+
+
 def compute_groups(units: dict[str, list[str]], uses: dict[str, int] | None = None) -> dict[str, tuple[str, float]]:
     """Replica id -> (its compute group's name, its share): replicas whose compute units
     meet, directly or through others, are one group, named by its first member in
@@ -200,14 +205,14 @@ def valve_pick(cands: list[Candidate], cfg: RouterConfig, key: str) -> Candidate
     of the least loaded group; None when they are not (or there is one group)."""
     loads: dict[str, float] = {}
     for c in cands:
-        g = c.group or c.id
+        g = group_of(c)
         loads[g] = loads.get(g, 0.0) + weighed_load(c, cfg)
     if len(loads) < 2:
         return None
     lo, hi = min(loads.values()), max(loads.values())
     if not (hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo):
         return None
-    idle = [c for c in cands if loads[c.group or c.id] == lo]
+    idle = [c for c in cands if loads[group_of(c)] == lo]
     return min(idle, key=lambda c: (weighed_load(c, cfg), -c.cached_blocks, -hrw_score(key, c.id)))
 
 
@@ -235,12 +240,12 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
     busy: dict[str, float] = {}  # compute group -> the shares of its replicas with work
     for c in cands:
         if c.load > 0:
-            busy[c.group or c.id] = busy.get(c.group or c.id, 0.0) + c.share
+            busy[group_of(c)] = busy.get(group_of(c), 0.0) + c.share
 
     def rate(c: Candidate) -> float:
         """Its prefill rate if it takes the request: its measured speed, divided among the
         busy replicas of its group once they would want more compute than the group has."""
-        return c.speed / max(busy.get(c.group or c.id, 0.0) + (0.0 if c.load > 0 else c.share), 1.0)
+        return c.speed / max(busy.get(group_of(c), 0.0) + (0.0 if c.load > 0 else c.share), 1.0)
 
     def cost(c: Candidate) -> float:
         return (prefill[c.id] + cfg.load_cost_tokens * weighed_load(c, cfg)) / rate(c)

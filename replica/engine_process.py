@@ -55,29 +55,29 @@ def build_engine(cfg: EngineConfig):
     return engine
 
 
-def compute_units(device: str, tp: int) -> list[str]:
-    """What this engine computes on, for Hello.compute: each rank's GPU by its UUID, or
-    the cores it may run on, named by the running kernel's boot id (the same on every
-    container of one machine, unlike a host name). Replicas whose units meet share them."""
-    if device.startswith("cuda"):
+def compute_fields(cfg: EngineConfig) -> dict:
+    """Hello.compute and Hello.uses: each rank's GPU by its UUID, or the cores this
+    engine may run on, named by the running kernel's boot id (the same on every
+    container of one machine, unlike a host name), and how many of those cores its
+    threads use at once. Replicas whose units meet share them."""
+    if cfg.device.startswith("cuda"):
         import torch
 
-        return [f"gpu:{torch.cuda.get_device_properties(r).uuid}" for r in range(tp)]
+        return {"compute": [f"gpu:{torch.cuda.get_device_properties(r).uuid}" for r in range(cfg.tp)], "uses": 0}
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             machine = f.read().strip()
     except OSError:
         machine = socket.gethostname()
-    return [f"cpu:{machine}:{c}" for c in sorted(os.sched_getaffinity(0))]
+    return {"compute": [f"cpu:{machine}:{c}" for c in sorted(os.sched_getaffinity(0))],
+            "uses": cfg.engine_threads()}
 
 
 def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:
     codec = P.FrameCodec()
     contained = Containment(engine)
     sock.sendall(codec.pack([P.Hello(replica_id=replica_id, model=model_name, block_size=engine.cfg.block_size,
-                                     max_model_len=engine.max_model_len,
-                                     compute=compute_units(engine.cfg.device, engine.cfg.tp),
-                                     uses=engine.cfg.engine_threads() if engine.cfg.device == "cpu" else 0)]))
+                                     max_model_len=engine.max_model_len, **compute_fields(engine.cfg))]))
     next_report = 0.0
     while True:
         busy = engine.has_work()
