@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/engine.py            # both tables
     .venv/bin/python bench/engine.py --host     # host overhead only (seconds)
+    .venv/bin/python bench/engine.py --graph-prepare   # a 64-row graph step's preparation only
 
 Table 1 runs the real scheduler, block manager, runner metadata and sampler with
 a model whose forward costs nothing (zero hidden states, zero logits over the
@@ -83,6 +84,36 @@ def host_overhead(device: str) -> None:
             t = decode_steps(engine, batch, prompt_len=100, steps=200, temperature=temp)
             row.append(statistics.median(t) * 1e3)
         print(f"| {batch} | {row[0]:.3f} | {row[1]:.3f} |")
+    graph_prepare(device)
+
+
+def graph_prepare(device: str, rows: int = 64, max_model_len: int = 131072, reps: int = 200) -> None:
+    """Host time to prepare one replayed decode step (replica.graphs.DecodeGraphs.prepare:
+    metadata into pinned buffers, copies queued) for `rows` sequences, with a model
+    context of max_model_len (Llama-3.1-8B's: 8,192 blocks of 16 a row). DESIGN.md's
+    budget: 0.2 ms at 64 rows."""
+    from replica.graphs import DecodeGraphs
+    from replica.plan import StepPlan
+
+    bs = 16
+    kv = torch.zeros(1, device=device)
+    graphs = DecodeGraphs(None, kv, bs, (), rows, max_model_len, capture=False)
+    print(f"\n## Graph step preparation ({rows} rows, {graphs.max_blocks} blocks a row at most, {device})\n")
+    print("| context tokens a row | blocks a row | host us/step (median) |")
+    print("|---:|---:|---:|")
+    for context in (512, 2048, 8192, max_model_len // 2):
+        nb = -(-context // bs)
+        tables = [list(range(i * nb, (i + 1) * nb)) for i in range(rows)]
+        plan = StepPlan(input_ids=list(range(rows)), starts=[context - 1] * rows, num_tokens=[1] * rows,
+                        block_tables=tables, sample_rows=list(range(rows)), num_decodes=rows)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            graphs.prepare(plan)
+            times.append(time.perf_counter() - t0)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        print(f"| {context} | {nb} | {statistics.median(times) * 1e6:.0f} |", flush=True)
 
 
 def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16), threads: int = 1,
@@ -113,6 +144,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", action="store_true", help="host overhead table only")
     ap.add_argument("--model-only", action="store_true", help="default-model table only")
+    ap.add_argument("--graph-prepare", action="store_true", help="the graph step preparation table only")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="dtype/quantization pairs to time, e.g. float32/none bfloat16/gguf (default: the "
@@ -127,6 +159,8 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} engine threads "
           f"({torch.get_num_threads()} for torch's own ops), "
           f"torch {torch.__version__}")
+    if args.graph_prepare:
+        return graph_prepare(args.device)
     if not args.model_only:
         host_overhead(args.device)
     if not args.host:

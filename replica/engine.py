@@ -221,7 +221,7 @@ class LLMEngine:
         launched = self._launch(batch)
         out = early + (self._resolve(launched) if launched is not None else [])
         if return_logits:
-            return out, {seq.id: launched.logits[i] for i, (seq, _) in enumerate(launched.sampled)} if launched else {}
+            return out, {seq.id: launched.logits[i].clone() for i, (seq, _) in enumerate(launched.sampled)} if launched else {}
         return out
 
     def _step_overlap(self) -> list:

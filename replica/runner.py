@@ -149,8 +149,8 @@ class Runner:
         on_cuda = self.device.type == "cuda"
         use_graphs = ((cfg.graph_mode == "auto" and on_cuda) or cfg.graph_mode == "buffers") and not keep_hidden
         if use_graphs and isinstance(self.model, LlamaModel):
-            self.graphs = DecodeGraphs(self, cfg.max_num_seqs, self.max_model_len,
-                                       capture=on_cuda and cfg.graph_mode == "auto")
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, bs, self.aux_layers, cfg.max_num_seqs,
+                                       self.max_model_len, capture=on_cuda and cfg.graph_mode == "auto")
         return layout
 
     def _agree(self, mine: KvLayout) -> KvLayout:
@@ -321,13 +321,12 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
     dtype = DTYPES[cfg.dtype]
     with torch.device("meta"):
         model = LlamaModel(model_cfg, ops, max_positions, tp)
-    model = model.to_empty(device=cfg.device)
-    # Buffers made on meta are empty: rebuild the rotary table for real.
+    # Cast on meta, then allocate: an 8B model never exists in fp32 (32 GB) on its way to bf16.
+    model = model.to(dtype).to_empty(device=cfg.device)
+    # Buffers made on meta are empty: rebuild the rotary table for real (kept in fp32).
     model.cos_sin = LlamaModel.rope_table(model_cfg, max_positions).to(cfg.device)
     if weights is not None:
-        model.load_weights(weights)
-    model = model.to(dtype)
-    model.cos_sin = model.cos_sin.float()
+        model.load_weights(weights)  # copy_ rounds each fp32 tensor to the parameter's dtype
     if cfg.quantization != "none":
         from replica.quant import quantize_model
 

@@ -11,14 +11,13 @@ with the C++ ops by the same 1e-4."""
 import pytest
 import torch
 
-from kernels import cpu_forward
 from replica.config import EngineConfig
 from replica.cpu_model import CpuModel
 from replica.plan import StepPlan
 from replica.runner import Runner
 from tests.replica.tiny import tiny_config, tiny_weights
 
-pytestmark = pytest.mark.skipif(not cpu_forward.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+pytestmark = pytest.mark.usefixtures("cpu_forward_built")
 
 GREEDY = (0.0, 0, 1.0, 0, 0)
 

@@ -8,8 +8,8 @@ import torch
 import kernels
 from kernels import cpu_ops, qgemm_cpu
 
-needs_qgemm = pytest.mark.skipif(not qgemm_cpu.available(), reason="needs AVX-512 VNNI and a C++ compiler")
-needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason="needs a C++ compiler")
+needs_qgemm = pytest.mark.usefixtures("qgemm_built")
+needs_ops = pytest.mark.usefixtures("cpu_ops_built")
 
 
 def random_weight(g, N, K, bits):
