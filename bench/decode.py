@@ -1,19 +1,32 @@
-"""Decode speed on a GPU: eager vs CUDA graphs vs graphs + overlap, against the HBM roofline and a
-Hugging Face transformers peer (static cache + torch.compile), same run, same GPU.
+"""Decode speed on a GPU: eager vs CUDA graphs vs graphs + overlap, through the engine
+and Runner as served, against the memory roofline measured in the same run.
 
-    python bench/decode.py                      # default model + Llama-3.1-8B shape (random bf16 weights)
-    python bench/decode.py --models smollm2-135m --batches 1 8 32 --steps 64
+    python bench/decode.py                                  # Llama-3.1-8B shape, batch 1 8 32 64
+    python bench/decode.py --models smollm2-135m --batches 1 8 --steps 32
+    python bench/decode.py --peer-only --batches 1 8         # the transformers peer alone
 
-Per (model, batch, mode) it prints ms per decode step, ms per output token,
-tokens/s, the roofline (bytes of weights + KV read per step / measured
-device-to-device copy bandwidth), the fraction of wall time the GPU sat idle
-(torch profiler: 1 - kernel time / wall time) and kernels per step. Prompts are
-random token ids of --context tokens (timing does not depend on values).
+Weights are random bf16, made on the device (timing does not depend on values); so
+are the prompts (--context tokens). Per (model, batch, mode) it prints:
+  * ms per decode step (--steps steps run back to back, one synchronize at the end:
+    with overlap, host work for step N+1 hides under step N, and this counts it so);
+  * the roofline: bytes a step must read (every weight except the embedding table,
+    which a decode gathers b rows of, plus the KV cache at the mean context) over
+    the device-to-device copy bandwidth measured at the start of the same run
+    (bytes read + written, CUDA events);
+  * GPU idle = 1 - (GPU time of the step's replayed graph, timed back to back) /
+    (wall time per step): the share of a step the device waits for the host.
+The peer (--peer, on by default): Hugging Face transformers' generate with a static
+cache and the forward under torch.compile (mode reduce-overhead), same shape and
+dtype, ms per decode step as (time for N tokens - time for 1) / (N - 1).
+
+On CPU (no CUDA) it runs the same code on a tiny model as a dry run of the GPU call
+(bench/gpu.sh --dry-run): figures there mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -24,163 +37,218 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wire import protocol as P  # noqa: E402
-from replica.config import EngineConfig  # noqa: E402
+from replica.config import EngineConfig, ModelConfig  # noqa: E402
 from replica.engine import LLMEngine  # noqa: E402
-from replica.loader import PRESETS, random_weights  # noqa: E402
+from replica.loader import PRESETS, random_weights, weight_shapes  # noqa: E402
+
+# The dry run's model: small enough for a CPU, the real code path.
+TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   rope_theta=10000.0, max_position_embeddings=2048, eos_token_ids=(0,), name="tiny")
+MODES = (("eager", "off", False), ("CUDA graphs", "auto", False), ("graphs + overlap", "auto", True))
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a large device-to-device copy, counting bytes read and written."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * n * 10 / (time.perf_counter() - t0)
+def model_config(name: str) -> ModelConfig:
+    return TINY if name == "tiny" else PRESETS[name]
 
 
-def sync(device):
-    if device.startswith("cuda"):
+def sync(device: str) -> None:
+    if device == "cuda":
         torch.cuda.synchronize()
 
 
-def run_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> list[float]:
-    sp = P.SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    V = engine.model_cfg.vocab_size
+def gpu_time(fn, reps: int = 20) -> float:
+    """Seconds per call of fn, timed with CUDA events after warm-up (median of 3 runs of reps)."""
+    for _ in range(3):
+        fn()
+    runs = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(runs)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, counting bytes read and written."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    bw = 2 * n / gpu_time(lambda: b.copy_(a), reps=10)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def bytes_per_step(cfg: ModelConfig, itemsize: int, batch: int, context: int) -> int:
+    """Weights a decode step reads (all but the embedding table, unless it is also the LM
+    head) plus the KV cache of `batch` sequences at `context` tokens."""
+    shapes = weight_shapes(cfg)
+    params = sum(torch.Size(s).numel() for name, s in shapes.items()
+                 if cfg.tie_word_embeddings or not name.endswith("embed_tokens.weight"))
+    kv = 2 * cfg.num_layers * cfg.kv_size * context * batch
+    return (params + kv) * itemsize
+
+
+def release_memory() -> None:
+    """After the last reference to an engine is dropped: its memory back to the device before
+    the next engine sizes its KV pool (no cycle holds an engine; collect anyway)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def add_requests(engine: LLMEngine, batch: int, context: int, max_tokens: int, tag: str) -> None:
+    sp = P.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
+    V = engine.model_cfg.vocab_size
     for i in range(batch):
         ids = torch.randint(10, V, (context,), generator=g).tolist()
-        assert engine.add(P.Generate(id=f"{batch}-{i}-{time.monotonic_ns()}", prompt_ids=ids, sampling=sp)) is None
+        assert engine.add(P.Generate(id=f"{tag}-{batch}-{i}", prompt_ids=ids, sampling=sp)) is None
+
+
+def decode_step_time(engine: LLMEngine, batch: int, context: int, steps: int) -> tuple[float, float | None]:
+    """(seconds per decode step over `steps` back-to-back steps, seconds per replay of the
+    batch's graph or None without graphs)."""
+    add_requests(engine, batch, context, steps + 16, "t")
     while any(s.num_computed < len(s) - 1 for s in engine.seqs.values()):
-        engine.step()
-    times = []
+        engine.step()  # prefill (and, with overlap, the first decode launched)
+    for _ in range(4):
+        engine.step()  # warm-up: every decode step from here on is the same shape
+    sync(engine.cfg.device)
+    t0 = time.perf_counter()
     for _ in range(steps):
-        sync(engine.cfg.device)
-        t0 = time.perf_counter()
-        engine.step()  # ends in a host sync (tokens to the host)
-        times.append(time.perf_counter() - t0)
-    for rid in list(engine.seqs):
-        engine.abort(rid)
-    return times
-
-
-def profile_idle(engine: LLMEngine, batch: int, context: int, steps: int) -> tuple[float, float]:
-    """(GPU idle fraction of wall time, kernels per step) over `steps` decode steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sp = P.SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add(P.Generate(id=f"prof-{i}", prompt_ids=list(range(10, 10 + context)), sampling=sp))
-    while any(s.num_computed < len(s) - 1 for s in engine.seqs.values()):
         engine.step()
     sync(engine.cfg.device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync(engine.cfg.device)
-        wall = time.perf_counter() - t0
+    per_step = (time.perf_counter() - t0) / steps
+    replay = None
+    graphs = engine.runner.graphs
+    if graphs is not None and graphs.graphs:
+        # The last step's buffers replayed again: rewrites the same KV entries with the same values.
+        replay = gpu_time(graphs.graphs[graphs.bucket_for(batch)].replay)
     for rid in list(engine.seqs):
         engine.abort(rid)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.device_time for e in kernels) * 1e-6  # us -> s (overlaps ignored: one stream)
-    return max(0.0, 1 - busy / wall), len(kernels) / steps
+    while engine.has_work():
+        engine.step()
+    return per_step, replay
 
 
-def bytes_per_step(cfg, dtype: torch.dtype, batch: int, context: int) -> int:
-    n_params = sum(v.numel() for v in random_weights_shapes(cfg))
-    kv = 2 * cfg.num_layers * cfg.kv_size * dtype.itemsize * context * batch
-    return n_params * dtype.itemsize + kv
+def bench_model(name: str, batches: list[int], context: int, steps: int, device: str, bw: float | None) -> None:
+    cfg = model_config(name)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    weights = random_weights(cfg, dtype=dtype, seed=0, device=device)
+    for label, graph_mode, overlap in MODES:
+        if device != "cuda" and graph_mode == "auto":
+            graph_mode = "buffers"  # the dry run: the padded-buffer path, eagerly
+        ecfg = EngineConfig(model=name, device=device, dtype=str(dtype).removeprefix("torch."), graph_mode=graph_mode,
+                            overlap=overlap, speculative="off", max_num_seqs=max(batches), max_num_batched_tokens=4096,
+                            max_model_len=context + steps + 64, seed=0)
+        engine = None
+        try:
+            t0 = time.perf_counter()
+            engine = LLMEngine(ecfg, cfg, weights)
+            print(f"  [{name} {label}: engine built in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
+            for b in batches:
+                step, replay = decode_step_time(engine, b, context, steps)
+                roof = bytes_per_step(cfg, dtype.itemsize, b, context + steps // 2) / bw if bw else None
+                idle = f"{max(0.0, 1 - replay / step):.1%}" if replay else "-"
+                print(f"| {name} | {b} | {label} | {step * 1e3:.3f} | {b / step:.0f} | "
+                      f"{roof * 1e3 if roof else float('nan'):.3f} | {step / roof if roof else float('nan'):.2f} | "
+                      f"{replay * 1e3 if replay else float('nan'):.3f} | {idle} |", flush=True)
+        except Exception as e:  # one mode failing must not hide the others' figures
+            print(f"| {name} | | {label} | FAILED: {type(e).__name__}: {str(e)[:200]} | | | | | |", flush=True)
+        finally:
+            if engine is not None:
+                engine.close()
+            engine = None
+            release_memory()
+    del weights
+    release_memory()
 
 
-def random_weights_shapes(cfg):
-    from replica.loader import weight_shapes
-
-    return [torch.empty(s, device="meta") for s in weight_shapes(cfg).values()]
-
-
-def hf_peer(name: str, cfg, batch: int, context: int, steps: int, compiled: bool) -> float | None:
-    """ms per decode step of transformers generate (static cache), or None if unavailable."""
+def hf_peer(name: str, batches: list[int], context: int, steps: int, device: str) -> None:
+    """transformers generate, static cache, forward compiled (reduce-overhead: CUDA graphs)."""
     try:
         import transformers
     except ImportError:
-        return None
+        print(f"| {name} | | transformers | not installed: peer skipped | | | | | |", flush=True)
+        return
+    cfg = model_config(name)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                                       intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                                       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                                       max_position_embeddings=context + steps + 16, rope_theta=cfg.rope_theta,
                                       tie_word_embeddings=cfg.tie_word_embeddings)
-    model = transformers.LlamaForCausalLM(hf_cfg).to("cuda", torch.bfloat16).eval()
-    if compiled:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    ids = torch.randint(10, cfg.vocab_size, (batch, context), device="cuda")
-    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)  # warm-up / compile
-        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        torch.cuda.synchronize()
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kw)
-        torch.cuda.synchronize()
-        total = time.perf_counter() - t0
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # random init on the device, in bf16: no fp32 copy on the host
+            model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.pad_token_id = 0
+    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def forward(*a, **k):  # each call a new cudagraph-tree step: the static cache's counters outlive a replay
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*a, **k)
+
+    model.forward = forward
+    kw = dict(do_sample=False, cache_implementation="static")
+    for b in batches:
+        try:
+            ids = torch.randint(10, cfg.vocab_size, (b, context), device=device)
+            mask = torch.ones_like(ids)
+
+            def gen(n):
+                sync(device)
+                t0 = time.perf_counter()
+                model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kw)
+                sync(device)
+                return time.perf_counter() - t0
+
+            with torch.inference_mode():
+                gen(steps)  # compile, capture
+                gen(steps)
+                first = min(gen(1) for _ in range(2))
+                total = min(gen(steps) for _ in range(2))
+            step = (total - first) / (steps - 1)
+            print(f"| {name} | {b} | transformers static cache + compile | {step * 1e3:.3f} | {b / step:.0f} "
+                  f"| | | | |", flush=True)
+        except Exception as e:
+            print(f"| {name} | {b} | transformers | FAILED: {type(e).__name__}: {str(e)[:200]} | | | | | |",
+                  flush=True)
     del model
-    torch.cuda.empty_cache()
-    return (total - prefill) / (steps - 1) * 1e3
+    release_memory()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-3.1-8b"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--models", nargs="+", default=None, help="PRESETS names (default: llama-3.1-8b; tiny on CPU)")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-only", action="store_true")
+    ap.add_argument("--peer-batches", nargs="+", type=int, default=[1, 8])
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/decode.py measures GPU decode; no CUDA device here (CPU figures: bench/engine.py)")
-    dev = "cuda"
-    bw = copy_bandwidth(dev)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("\n| model | batch | mode | ms/step | ms/token | tokens/s | roofline ms | x roofline | GPU idle | kernels/step |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name in args.models:
-        cfg = PRESETS[name]
-        weights = random_weights(cfg, dtype=torch.bfloat16, seed=0, device=dev)
-        for mode, overlap, label in (("off", False, "eager"), ("auto", False, "CUDA graphs"),
-                                     ("auto", True, "graphs + overlap")):
-            ecfg = EngineConfig(model=name, device=dev, dtype="bfloat16", graph_mode=mode, overlap=overlap,
-                                max_num_seqs=max(args.batches), max_num_batched_tokens=4096,
-                                max_model_len=args.context + args.steps + 64)
-            engine = LLMEngine(ecfg, cfg, weights)
-            for b in args.batches:
-                run_decode(engine, b, args.context, 4)  # warm-up
-                step = statistics.median(run_decode(engine, b, args.context, args.steps))
-                roof = bytes_per_step(cfg, torch.bfloat16, b, args.context + args.steps // 2) / bw
-                idle, kps = profile_idle(engine, b, args.context, 16)
-                print(f"| {name} | {b} | {label} | {step * 1e3:.3f} | {step * 1e3 / b:.3f} | {b / step:.0f} | "
-                      f"{roof * 1e3:.3f} | {step / roof:.2f} | {idle:.1%} | {kps:.0f} |", flush=True)
-            del engine
-            torch.cuda.empty_cache()
-        del weights
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = args.models or (["llama-3.1-8b"] if device == "cuda" else ["tiny"])
+    bw = copy_bandwidth() if device == "cuda" else None
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: figures mean nothing)"
+    print(f"device: {name}, torch {torch.__version__}, copy bandwidth "
+          f"{f'{bw / 1e12:.2f} TB/s' if bw else 'n/a'}, context {args.context}, {args.steps} steps\n")
+    print("| model | batch | mode | ms/step | tokens/s | roofline ms | x roofline | graph replay ms | GPU idle |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    for name in models:
+        if not args.peer_only:
+            bench_model(name, args.batches, args.context, args.steps, device, bw)
         if not args.no_peer:
-            for compiled in (False, True):
-                for b in args.batches:
-                    ms = hf_peer(name, cfg, b, args.context, args.steps, compiled)
-                    if ms is None:
-                        print("| transformers not installed: peer skipped |")
-                        break
-                    label = "HF generate" + (" + compile" if compiled else "")
-                    print(f"| {name} | {b} | {label} | {ms:.3f} | {ms / b:.3f} | {b / ms * 1e3:.0f} | | | | |",
-                          flush=True)
+            hf_peer(name, args.peer_batches, args.context, args.steps, device)
 
 
 if __name__ == "__main__":

@@ -1,33 +1,84 @@
 #!/usr/bin/env bash
-# One call on a GPU machine (the device tool): install what the image lacks from
-# carried wheels, run the GPU tests, then every GPU benchmark; logs under $OUT.
+# The GPU call: every GPU figure and test in stages, each under its own timeout, in
+# order of value; a failing stage never stops the next; progress unbuffered; each
+# stage's output in $OUT/<stage>.md (at most 8 files come back from a call).
 #
-# Here, once per session:   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     msgspec gguf xxhash tokenizers jinja2 markupsafe safetensors tqdm
-# Then: run(command="bash bench/gpu.sh", carry=[".whl"])
+#   bash bench/gpu.sh [STAGE ...]        # on the GPU machine (the device tool's run)
+#   bash bench/gpu.sh --dry-run [STAGE ...]   # here, on CPU: the same stages on tiny shapes
 #
-# Speculative decoding (EAGLE-3 head trained on the GPU, then bench/speculative.py)
-# needs the default model's GGUF, too big for one call's tree: split it here
-#   echo /.gguf/ >> .git/info/exclude; mkdir -p .gguf
-#   split -n 2 "$(.venv/bin/python -c 'from replica.hf_checkpoint import resolve_model as r; print(r("default"))')" .gguf/part-
-# (98 MB: two parts of 49 MB) and carry .gguf/part-aa in a first call (`true`), then
-# .gguf/part-ab with this script (a carried path stays on the warm machine while
-# later calls do not name it again).
+# Stages (default: all, in this order; one device call allows at most 10 minutes, so
+# a lease runs two calls back to back while the machine is warm):
+#   decode   engine decode at batch 1/8/32/64, 8B shape, eager / graphs / graphs + overlap,
+#            roofline and GPU idle in the same process      (bench/decode.py)
+#   peer     transformers static cache + torch.compile, batch 1 and 8, same shape
+#   tests    pytest -m gpu: Triton kernels vs references (bf16 included), graphs vs
+#            eager, overlap vs synchronous, EAGLE-3 under graphs vs plain decoding
+#   service  replica + proxy on the GPU, the openai SDK at 1 and 16 streams (bench/gpu_service.py)
+#   spec     EAGLE-3 draft + verify step times at the 8B shape (bench/spec_gpu.py)
+#   kernels  Triton kernels' GB/s against the copy bandwidth (bench/kernels.py --quick)
+#   host     engine host time per step, graph step preparation (bench/engine.py --host)
+#   train    (named only) an EAGLE-3 head for the default model trained on the GPU, packed into
+#            $OUT/eagle3-head.tar.part-*, and its measured speed-up (bench/gpu_train.sh; needs the GGUF
+#            carried in two parts: `mkdir -p .gguf && split -n 2 "$(.venv/bin/python -c 'from
+#            replica.loader import resolve_model; print(resolve_model("default"))')" .gguf/part-`,
+#            .gguf/ ignored by git, part-aa carried by one call, part-ab by the next)
+# The lease's two calls:  run(command="bash bench/gpu.sh decode peer", carry=[".whl"], timeout_s=540)
+#                         run(command="bash bench/gpu.sh tests service spec kernels host", carry=[".whl"])
+# Wheels the image lacks: `bash bench/gpu_wheels.sh` here first (fills .whl/, ignored by git).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+cd "$(dirname "$0")/.."
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode peer tests service spec kernels host)
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ $DRY = 1 ]; then
+  PY=${PY:-.venv/bin/python}
+else
+  PY=${PY:-python3}
+  if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.installed || echo "wheel install FAILED"
+  fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
-python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.md" | tail -40
-python3 bench/decode.py "$@" 2>&1 | tee "$OUT/decode.md" | tail -30
-if ls .gguf/part-* >/dev/null 2>&1; then
-  cat .gguf/part-* > /tmp/default.gguf
-  python3 -m speculative.train --model /tmp/default.gguf --device cuda 2>&1 | tee "$OUT/spec_train.log" | tail -5
-  python3 bench/speculative.py --model /tmp/default.gguf --device cuda --write-policy 2>&1 \
-    | tee "$OUT/speculative.md" | tail -30
-fi
+$PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+
+declare -A TIMEOUT=([decode]=130 [peer]=300 [tests]=90 [service]=150 [spec]=80 [kernels]=100 [host]=20 [train]=400)
+stage_cmd() {  # the command of a stage; the dry run's on tiny shapes
+  case "$1:$DRY" in
+    decode:0) echo "$PY bench/decode.py --no-peer --steps 32" ;;
+    decode:1) echo "$PY bench/decode.py --no-peer --batches 1 4 --steps 8 --context 32" ;;
+    peer:0) echo "$PY bench/decode.py --peer-only --peer-batches 1 8" ;;
+    peer:1) echo "$PY bench/decode.py --peer-only --peer-batches 1 --steps 4 --context 16" ;;
+    tests:0) echo "$PY -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -n 8 tests/kernels tests/replica" ;;
+    # Here: the GPU tests are collected (and skipped) without building any C++ extension.
+    tests:1) echo "env TORCH_EXTENSIONS_DIR=$OUT/ext $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/replica" ;;
+    service:0) echo "$PY bench/gpu_service.py" ;;
+    service:1) echo "$PY bench/gpu_service.py --model smollm2-135m --device cpu --max-tokens 8 --streams 1,4" ;;
+    spec:0) echo "$PY bench/spec_gpu.py" ;;
+    spec:1) echo "$PY bench/spec_gpu.py --model smollm2-135m --layers 4 --device cpu --dtype float32 --steps 2 --context 32" ;;
+    kernels:0) echo "$PY bench/kernels.py --quick" ;;
+    kernels:1) echo "$PY bench/kernels.py --help" ;;
+    host:0) echo "$PY bench/engine.py --graph-prepare --device cuda" ;;
+    host:1) echo "$PY bench/engine.py --graph-prepare --device cpu" ;;
+    train:*) echo "env DRY=$DRY PY=$PY OUT=$OUT bash bench/gpu_train.sh" ;;
+    *) return 1 ;;
+  esac
+}
+
+declare -a SUMMARY
+T0=$SECONDS
+for s in "${STAGES[@]}"; do
+  cmd=$(stage_cmd "$s") || { echo "unknown stage $s"; SUMMARY+=("$s: unknown"); continue; }
+  echo "=== $s (timeout ${TIMEOUT[$s]}s): $cmd"
+  t=$SECONDS
+  timeout -k 10 "${TIMEOUT[$s]}" $cmd 2>&1 | tee "$OUT/$s.md" | grep -v '^\s*$' | tail -n 40
+  rc=${PIPESTATUS[0]}
+  [ $DRY = 1 ] && [ "$s" = tests ] && [ -n "$(ls -A "$OUT/ext" 2>/dev/null)" ] && { echo "a C++ extension was built"; rc=99; }
+  SUMMARY+=("$s: rc=$rc in $((SECONDS - t))s")
+  echo "=== $s: rc=$rc in $((SECONDS - t))s (total $((SECONDS - T0))s)"
+done
+rm -rf "$OUT/ext"
+echo; echo "## summary"; printf '%s\n' "${SUMMARY[@]}"

@@ -228,7 +228,8 @@ def load_head(path: str | os.PathLike, target_cfg: ModelConfig, embed_weight: to
 
     cfg = load_head_config(path)
     cfg.check_target(target_cfg)
-    head = Eagle3Head(cfg, embed_weight)
+    with torch.device(embed_weight.device):  # built where it runs (it was built on the CPU and stayed there)
+        head = Eagle3Head(cfg, embed_weight)
     state = load_file(str(Path(path) / WEIGHTS_FILE), device=str(embed_weight.device))
     head.load_state_dict(state, strict=True)
     return head.to(dtype or embed_weight.dtype).eval()

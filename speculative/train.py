@@ -322,8 +322,8 @@ def train(head: Eagle3Head, model: LlamaModel, data: dict, out: Path | None, *, 
     """Train in place; returns the last logged figures. With `out`, checkpoints there and resumes."""
     from tqdm import tqdm
 
-    t2d = torch.zeros(head.cfg.target_vocab_size, dtype=torch.bool)
-    t2d[head.d2t] = True
+    t2d = torch.zeros(head.cfg.target_vocab_size, dtype=torch.bool)  # on the host, as the data
+    t2d[head.d2t.cpu()] = True
     w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     head_weight = w[head.d2t].detach().float()
     cos_sin = model.cos_sin.float()
@@ -387,7 +387,9 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--time-budget", type=float, default=28.0,
-                    help="minutes for the whole run: training stops early rather than overrun it (0: no limit)")
+                    help="minutes for the whole run, fractions allowed (e.g. 1.5): training stops early rather than "
+                         "overrun it, after at least 0.1 min; the data run is not cut short, cap it with "
+                         "--limit-prompts and --max-new-tokens (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="ignore cached data and checkpoints")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",

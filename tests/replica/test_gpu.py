@@ -32,7 +32,7 @@ def engine(**kw) -> LLMEngine:
 
 @torch.inference_mode()
 def test_every_graph_bucket_replays_the_eager_forward():
-    """For each bucket, a batch that pads it (one row short where the bucket allows): the
+    """For each bucket, the smallest batch it serves (every padding row it can have): the
     replayed graph's logits equal the eager forward's over the same rows, within bf16
     rounding (a padded batch may run other GEMM kernels), and the same argmax wherever
     the top two are apart."""
@@ -41,8 +41,8 @@ def test_every_graph_bucket_replays_the_eager_forward():
     assert graphs is not None and graphs.graphs, "no CUDA graphs captured"
     rng = random.Random(0)
     runner.kv_cache.normal_()  # attention over random keys and values: a wrong block or slot shows
-    for b in graphs.buckets:
-        n = max(1, b - 1)
+    for prev, b in zip([0] + graphs.buckets, graphs.buckets):
+        n = prev + 1  # the smallest batch this bucket serves: the most padding rows
         free = rng.sample(range(1, runner.kv_cache.shape[2]), runner.kv_cache.shape[2] - 1)  # rows share no block
         tables, starts = [], []
         for i in range(n):

@@ -1,0 +1,213 @@
+"""EAGLE-3 through the decode graphs.
+
+CPU: graph_mode="buffers" runs the graphs' padded-buffer path eagerly, writing the
+same static outputs a replay writes. A speculating engine feeds its head the aux
+features of every plain step and keeps them until its next draft, so features
+handed out as views of a graph's static output would be overwritten by the next
+replay: drafts would then differ, and with them the accepted draft tokens, while
+the emitted tokens (verified) stay the same. Hence the invariant checked: the
+same drafts, accepted counts and tokens as the engine without graphs.
+
+GPU (`-m gpu`): greedy EAGLE-3 under CUDA graphs in bf16, with overlap, emits the
+plain decoder's tokens (same graphs), with a random head (nothing accepted) and with
+a head trained there (drafts accepted: KV moves, several tokens a step). bf16
+rounding may break a near-tie the other way between the two paths' batch shapes, so
+at the first differing token the plain decoder's logits of both tokens must lie within
+tests/replica/divergence.BF16_TIE of the row's scale (its top two are then a near-tie).
+Collected without a GPU and without building a C++ extension; skipped there.
+"""
+
+import random
+
+import pytest
+import torch
+
+import kernels
+from wire import protocol as P
+from replica.config import EngineConfig
+from replica.engine import LLMEngine
+from replica.loader import random_weights
+from replica.runner import build_model
+from speculative.head import Eagle3Head, HeadConfig, aux_layers_for, save_head
+from speculative.train import draft_vocab, init_head, self_distill, train
+from tests.replica.divergence import check_same_or_near_tie
+from tests.replica.tiny import tiny_config, tiny_weights
+
+CFG = tiny_config(num_layers=4)  # four layers: the head's three feature layers are distinct
+
+
+def quiet_layers(w: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """w with its layers' outputs scaled by `scale`: the target's next token then depends
+    mostly on the current one, which a head learns in seconds (a random head accepts
+    nothing, and equal accepted counts of 0 would prove nothing)."""
+    return {k: v * scale if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in w.items()}
+
+
+def trained_head(model, path) -> str:
+    """An EAGLE-3 head trained briefly (speculative.train) on the target's own greedy
+    answers to 24 random prompts, saved at `path`."""
+    cfg, V = model.cfg, model.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, V, (int(n),), generator=g).tolist() for n in torch.randint(4, 30, (24,), generator=g)]
+    convs = self_distill(model, prompts, aux_layers_for(cfg.num_layers), max_tokens=40, temperature=0.0, seed=0,
+                         batch_size=8)
+    data = {k: [c[k] for c in convs] for k in ("ids", "n_prompt", "aux", "hidden", "top1")}
+    head = init_head(HeadConfig.for_target(cfg, V), model, draft_vocab(data, V, V))
+    train(head, model, data, None, epochs=20, ttt_steps=4, lr=3e-3, batch_tokens=512, progress=False)
+    return str(save_head(head, path))
+
+
+W = quiet_layers(tiny_weights(CFG), 0.1)
+
+
+@pytest.fixture(scope="module")
+def head_path(tmp_path_factory):
+    model = build_model(CFG, EngineConfig(graph_mode="off"), W, kernels.ops("cpu"), 512)
+    return trained_head(model, tmp_path_factory.mktemp("eagle3") / "tiny")
+
+
+def run_recording(eng: LLMEngine, reqs: dict[str, tuple[list[int], int]]) -> dict:
+    """Step until idle: tokens and accepted drafts (usage) per request, the engine's
+    drafted / accepted counters, every speculating step's trees (request, tokens,
+    parents per row) and how many steps replayed the decode graphs."""
+    drafts, replays = [], []
+    draft = eng.speculator.draft
+
+    def recorded_draft(batch):
+        trees = draft(batch)
+        drafts.append([(s.id, t.tokens, t.parents) for s, t in zip(batch.seqs, trees)])
+        return trees
+
+    eng.speculator.draft = recorded_draft
+    if eng.runner.graphs is not None:
+        graph_run = eng.runner.graphs.run
+
+        def counted_run(plan, prev_tokens=None):
+            replays.append(len(plan.starts))
+            return graph_run(plan, prev_tokens)
+
+        eng.runner.graphs.run = counted_run
+    for k, (ids, n) in reqs.items():
+        sp = P.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        assert eng.add(P.Generate(id=k, prompt_ids=ids, sampling=sp)) is None
+    toks, accepted = {}, {}
+    while eng.has_work():
+        for m in eng.step():
+            toks.setdefault(m.id, []).extend(m.ids)
+            if isinstance(m, P.Finished):
+                accepted[m.id] = m.usage.accepted_draft_tokens
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.seqs
+    return dict(tokens=toks, accepted=accepted, counters=(eng.stats.drafted, eng.stats.accepted), drafts=drafts,
+                replays=len(replays))
+
+
+def cpu_engine(head: str, graph_mode: str, overlap: bool) -> LLMEngine:
+    # Trees of 10 drafts at batch 1, tapering to plain decoding above 2 sequences: with six
+    # requests of staggered lengths, runs of plain (graph) steps come before the drafting steps.
+    cfg = EngineConfig(num_blocks=96, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                       speculative="eagle3", spec_head=head, spec_depth=4, spec_top_k=3, spec_budget=10,
+                       spec_max_batch=2, spec_policy="taper", graph_mode=graph_mode, overlap=overlap)
+    return LLMEngine(cfg, CFG, W)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eagle3_through_graph_buffers_drafts_and_accepts_as_without_graphs(head_path, overlap):
+    rng = random.Random(5)
+    reqs = {f"r{i}": ([rng.randrange(1, 97) for _ in range(n)], m)
+            for i, (n, m) in enumerate([(7, 40), (30, 12), (12, 20), (45, 16), (3, 36), (20, 9)])}
+    ref = run_recording(cpu_engine(head_path, "off", overlap), reqs)
+    got = run_recording(cpu_engine(head_path, "buffers", overlap), reqs)
+    assert ref["replays"] == 0 and got["replays"] >= 10, "the plain steps replay through the graph buffers"
+    assert ref["counters"][1] >= 10, "some drafts are accepted: equal counts mean something"
+    assert got["tokens"] == ref["tokens"]  # verified: the same whatever the head saw
+    assert got["accepted"] == ref["accepted"] and got["counters"] == ref["counters"]  # the head saw the same features
+    assert got["drafts"] == ref["drafts"]  # and drafted the same trees, step by step
+
+
+# -- on a GPU: bf16 under CUDA graphs --------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Small, with real shapes for the kernels: GQA 4:1, head_dim 64; six layers (the head reads 0, 3 and 5).
+# A small vocabulary: the trained head sees most of its transitions in a few hundred answers.
+GPU_CFG = tiny_config(vocab_size=128, hidden_size=512, intermediate_size=1024, num_layers=6, num_heads=8,
+                      num_kv_heads=2, max_position_embeddings=2048)
+# (prompt tokens, max tokens): four, then three decode plainly (graph replays, features for the
+# head) until two remain, which speculate for their last 24 or more tokens
+GPU_REQUESTS = ((3, 48), (17, 40), (64, 16), (200, 12))
+
+
+def gpu_requests() -> dict[str, tuple[list[int], int]]:
+    rng = random.Random(1)
+    return {f"g{i}": ([rng.randrange(1, GPU_CFG.vocab_size) for _ in range(n)], m)
+            for i, (n, m) in enumerate(GPU_REQUESTS)}
+
+
+def gpu_engine(weights: dict, **kw) -> LLMEngine:
+    cfg = dict(device="cuda", dtype="bfloat16", num_blocks=128, max_num_seqs=4, max_num_batched_tokens=512,
+               max_model_len=1024, graph_mode="auto")
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), GPU_CFG, weights)
+
+
+def plain_with_logits(eng: LLMEngine, reqs: dict) -> tuple[dict, dict]:
+    """Greedy tokens per request and, per token, the fp32 logits it was chosen from."""
+    for k, (ids, n) in reqs.items():
+        sp = P.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        assert eng.add(P.Generate(id=k, prompt_ids=ids, sampling=sp)) is None
+    toks = {k: [] for k in reqs}
+    logits = {k: [] for k in reqs}
+    while eng.has_work():
+        out, rows = eng.step(return_logits=True)
+        for k, row in rows.items():
+            logits[k].append(row.float().cpu())
+        for m in out:
+            toks[m.id].extend(m.ids)
+    assert all(len(logits[k]) == len(toks[k]) for k in reqs), "one logits row per token: synchronous steps"
+    return toks, logits
+
+
+def eagle3_against_plain(weights: dict, head: str) -> dict:
+    """Greedy EAGLE-3 (trees, overlap and graphs as served on CUDA) against plain decoding under
+    the same graphs (synchronous, for the logits); returns the speculating run's record."""
+    reqs = gpu_requests()
+    plain = gpu_engine(weights, speculative="off", overlap=False)
+    assert plain.runner.graphs is not None and plain.runner.graphs.graphs, "no CUDA graphs captured"
+    want, logits = plain_with_logits(plain, reqs)
+    del plain
+    eng = gpu_engine(weights, speculative="eagle3", spec_head=head, spec_policy="taper", spec_max_batch=2,
+                     spec_depth=4, spec_top_k=3, spec_budget=10)
+    assert eng.speculator.head.fc.weight.is_cuda, "the head must be on the target's device (speculative.head.load_head)"
+    assert eng.overlap and eng.runner.graphs.graphs
+    got = run_recording(eng, reqs)
+    assert got["replays"] > 0 and got["counters"][0] > 0, "both plain (graph) and speculating steps ran"
+    for k in reqs:  # the same tokens, or a first difference at a near-tie of the plain decoder's logits
+        assert len(got["tokens"][k]) == len(want[k]) == reqs[k][1]
+        check_same_or_near_tie(got["tokens"][k], want[k], logits[k], f"request {k}")
+    return got
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_eagle3_random_head_under_cuda_graphs_emits_the_plain_tokens(tmp_path):
+    """A random head (nothing accepted): every emitted token is a verify step's bonus token."""
+    weights = random_weights(GPU_CFG, dtype=torch.bfloat16, seed=0, device="cuda")
+    torch.manual_seed(0)
+    head = Eagle3Head(HeadConfig.for_target(GPU_CFG, GPU_CFG.vocab_size), weights["model.embed_tokens.weight"])
+    eagle3_against_plain(weights, str(save_head(head, tmp_path / "head")))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_eagle3_trained_head_under_cuda_graphs_emits_the_plain_tokens(tmp_path):
+    """A head trained on the GPU (speculative.train) for a target whose next token depends
+    mostly on the current one: drafts are accepted, so accepted paths' KV moves and
+    several tokens a step run on the device too."""
+    weights = quiet_layers(random_weights(GPU_CFG, dtype=torch.bfloat16, seed=0, device="cuda"), 0.01)
+    weights["lm_head.weight"] *= 10  # peaked next-token distributions: few near-ties
+    model = build_model(GPU_CFG, EngineConfig(device="cuda", dtype="bfloat16", graph_mode="off"), weights,
+                        kernels.ops("cuda"), 1024)
+    head = trained_head(model, tmp_path / "head")
+    del model
+    got = eagle3_against_plain(weights, head)
+    assert got["counters"][1] >= 10, f"the trained head's drafts are accepted: (drafted, accepted) {got['counters']}"
