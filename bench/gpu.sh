@@ -22,8 +22,14 @@
 #            carried in two parts: `mkdir -p .gguf && split -n 2 "$(.venv/bin/python -c 'from
 #            replica.loader import resolve_model; print(resolve_model("default"))')" .gguf/part-`,
 #            .gguf/ ignored by git, part-aa carried by one call, part-ab by the next)
-# The lease's two calls:  run(command="bash bench/gpu.sh decode peer", carry=[".whl"], timeout_s=540)
-#                         run(command="bash bench/gpu.sh tests service spec kernels host", carry=[".whl"])
+# The lease's calls (each brings back at most 8 files of $OUT; issue the next within the 30 s the
+# machine stays warm):
+#   run(command="bash bench/gpu.sh decode peer", carry=[".whl"], timeout_s=480)
+#   run(command="bash bench/gpu.sh tests service spec kernels host", carry=[".whl"], timeout_s=540)
+#   with .gguf/part-aa carried by one of them: run(command="bash bench/gpu.sh train", carry=[".whl", ".gguf/part-ab"])
+# Measured on an H200 (2026-11-26): decode 26 s, spec 39 s, tests 24 s, host 5 s, machine start
+# about 90 s; the peer compiled for over 100 s; the service 257 s while its replica drew random
+# weights on the CPU (now on the device).
 # Wheels the image lacks: `bash bench/gpu_wheels.sh` here first (fills .whl/, ignored by git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
