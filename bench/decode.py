@@ -4,6 +4,7 @@ and Runner as served, against the memory roofline measured in the same run.
     python bench/decode.py                                  # Llama-3.1-8B shape, batch 1 8 32 64
     python bench/decode.py --models smollm2-135m --batches 1 8 --steps 32
     python bench/decode.py --peer-only --batches 1 8         # the transformers peer alone
+    python bench/decode.py --profile 1 8                     # one step's device time by kernel
 
 Weights are random bf16, made on the device (timing does not depend on values); so
 are the prompts (--context tokens). Per (model, batch, mode) it prints:
@@ -169,6 +170,58 @@ def bench_model(name: str, batches: list[int], context: int, steps: int, device:
     release_memory()
 
 
+def profile_step(name: str, batch: int, context: int, device: str, top: int = 18) -> None:
+    """Where a decode step's device time goes: one engine with CUDA graphs, `batch` sequences
+    at `context` tokens, 10 replays of the batch's graph under torch.profiler (CUPTI reports
+    the kernels inside a graph); kernel time per step by kernel name, largest first, against
+    the step's roofline. On CPU (dry run) the eager forward's ops instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = model_config(name)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ecfg = EngineConfig(model=name, device=device, dtype=str(dtype).removeprefix("torch."),
+                        graph_mode="auto" if device == "cuda" else "buffers", speculative="off", max_num_seqs=batch,
+                        max_num_batched_tokens=4096, max_model_len=context + 64, seed=0)
+    engine = LLMEngine(ecfg, cfg, random_weights(cfg, dtype=dtype, seed=0, device=device))
+    add_requests(engine, batch, context, 32, "p")
+    while any(s.num_computed < len(s) - 1 for s in engine.seqs.values()):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    graphs = engine.runner.graphs
+    b = graphs.bucket_for(batch)
+    if b in graphs.graphs:
+        replay = graphs.graphs[b].replay
+    else:  # no graph (CPU): the same buffers, eagerly
+        def replay():
+            graphs._forward(b)
+    reps = 10
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            replay()
+        sync(device)
+    on_device = device == "cuda"
+    rows = {}
+    for e in prof.key_averages():
+        t = e.device_time_total if on_device else e.self_cpu_time_total  # us over `reps`
+        if t > 0 and (not on_device or e.device_type == torch.autograd.DeviceType.CUDA):
+            rows[e.key] = (t / reps, e.count / reps)
+    total = sum(t for t, _ in rows.values())
+    roof = bytes_per_step(cfg, dtype.itemsize, batch, context) / copy_bandwidth() * 1e6 if on_device else float("nan")
+    print(f"\n### Device time of one step by kernel: {name}, batch {batch}, context {context} "
+          f"({'replayed graph' if on_device else 'eager ops on CPU'}): {total:.0f} us a step, "
+          f"roofline {roof:.0f} us, {len([1 for _, c in rows.values() if c])} kinds\n")
+    print("| kernel | us/step | launches/step | share |")
+    print("|---|---:|---:|---:|")
+    for key, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {key[:90]} | {t:.1f} | {n:.0f} | {t / total:.1%} |", flush=True)
+    engine.close()
+    del engine
+    release_memory()
+
+
 def hf_peer(name: str, batches: list[int], context: int, steps: int, device: str) -> None:
     """transformers generate, static cache, forward compiled (reduce-overhead: CUDA graphs)."""
     try:
@@ -235,9 +288,16 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--peer-only", action="store_true")
     ap.add_argument("--peer-batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--profile", nargs="*", type=int, metavar="BATCH",
+                    help="only: one step's device time by kernel at these batch sizes (default 1)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     models = args.models or (["llama-3.1-8b"] if device == "cuda" else ["tiny"])
+    if args.profile is not None:
+        for name in models:
+            for b in args.profile or [1]:
+                profile_step(name, b, args.context, device)
+        return
     bw = copy_bandwidth() if device == "cuda" else None
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: figures mean nothing)"
     print(f"device: {name}, torch {torch.__version__}, copy bandwidth "

@@ -10,6 +10,7 @@
 # a lease runs two calls back to back while the machine is warm):
 #   decode   engine decode at batch 1/8/32/64, 8B shape, eager / graphs / graphs + overlap,
 #            roofline and GPU idle in the same process      (bench/decode.py)
+#   profile  one step's device time by kernel name at batch 1 and 8 (what the roofline gap is made of)
 #   peer     transformers static cache + torch.compile, batch 1 and 8, same shape
 #   tests    pytest -m gpu: Triton kernels vs references (bf16 included), graphs vs
 #            eager, overlap vs synchronous, EAGLE-3 under graphs vs plain decoding
@@ -24,7 +25,7 @@
 #            .gguf/ ignored by git, part-aa carried by one call, part-ab by the next)
 # The lease's calls (each brings back at most 8 files of $OUT; issue the next within the 30 s the
 # machine stays warm):
-#   run(command="bash bench/gpu.sh decode peer", carry=[".whl"], timeout_s=480)
+#   run(command="bash bench/gpu.sh decode profile peer", carry=[".whl"], timeout_s=540)
 #   run(command="bash bench/gpu.sh tests service spec kernels host", carry=[".whl"], timeout_s=540)
 #   with .gguf/part-aa carried by one of them: run(command="bash bench/gpu.sh train", carry=[".whl", ".gguf/part-ab"])
 # Measured on an H200 (2026-11-26): decode 26 s, spec 39 s, tests 24 s, host 5 s, machine start
@@ -36,7 +37,7 @@ cd "$(dirname "$0")/.."
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode peer tests service spec kernels host)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode profile peer tests service spec kernels host)
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ $DRY = 1 ]; then
@@ -51,11 +52,13 @@ else
 fi
 $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 
-declare -A TIMEOUT=([decode]=130 [peer]=300 [tests]=90 [service]=150 [spec]=80 [kernels]=100 [host]=20 [train]=400)
+declare -A TIMEOUT=([decode]=130 [profile]=90 [peer]=300 [tests]=90 [service]=150 [spec]=80 [kernels]=100 [host]=20 [train]=400)
 stage_cmd() {  # the command of a stage; the dry run's on tiny shapes
   case "$1:$DRY" in
     decode:0) echo "$PY bench/decode.py --no-peer --steps 32" ;;
     decode:1) echo "$PY bench/decode.py --no-peer --batches 1 4 --steps 8 --context 32" ;;
+    profile:0) echo "$PY bench/decode.py --profile 1 8" ;;
+    profile:1) echo "$PY bench/decode.py --profile 1 --context 32" ;;
     peer:0) echo "$PY bench/decode.py --peer-only --peer-batches 1 8" ;;
     peer:1) echo "$PY bench/decode.py --peer-only --peer-batches 1 --steps 4 --context 16" ;;
     tests:0) echo "$PY -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -n 8 tests/kernels tests/replica" ;;

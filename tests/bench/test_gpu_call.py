@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The lease's calls, as bench/gpu.sh's header lays them out (each call's $OUT comes back on its
 # own, at most 8 files); service: tests/bench/test_gpu_service.py runs its dry run (and checks
 # that it leaves nothing behind).
-CALLS = [["decode", "peer"], ["tests", "spec", "kernels", "host"], ["train"]]
+CALLS = [["decode", "profile", "peer"], ["tests", "spec", "kernels", "host"], ["train"]]
 MAX_FILES_BACK = 8  # the device tool returns at most 8 files from $OUT, 16 MiB each
 MAX_TREE = 64 << 20  # working tree + carried paths, per call
 
