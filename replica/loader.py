@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from replica.config import EngineConfig, ModelConfig, RopeScaling
+from replica.config import EngineConfig, ModelConfig
 from replica.gguf_file import GGUFFile
 from replica.hf_checkpoint import ModelNotFoundError, config_from_hf, model_config, resolve_model, safetensors_files
+from replica.presets import PRESETS
 from replica.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "ModelNotFoundError", "PRESETS", "load_checkpoint", "load_config",
@@ -45,37 +46,6 @@ class Checkpoint:
 
 class CheckpointError(ValueError):
     """Weights that do not match their config: the message names the tensor and the file."""
-
-
-# Shapes of well-known models, for timing with random weights (no download).
-_LLAMA3_SCALING = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
-                       original_max_position_embeddings=8192)
-PRESETS: dict[str, ModelConfig] = {
-    "smollm2-135m": ModelConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
-        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_ids=(2,), name="smollm2-135m"),
-    "llama-3.2-1b": ModelConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-        head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0, **_LLAMA3_SCALING),
-        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009), name="llama-3.2-1b"),
-    "llama-3.1-8b": ModelConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_SCALING),
-        max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
-        name="llama-3.1-8b"),
-    "llama-2-7b": ModelConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,), name="llama-2-7b"),
-    "qwen2.5-0.5b": ModelConfig(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
-        attention_bias=True, bos_token_id=151643, eos_token_ids=(151645, 151643), name="qwen2.5-0.5b"),
-    "mistral-7b": ModelConfig(  # v0.3 (32768-token vocabulary); sliding window unused from v0.2 on
-        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        rope_theta=1000000.0, max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,), name="mistral-7b"),
-}
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
