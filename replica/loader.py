@@ -236,7 +236,7 @@ def load_model_for(cfg: EngineConfig):
     torch.manual_seed(cfg.seed)
     if cfg.device == "cpu":
         # torch's OpenMP pool spins between ops: leave the API process a core. The C++ step (replica.cpu_model)
-        # has its own pool over every core, whose helpers yield instead (kernels/cpu_pool.py).
+        # has its own pool over every core, whose helpers yield instead (kernels/csrc/include/edgechat/pool.h).
         torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     dtype = getattr(torch, cfg.dtype) if cfg.quantization == "none" else torch.float32  # quantized from fp32
     if cfg.random_weights:

@@ -1,35 +1,37 @@
-"""A work-claiming thread pool for the C++ CPU step (C++ source, included by kernels/cpu_forward.py).
+// A work-claiming thread pool for the C++ CPU step (included by cpu_forward.cpp).
+//
+// On a machine whose cores other processes also use (the API process once per token,
+// other services), a static split with barriers (OpenMP's `parallel for`) is as slow
+// as its most-descheduled thread: every barrier waits for it. Here the caller and
+// the helpers *claim* chunks of a phase from an atomic counter, and the caller waits
+// only for chunks a helper has already claimed, never for a helper to show up. With
+// a core taken away, a step degrades to one thread's speed instead of stalling.
+//
+// Helpers spin briefly for the next phase (phases of a step follow each other within
+// microseconds), then yield the core, then sleep on a condition variable until the
+// next step: between steps they leave the cores to the API process.
+//
+// Helpers pay only when they get a core. The caller marks each step (`begin_step`,
+// `end_step`); a step where the helpers did under a fifth of the chunks, or where the
+// caller spent over a quarter of the step waiting for chunks a helper held (the
+// API process taking a core for a token's ~0.3 ms costs less than that), is
+// followed by steps on the caller alone (the helpers sleep, the cores go to whoever
+// needs them): 4, then 8, ... up to 256 steps while the probes keep failing. On a
+// crowded machine a step thus runs at one thread's speed, never below.
 
-On a machine whose cores other processes also use (the API process once per token,
-other services), a static split with barriers (OpenMP's `parallel for`) is as slow
-as its most-descheduled thread: every barrier waits for it. Here the caller and
-the helpers *claim* chunks of a phase from an atomic counter, and the caller waits
-only for chunks a helper has already claimed, never for a helper to show up. With
-a core taken away, a step degrades to one thread's speed instead of stalling.
+#pragma once
 
-Helpers spin briefly for the next phase (phases of a step follow each other within
-microseconds), then yield the core, then sleep on a condition variable until the
-next step: between steps they leave the cores to the API process.
+#include <immintrin.h>
+#include <sched.h>
 
-Helpers pay only when they get a core. The caller marks each step (`begin_step`,
-`end_step`); a step where the helpers did under a fifth of the chunks, or where the
-caller spent over a quarter of the step waiting for chunks a helper held (the
-API process taking a core for a token's ~0.3 ms costs less than that), is
-followed by steps on the caller alone (the helpers sleep, the cores go to whoever
-needs them): 4, then 8, ... up to 256 steps while the probes keep failing. On a
-crowded machine a step thus runs at one thread's speed, never below.
-"""
-
-POOL_CPP = r"""
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
-#include <sched.h>
 #include <thread>
 #include <vector>
-#include <immintrin.h>
 
 namespace cpupool {
 
@@ -55,13 +57,16 @@ class Pool {
     solo_ = solo_left_ > 0;
     if (solo_) ++solo_steps_;
     if (solo_) --solo_left_;
-    chunks_ = helper_chunks_.load() ; step_chunks_ = 0; waited_ns_ = 0;
+    chunks_ = helper_chunks_.load();
+    step_chunks_ = 0;
+    waited_ns_ = 0;
     step_t0_ = std::chrono::steady_clock::now();
   }
   void end_step() {
     if (solo_ || step_chunks_ < 8) return;
     const int64_t helped = helper_chunks_.load() - chunks_;
-    const int64_t wall = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - step_t0_).count();
+    const int64_t wall =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - step_t0_).count();
     if (5 * helped < step_chunks_ || 4 * waited_ns_ > wall) {
       solo_left_ = backoff_;
       backoff_ = std::min<int64_t>(256, 2 * backoff_);
@@ -131,8 +136,14 @@ class Pool {
       const auto t0 = clock::now();
       int64_t spins = 0;
       while (!fresh(seen) && !stop_.load()) {
-        if (++spins < 4000) { _mm_pause(); continue; }  // tens of microseconds: the step's next phase
-        if (clock::now() - t0 < std::chrono::microseconds(300)) { sched_yield(); continue; }  // its Python part
+        if (++spins < 4000) {  // tens of microseconds: the step's next phase
+          _mm_pause();
+          continue;
+        }
+        if (clock::now() - t0 < std::chrono::microseconds(300)) {  // its Python part
+          sched_yield();
+          continue;
+        }
         std::unique_lock<std::mutex> lk(m_);  // between steps: sleep, the cores are the API process's
         sleeping_.fetch_add(1);
         cv_.wait_for(lk, std::chrono::milliseconds(50), [&] { return fresh(seen) || stop_.load(); });
@@ -161,4 +172,3 @@ class Pool {
 };
 
 }  // namespace cpupool
-"""

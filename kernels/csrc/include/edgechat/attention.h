@@ -1,25 +1,27 @@
-"""Paged attention for the C++ CPU step (C++ source, included by kernels/cpu_forward.py).
+// Paged attention for the C++ CPU step (included by cpu_forward.cpp).
+//
+// Decode at batch 1 reads every cached key and value once per layer: at a few
+// hundred tokens of context that is ~20 MB a step in fp32, a fifth of the weights,
+// so the work is split for both cores and for one pass over memory:
+//
+//   * an item is (token, kv head, chunk of 256 keys): the G query heads of the kv
+//     head share each key and value row it reads;
+//   * per item and head: max m, sum l and unnormalized sum acc of exp(s - m) v;
+//   * the chunks of a (token, kv head) merge as out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+//
+// Chunk edges depend only on the token's own key count, never on the batch, so a
+// row's result does not depend on what else the step holds. `Keys` describes which
+// positions a query sees: [0, plain) of its sequence (a decode row; a prefill token's
+// causal prefix), then `extra` positions (a draft tree's prefix is `plain`, its
+// allowed nodes the extras). The pool is (blocks, page, Hkv, D) fp32, read through
+// the sequence's block table. `exp512` (also the step's SiLU) is exp on 16 lanes
+// to about 2 ulp: 2^n by `scalef`, 2^f for |f| <= 1/2 by its degree-6 Taylor polynomial.
 
-Decode at batch 1 reads every cached key and value once per layer: at a few
-hundred tokens of context that is ~20 MB a step in fp32, a fifth of the weights,
-so the work is split for both cores and for one pass over memory:
+#pragma once
 
-  * an item is (token, kv head, chunk of 256 keys): the G query heads of the kv
-    head share each key and value row it reads;
-  * per item and head: max m, sum l and unnormalized sum acc of exp(s - m) v;
-  * the chunks of a (token, kv head) merge as out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
-
-Chunk edges depend only on the token's own key count, never on the batch, so a
-row's result does not depend on what else the step holds. `Keys` describes which
-positions a query sees: [0, plain) of its sequence (a decode row; a prefill token's
-causal prefix), then `extra` positions (a draft tree's prefix is `plain`, its
-allowed nodes the extras). The pool is (blocks, page, Hkv, D) fp32, read through
-the sequence's block table. `exp512` (also the step's SiLU) is exp on 16 lanes
-to about 2 ulp: 2^n by `scalef`, 2^f for |f| <= 1/2 by its degree-6 Taylor polynomial.
-"""
-
-ATTENTION_CPP = r"""
 #include <immintrin.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -149,4 +151,3 @@ inline void merge(const float* parts, int64_t nchunks, int G, int64_t D, float* 
 }
 
 }  // namespace attn
-"""

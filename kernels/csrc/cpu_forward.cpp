@@ -1,0 +1,369 @@
+// A Llama-family decoder step in one call on CPU: `Decoder` holds the packed weights and runs a step's T tokens,
+// embedding to final norm, in phases shared out by the work-claiming pool (edgechat/pool.h): qkv matmul, RoPE and
+// KV store, paged attention (edgechat/attention.h), o, gate/up + SwiGLU, down. kernels/cpu_forward.py binds it and
+// states its contract (the same math as replica.model.LlamaModel; a row's result independent of its batch).
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "edgechat/attention.h"
+#include "edgechat/pool.h"
+#include "edgechat/qgemm.h"
+
+namespace {
+
+struct QMat {
+  torch::Tensor w;  // packed (kernels/qgemm_cpu.py)
+  int64_t N, K, bits;
+};
+
+// One attention work item: a token's kv head over one chunk of its keys.
+struct Item {
+  int64_t t, kvh, i0, i1;
+};
+
+// Quantized activations of the next matmul, and a scratch row for the norm.
+struct Buf {
+  std::vector<int16_t> q;
+  std::vector<float> dx, sx, row;
+  qg::Act act(int64_t M, int64_t K) const { return {q.data(), dx.data(), sx.data(), M, K}; }
+  void reserve(int64_t M, int64_t K) {
+    if ((int64_t)q.size() < M * K) {
+      q.resize(M * K);
+      dx.resize(M * K / 32);
+      sx.resize(M * K / 32);
+    }
+    if ((int64_t)row.size() < K) row.resize(K);
+  }
+};
+
+constexpr int64_t kSplitRows = 16;       // from this many tokens on, the activation prep is shared out too
+constexpr int64_t kChunksPerWorker = 8;  // a matmul's supertiles in about this many claims per thread
+
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+inline void rotate(float* p, const float* cs, int64_t half) {
+  const float* c = cs;
+  const float* s = cs + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = p[i], b = p[i + half];
+    p[i] = a * c[i] - b * s[i];
+    p[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+}  // namespace
+
+class Decoder {
+ public:
+  Decoder(std::vector<int64_t> shape, double eps, torch::Tensor embed, torch::Tensor cos_sin, torch::Tensor final_norm,
+          std::vector<torch::Tensor> norms, std::vector<torch::Tensor> biases, std::vector<torch::Tensor> packed,
+          std::vector<int64_t> bits, torch::Tensor head, int64_t head_bits, int64_t threads)
+      : eps_((float)eps),
+        embed_(embed.contiguous()),
+        cos_sin_(cos_sin.contiguous()),
+        final_norm_(final_norm.contiguous()),
+        pool_(std::make_unique<cpupool::Pool>((int)std::max<int64_t>(0, threads - 1))) {
+    TORCH_CHECK(shape.size() == 6, "Decoder: shape is (hidden, heads, kv_heads, head_dim, intermediate, layers)");
+    h_ = shape[0];
+    H_ = shape[1];
+    Hkv_ = shape[2];
+    D_ = shape[3];
+    I_ = shape[4];
+    L_ = shape[5];
+    TORCH_CHECK(h_ % 64 == 0 && (H_ * D_) % 64 == 0 && I_ % 64 == 0 && H_ % Hkv_ == 0,
+                "Decoder: hidden, heads * head_dim and intermediate must be multiples of 64");
+    TORCH_CHECK(D_ == 16 || D_ == 32 || D_ == 64 || D_ == 128, "Decoder: head_dim must be 16, 32, 64 or 128");
+    TORCH_CHECK((int64_t)norms.size() == 2 * L_ && (int64_t)packed.size() == 4 * L_ && (int64_t)bits.size() == 4 * L_ &&
+                    (int64_t)biases.size() == L_,
+                "Decoder: per-layer tensors do not match the layer count");
+    const int64_t qkv = (H_ + 2 * Hkv_) * D_;
+    const int64_t N[4] = {qkv, h_, 2 * I_, h_}, K[4] = {h_, H_ * D_, h_, I_};
+    for (int64_t l = 0; l < L_; ++l) {
+      norms_.push_back(norms[2 * l].contiguous());
+      norms_.push_back(norms[2 * l + 1].contiguous());
+      biases_.push_back(biases[l]);
+      for (int k = 0; k < 4; ++k) mats_.push_back({packed[4 * l + k].contiguous(), N[k], K[k], bits[4 * l + k]});
+    }
+    head_ = {head.contiguous(), embed_.size(0), h_, head_bits};
+  }
+
+  int64_t threads() const { return pool_->workers(); }
+  // (steps, steps run on the caller alone since the pool judged its helpers not worth it)
+  std::vector<int64_t> pool_stats() const { return {pool_->steps(), pool_->solo_steps()}; }
+
+  // Returns {hidden (T, h) after the final norm} (+ {aux (T, len(aux_layers) * h)}: the
+  // residual stream after each aux layer, what an EAGLE-3 head reads).
+  std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots,
+                                     int64_t num_decode, c10::optional<torch::Tensor> dec_tables,
+                                     c10::optional<torch::Tensor> dec_lens, c10::optional<torch::Tensor> ext_tables,
+                                     c10::optional<torch::Tensor> ext_cu, c10::optional<torch::Tensor> ext_lens,
+                                     c10::optional<torch::Tensor> tree_mask, c10::optional<torch::Tensor> tree_prefix,
+                                     torch::Tensor kv, std::vector<int64_t> aux_layers) {
+    const int64_t T = ids.size(0);
+    TORCH_CHECK(kv.is_contiguous() && kv.scalar_type() == torch::kFloat && kv.dim() == 6 && kv.size(0) == L_ &&
+                    kv.size(4) == Hkv_ && kv.size(5) == D_,
+                "Decoder: kv must be a contiguous fp32 (L, 2, blocks, page, Hkv, D)");
+    ids = ids.contiguous();
+    positions = positions.contiguous();
+    slots = slots.contiguous();
+    std::vector<torch::Tensor> keep;  // contiguous copies that the Keys' tables point into
+    const std::vector<attn::Keys> keys =
+        tokens(T, num_decode, dec_tables, dec_lens, ext_tables, ext_cu, ext_lens, tree_mask, tree_prefix, keep);
+    // attention items: (token, kv head, chunk of keys); a (token, kv head)'s chunks are consecutive
+    std::vector<Item> items;
+    std::vector<int64_t> first(T * Hkv_ + 1, 0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t kh = 0; kh < Hkv_; ++kh) {
+        first[t * Hkv_ + kh] = items.size();
+        for (int64_t i0 = 0; i0 < keys[t].size(); i0 += attn::kChunk)
+          items.push_back({t, kh, i0, std::min<int64_t>(keys[t].size(), i0 + attn::kChunk)});
+      }
+    first[T * Hkv_] = items.size();
+
+    auto opts = embed_.options();
+    auto x = torch::empty({T, h_}, opts);
+    auto hidden = torch::empty({T, h_}, opts);
+    const int64_t qkv_n = (H_ + 2 * Hkv_) * D_, kmax = std::max(std::max(h_, I_), H_ * D_);
+    auto qkv = torch::empty({T, qkv_n}, opts);
+    auto attn = torch::empty({T, H_ * D_}, opts);
+    auto gu = torch::empty({T, 2 * I_}, opts);
+    auto act = torch::empty({T, I_}, opts);
+    const int64_t n_aux = aux_layers.size();
+    auto aux = torch::empty({T, n_aux * h_}, opts);
+    std::vector<int64_t> aux_slot(L_, -1);
+    for (int64_t i = 0; i < n_aux; ++i) {
+      TORCH_CHECK(aux_layers[i] >= 0 && aux_layers[i] < L_, "Decoder: aux layer out of range");
+      aux_slot[aux_layers[i]] = i;
+    }
+    Buf act_q;
+    act_q.reserve(T, kmax);
+    const int W = pool_->workers();
+    const int64_t G = H_ / Hkv_, part = G * (D_ + 2);
+    std::vector<std::vector<float>> scores(W, std::vector<float>(G * attn::kChunk));
+    std::vector<float> parts(items.size() * part);
+    std::vector<Buf> rows(W);
+    for (auto& r : rows) r.reserve(0, kmax);
+
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slp = slots.data_ptr<int64_t>();
+    float* xp = x.data_ptr<float>();
+    float* qkvp = qkv.data_ptr<float>();
+    float* ap = attn.data_ptr<float>();
+    float* gup = gu.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    const int64_t page = kv.size(3), pool = kv.size(2) * page * Hkv_ * D_;  // floats per layer's K (or V)
+    const float* emb = embed_.data_ptr<float>();
+    const float* cs = cos_sin_.data_ptr<float>();
+    const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2;
+    const float scale = 1.f / std::sqrt((float)D_);
+
+    // Norm (optional) and quantize the T rows of src for the next matmul.
+    auto prep = [&](const float* src, int64_t K, const float* norm_w) -> qg::Act {
+      auto one = [&](int64_t t, int w) {
+        const float* row = src + t * K;
+        if (norm_w) {
+          rms_norm_row(row, norm_w, K, eps_, rows[w].row.data());
+          row = rows[w].row.data();
+        }
+        qg::quantize_row(row, K, act_q.q.data() + t * K, act_q.dx.data() + t * K / 32, act_q.sx.data() + t * K / 32);
+      };
+      if (T < kSplitRows)
+        for (int64_t t = 0; t < T; ++t) one(t, 0);
+      else
+        pool_->run(T, one);
+      return act_q.act(T, K);
+    };
+    // y (+)= a W^T over every supertile, shared out in chunks; then(sa, sz) finishes a chunk's columns.
+    auto matmul = [&](const qg::Act& a, const QMat& m, float* y, bool add,
+                      const std::function<void(int64_t, int64_t)>& then) {
+      const int64_t S = qg::supertiles(m.N), per = std::max<int64_t>(1, S / (kChunksPerWorker * W));
+      const uint8_t* w = m.w.data_ptr<uint8_t>();
+      pool_->run((S + per - 1) / per, [&](int64_t c, int) {
+        const int64_t sa = c * per, sz = std::min(S, sa + per);
+        qg::gemm(a, w, m.bits, m.N, sa, sz, y, m.N, add);
+        if (then) then(sa, sz);
+      });
+    };
+
+    pool_->begin_step();
+    for (int64_t t = 0; t < T; ++t) std::memcpy(xp + t * h_, emb + idp[t] * h_, h_ * sizeof(float));
+
+    for (int64_t l = 0; l < L_; ++l) {
+      const QMat* m = &mats_[4 * l];
+      float* kc = kv.data_ptr<float>() + 2 * l * pool;
+      float* vc = kc + pool;
+      // qkv = norm(x) Wqkv^T (+ bias)
+      const float* bias = biases_[l].numel() ? biases_[l].data_ptr<float>() : nullptr;
+      matmul(prep(xp, h_, norms_[2 * l].data_ptr<float>()), m[0], qkvp, false, [&](int64_t sa, int64_t sz) {
+        if (!bias) return;
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = sa * 64; c < std::min(sz * 64, qkv_n); ++c) qkvp[t * qkv_n + c] += bias[c];
+      });
+      // RoPE on q and k heads; k and v into the pool (slot -1: padding, not stored)
+      pool_->run(T, [&](int64_t t, int) {
+        float* row = qkvp + t * qkv_n;
+        const float* c = cs + pos[t] * cs_stride;
+        for (int64_t hh = 0; hh < H_ + Hkv_; ++hh) rotate(row + hh * D_, c, half);
+        if (slp[t] < 0) return;
+        for (int64_t kh = 0; kh < Hkv_; ++kh) {
+          std::memcpy(kc + (slp[t] * Hkv_ + kh) * D_, row + (H_ + kh) * D_, D_ * sizeof(float));
+          std::memcpy(vc + (slp[t] * Hkv_ + kh) * D_, row + (H_ + Hkv_ + kh) * D_, D_ * sizeof(float));
+        }
+      });
+      // attention: chunk partials per (token, kv head), then merged into the G heads' outputs
+      const attn::Cache cache{kc, vc, page, Hkv_, D_ / 16};
+      pool_->run(items.size(), [&](int64_t i, int w) {
+        const Item& it = items[i];
+        attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n + it.kvh * G * D_, (int)G, it.kvh, scale, cache,
+                          scores[w].data(), parts.data() + i * part);
+      });
+      auto merge = [&](int64_t j, int) {  // j = t * Hkv + kv head
+        attn::merge(parts.data() + first[j] * part, first[j + 1] - first[j], (int)G, D_, ap + j * G * D_);
+      };
+      if (T < kSplitRows)
+        for (int64_t j = 0; j < T * Hkv_; ++j) merge(j, 0);
+      else
+        pool_->run(T * Hkv_, merge);
+      // x += attn Wo^T
+      matmul(prep(ap, H_ * D_, nullptr), m[1], xp, true, nullptr);
+      // act = silu(gate) * up: gate/up rows interleaved by 32, so supertile s gives act[:, 32 s : 32 s + 32]
+      matmul(prep(xp, h_, norms_[2 * l + 1].data_ptr<float>()), m[2], gup, false, [&](int64_t sa, int64_t sz) {
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t s = sa; s < sz; ++s) {
+            const float* g = gup + t * 2 * I_ + 64 * s;
+            float* o = actp + t * I_ + 32 * s;
+            for (int r = 0; r < 32; r += 16) {  // silu(g) u = g / (1 + e^-g) u
+              const __m512 gv = _mm512_loadu_ps(g + r);
+              const __m512 den =
+                  _mm512_add_ps(_mm512_set1_ps(1.f), attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+              _mm512_storeu_ps(o + r, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(g + 32 + r)));
+            }
+          }
+      });
+      // x += act Wdown^T
+      matmul(prep(actp, I_, nullptr), m[3], xp, true, nullptr);
+      if (aux_slot[l] >= 0)
+        for (int64_t t = 0; t < T; ++t)
+          std::memcpy(aux.data_ptr<float>() + t * n_aux * h_ + aux_slot[l] * h_, xp + t * h_, h_ * sizeof(float));
+    }
+    for (int64_t t = 0; t < T; ++t)
+      rms_norm_row(xp + t * h_, final_norm_.data_ptr<float>(), h_, eps_, hidden.data_ptr<float>() + t * h_);
+    pool_->end_step();
+    if (n_aux) return {hidden, aux};
+    return {hidden};
+  }
+
+  // (R, h) final hidden states -> (R, vocab) logits through the packed head.
+  torch::Tensor logits(torch::Tensor hidden) {
+    hidden = hidden.contiguous();
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == h_ && hidden.scalar_type() == torch::kFloat,
+                "Decoder.logits: hidden must be (R, hidden) fp32");
+    const int64_t R = hidden.size(0), V = head_.N;
+    auto y = torch::empty({R, V}, hidden.options());
+    Buf b;
+    b.reserve(R, h_);
+    for (int64_t r = 0; r < R; ++r)
+      qg::quantize_row(hidden.data_ptr<float>() + r * h_, h_, b.q.data() + r * h_, b.dx.data() + r * h_ / 32,
+                       b.sx.data() + r * h_ / 32);
+    const qg::Act a = b.act(R, h_);
+    const int64_t S = qg::supertiles(V), per = std::max<int64_t>(1, S / (kChunksPerWorker * pool_->workers()));
+    float* yp = y.data_ptr<float>();
+    pool_->run((S + per - 1) / per, [&](int64_t c, int) {
+      qg::gemm(a, head_.w.data_ptr<uint8_t>(), head_.bits, V, c * per, std::min(S, c * per + per), yp, V, false);
+    });
+    return y;
+  }
+
+ private:
+  // The keys each token's query sees (attn::Keys), from the step's attention metadata.
+  std::vector<attn::Keys> tokens(int64_t T, int64_t nd, const c10::optional<torch::Tensor>& dec_tables,
+                                 const c10::optional<torch::Tensor>& dec_lens,
+                                 const c10::optional<torch::Tensor>& ext_tables,
+                                 const c10::optional<torch::Tensor>& ext_cu,
+                                 const c10::optional<torch::Tensor>& ext_lens,
+                                 const c10::optional<torch::Tensor>& tree_mask,
+                                 const c10::optional<torch::Tensor>& tree_prefix, std::vector<torch::Tensor>& keep) {
+    std::vector<attn::Keys> keys(T);
+    auto hold = [&](const torch::Tensor& t) {
+      keep.push_back(t.contiguous());
+      return keep.back();
+    };
+    if (nd > 0) {
+      TORCH_CHECK(dec_tables.has_value() && dec_lens.has_value(), "Decoder: decode rows need tables and lengths");
+      auto tb = hold(*dec_tables);
+      auto ln = hold(*dec_lens);
+      for (int64_t b = 0; b < nd; ++b) {
+        keys[b].table = tb.data_ptr<int32_t>() + b * tb.size(1);
+        keys[b].plain = ln.data_ptr<int32_t>()[b];  // 0: a padding row, attends to nothing
+      }
+    }
+    if (nd == T) return keys;
+    TORCH_CHECK(ext_tables.has_value() && ext_cu.has_value(), "Decoder: extend rows need tables and cu_seqlens");
+    auto tb = hold(*ext_tables);
+    auto cu = hold(*ext_cu);
+    const int32_t* cup = cu.data_ptr<int32_t>();
+    const int64_t B = cu.size(0) - 1;
+    TORCH_CHECK(nd + cup[B] == T, "Decoder: cu_seqlens do not cover the step's tokens");
+    if (tree_mask.has_value()) {  // node j of sequence e: the prefix, then the nodes its mask row allows
+      TORCH_CHECK(nd == 0 && tree_prefix.has_value(), "Decoder: a tree step has only tree rows and their prefixes");
+      auto mk = hold(*tree_mask);
+      auto pf = hold(*tree_prefix);
+      const int64_t width = mk.size(1);
+      for (int64_t e = 0; e < B; ++e) {
+        const int32_t prefix = pf.data_ptr<int32_t>()[e];
+        for (int32_t j = cup[e]; j < cup[e + 1]; ++j) {
+          attn::Keys& k = keys[j];
+          k.table = tb.data_ptr<int32_t>() + e * tb.size(1);
+          k.plain = prefix;
+          const bool* row = mk.data_ptr<bool>() + j * width;
+          for (int32_t n = 0; n < cup[e + 1] - cup[e]; ++n)
+            if (row[n]) k.extra.push_back(prefix + n);
+        }
+      }
+      return keys;
+    }
+    TORCH_CHECK(ext_lens.has_value(), "Decoder: extend rows need their lengths");
+    auto ln = hold(*ext_lens);
+    for (int64_t e = 0; e < B; ++e) {
+      const int32_t n = cup[e + 1] - cup[e], total = ln.data_ptr<int32_t>()[e];
+      for (int32_t j = 0; j < n; ++j) {  // causal: token j of the chunk sees the cache and chunk tokens <= j
+        keys[nd + cup[e] + j].table = tb.data_ptr<int32_t>() + e * tb.size(1);
+        keys[nd + cup[e] + j].plain = total - n + j + 1;
+      }
+    }
+    return keys;
+  }
+
+  float eps_;
+  int64_t h_, H_, Hkv_, D_, I_, L_;
+  torch::Tensor embed_, cos_sin_, final_norm_;
+  std::vector<torch::Tensor> norms_, biases_;
+  std::vector<QMat> mats_;
+  QMat head_;
+  std::unique_ptr<cpupool::Pool> pool_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<std::vector<int64_t>, double, torch::Tensor, torch::Tensor, torch::Tensor,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<int64_t>, torch::Tensor, int64_t, int64_t>())
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("logits", &Decoder::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("threads", &Decoder::threads)
+      .def("pool_stats", &Decoder::pool_stats);
+}
