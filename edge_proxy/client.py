@@ -182,9 +182,9 @@ class EdgeClient:
                               reconnect: bool = True, backoff: Backoff | None = None, **kw):
         """Connect to the nearest healthy region: probe each region's `/healthz` RTT (`regions`
         maps names to http(s) base URLs), then try them in RTT order; every reconnect probes
-        again. Returns (client, Probe); raises `regions.select.NoRegionAvailable` (a
+        again. Returns (client, Probe); raises `edge_proxy.select.NoRegionAvailable` (a
         ConnectionError naming each region's failure) when none accepts the first connection."""
-        from regions.select import NoRegionAvailable, probe_regions, rank, ws_url  # httpx: only when asked
+        from edge_proxy.select import NoRegionAvailable, probe_regions, rank, ws_url  # httpx: only when asked
 
         chosen = []
 

@@ -10,7 +10,7 @@ unfinished.
 
 Each arriving user belongs to a client location (round-robin over the
 locations given) and connects to the nearest healthy region of that location,
-found by probing `/healthz` RTTs (regions.select), falling over in RTT order.
+found by probing `/healthz` RTTs (edge_proxy.select), falling over in RTT order.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from websockets.exceptions import InvalidHandshake
 from loadtest import workloads as W
 from loadtest.client import Call, HttpConn, WsConn
 from loadtest.metrics import Recorder
-from regions.select import probe_regions, rank, ws_url
+from edge_proxy.select import probe_regions, rank, ws_url
 
 
 @dataclass

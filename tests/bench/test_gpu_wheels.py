@@ -6,7 +6,7 @@ bench/gpu_service.py (the official `openai` SDK client) import, anywhere in a mo
 (function-level imports too), and each requirement of the pyproject's dependencies and
 `replica` extra, must be in the image (bench/gpu_image.py) or in the wheel list; and the
 wheel list's own packages bring their non-extra Requires-Dist, followed recursively
-through the list. First-party imports (regions.select from edge_proxy/client.py,
+through the list. First-party imports (edge_proxy.select from edge_proxy/client.py,
 bench.peers and tests.replica.server from bench/gpu_service.py) are followed into
 their modules. Imports are mapped to distributions through the files .venv's
 distributions installed, so a namespace package (opentelemetry.*) names the one
@@ -230,7 +230,7 @@ def test_the_scan_sees_the_imports_that_matter():
     assert "llguidance" in found and "msgspec" in found and "torch" in found
     assert any(m.startswith("openai") for m in found)  # bench/gpu_service.py, inside a function
     assert "dns.resolver" in found or any(m.startswith("dns.") for m in found)  # edge_proxy/discovery.py
-    assert any("regions/select.py" in p for places in found.values() for p in places)  # via edge_proxy/client.py
+    assert any("edge_proxy/select.py" in p for places in found.values() for p in places)  # via edge_proxy/client.py
     assert owners("opentelemetry.sdk.trace") == {"opentelemetry-sdk"}
     assert owners("dns.asyncresolver") == {"dnspython"}
 

@@ -4,7 +4,7 @@ import pytest
 
 from edge_proxy.client import EdgeClient
 from regions.relay import Relay
-from regions.select import NoRegionAvailable, Probe, probe_regions, rank, ws_url
+from edge_proxy.select import NoRegionAvailable, Probe, probe_regions, rank, ws_url
 
 from tests.regions.inproc import region
 

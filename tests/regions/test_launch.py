@@ -2,10 +2,8 @@
 per component, latency relays in front, clean shutdown with no process left behind."""
 
 import asyncio
-import contextlib
 import io
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,20 +14,13 @@ import pytest
 from edge_proxy.client import EdgeClient
 from regions.launch import Stack
 from regions.topology import parse
-from regions.select import ws_url
+from edge_proxy.select import ws_url
 
 from tests.regions.ports import free_block, stub_topology
+from tests.regions.processes import alive, cli_up
 
 pytestmark = pytest.mark.anyio
 HI = [{"role": "user", "content": "hi"}]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)  # any process left in the group?
-        return True
-    except ProcessLookupError:
-        return False
 
 
 async def test_stack_up_serve_down(tmp_path):
@@ -116,33 +107,9 @@ def test_cpu_replicas_on_one_machine_split_its_cores(tmp_path, monkeypatch):
     assert argv.count("--cpu-threads") == 1 and argv[argv.index("--cpu-threads") + 1] == "4"
 
 
-@contextlib.contextmanager
-def _cli_up(tmp_path):
-    """`python -m regions up` on a stub topology, read until ready: (process, its lines
-    so far, the pids it printed); the process group is killed if the test leaves it up."""
-    path = tmp_path / "t.toml"
-    path.write_text(stub_topology(free_block(12)))
-    proc = subprocess.Popen([sys.executable, "-m", "regions", "up", str(path), "--log-dir", str(tmp_path / "logs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("ready:"):
-                break
-        else:
-            raise AssertionError("launcher ended before ready:\n" + "\n".join(lines))
-        yield proc, lines, [int(m.group(1)) for ln in lines if (m := re.search(r"\(pid (\d+)", ln))]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        proc.stdout.close()  # a failed start must not leave its pipe to a later test's garbage collection
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_stops_everything_on_signal(tmp_path, sig):
-    with _cli_up(tmp_path) as (proc, lines, pids):
+    with cli_up(tmp_path) as (proc, lines, pids):
         assert len(pids) == 3 and all(alive(p) for p in pids)
         assert any("ws://127.0.0.1:" in ln and ln.startswith("proxy") for ln in lines)
         proc.send_signal(sig)

@@ -7,7 +7,7 @@ import pytest
 
 from edge_proxy.client import EdgeClient
 from regions.launch import Stack
-from regions.select import ws_url
+from edge_proxy.select import ws_url
 from regions.topology import parse
 
 from tests.regions.ports import free_block

@@ -13,11 +13,11 @@ import pytest
 
 from edge_proxy.client import EdgeClient
 from regions.launch import Stack
-from regions.select import ws_url
+from edge_proxy.select import ws_url
 from regions.topology import parse
 
 from tests.regions.ports import free_block, stub_topology
-from tests.regions.test_launch import _cli_up, alive
+from tests.regions.processes import alive, cli_up
 
 pytestmark = pytest.mark.anyio
 HI = [{"role": "user", "content": "tell me a long story"}]
@@ -71,7 +71,7 @@ async def test_a_region_losing_both_replicas_forwards_then_takes_traffic_back(tm
 
 
 def test_cli_restarts_a_dead_replica_and_stops_only_on_a_signal(tmp_path):
-    with _cli_up(tmp_path) as (proc, _, pids):
+    with cli_up(tmp_path) as (proc, _, pids):
         os.killpg(pids[0], signal.SIGKILL)  # a replica crashes
         lines = []
         for line in proc.stdout:
