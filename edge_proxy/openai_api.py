@@ -18,7 +18,6 @@ request to the region that served it).
 
 from __future__ import annotations
 
-import secrets
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -33,15 +32,12 @@ from wire import openai_prompts as OP
 from wire import protocol as rp
 from wire.openai_stream import End, Pump, error_response, json_response, parse, read_body, response
 
-STATUS = {pp.BAD_REQUEST: 400, pp.UNAUTHORIZED: 401, pp.FORBIDDEN: 403, pp.NOT_FOUND: 404, pp.TOO_LARGE: 413,
-          pp.PROMPT_TOO_LONG: 400, pp.RATE_LIMITED: 429, pp.OVERLOADED: 503, pp.UNAVAILABLE: 503,
-          pp.SHUTTING_DOWN: 503, pp.INTERNAL: 500}
 _NAMES = {v: k for k, v in O.PRIORITIES.items()}
 
 
 def openai_error(e: pp.ProtocolError | pp.Error) -> O.OpenAIError:
     param = e.message.split(" ", 1)[0]
-    return O.OpenAIError(e.message, param if param in O.SAMPLING_FIELDS else None, STATUS.get(e.code, 500), e.code,
+    return O.OpenAIError(e.message, param if param in O.SAMPLING_FIELDS else None, O.http_status(e.code), e.code,
                          e.retry_after_s)
 
 
@@ -135,7 +131,7 @@ class OpenAIRoutes:
             model = self._model(plan.model if kind != "infill" else None)
             ids = [await plan_prompt_ids(proxy.tokenizers, proxy.cfg.limits, p, plan.tools) for p in plan.prompts]
             sampling = OP.sampling_for(plan, tok)
-            cid = {"chat": "chatcmpl-", "completion": "cmpl-", "infill": "infill-"}[kind] + secrets.token_hex(12)
+            cid = O.response_id(kind)
             h = request.headers
             pump = Pump(request.receive, hold=True)
             pump.abort = lambda: [s.cancel(notify=False) for s in streams]

@@ -8,7 +8,6 @@ replica.engine_client); the answer is rendered from their messages as they come.
 
 from __future__ import annotations
 
-import uuid
 
 import msgspec
 
@@ -18,8 +17,6 @@ from wire import protocol as P
 from wire.openai_stream import Pump, error_response, json_response, parse, read_body, response
 
 MAX_BODY_BYTES = 4 << 20
-STATUS = {P.BAD_REQUEST: 400, P.PROMPT_TOO_LONG: 400, P.UNAUTHORIZED: 401, P.NOT_FOUND: 404, P.OVERLOADED: 503,
-          P.INTERNAL: 500}
 
 
 class OpenAIRoutes:
@@ -33,7 +30,7 @@ class OpenAIRoutes:
 
     def engine_error(self, err: P.Error) -> O.OpenAIError:
         self.metrics.errors.inc(err.code)
-        return O.engine_error(err.code, err.message, STATUS.get(err.code, 500))
+        return O.engine_error(err.code, err.message, O.http_status(err.code))
 
     # -- models ----------------------------------------------------------------------------
     def _model(self) -> dict:
@@ -69,7 +66,7 @@ class OpenAIRoutes:
             sampling = OP.sampling_for(plan, tok)
         except O.OpenAIError as e:
             return self.error(e)
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        rid = O.response_id(kind)
         pump = Pump(request.receive)
         c = self.client()
         gens = [P.Generate(id=f"{rid}/{p}", prompt_ids=ids[p], sampling=sampling, cache_salt=plan.cache_salt,

@@ -25,6 +25,7 @@ edgechat's: session, priority, deadline_ms, cache_salt.
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass, field
 
 import msgspec
@@ -37,6 +38,24 @@ Json = object  # a JSON value the schema only checks for presence
 
 PRIORITIES = {"interactive": P.INTERACTIVE, "batch": P.BATCH}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+# The HTTP status of every error code the two OpenAI front doors (edge_proxy/openai_api.py,
+# replica/openai_http.py) answer with: the internal protocol's codes and the proxy's own
+# public ones (edge_proxy/protocol.py, named here by value: wire imports nothing above it).
+HTTP_STATUS = {P.BAD_REQUEST: 400, P.PROMPT_TOO_LONG: 400, P.UNAUTHORIZED: 401, "forbidden": 403, P.NOT_FOUND: 404,
+               "too_large": 413, "rate_limited": 429, P.OVERLOADED: 503, "unavailable": 503, "shutting_down": 503,
+               "too_many_connections": 503, P.INTERNAL: 500, P.ENGINE_FAULT: 500}
+_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-", "infill": "infill-"}
+
+
+def http_status(code: str) -> int:
+    return HTTP_STATUS.get(code, 500)
+
+
+def response_id(kind: str) -> str:
+    """A fresh answer id: chatcmpl-, cmpl- or infill- and 24 hex digits, as both front doors give."""
+    return _ID_PREFIX[kind] + secrets.token_hex(12)
+
+
 _STATUS_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
                 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
                 429: "rate_limit_error"}

@@ -243,3 +243,23 @@ def test_completion_body_with_echo_and_logprobs():
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
                              "prompt_tokens_details": {"cached_tokens": 0},
                              "completion_tokens_details": {"accepted_prediction_tokens": 0}}
+
+
+def test_one_status_table_covers_every_error_code_of_both_front_doors():
+    """Every error code the internal protocol or the proxy's public protocol defines has its
+    HTTP status in wire.openai.HTTP_STATUS (the proxy's and the replica's OpenAI routes share
+    it), except the WebSocket-only too_slow; answer ids share one format."""
+    import re as _re
+
+    from edge_proxy import protocol as pp
+    from wire import openai as O
+    from wire import protocol as P
+
+    codes = {P.BAD_REQUEST, P.PROMPT_TOO_LONG, P.OVERLOADED, P.UNAUTHORIZED, P.NOT_FOUND, P.INTERNAL, P.ENGINE_FAULT,
+             pp.FORBIDDEN, pp.RATE_LIMITED, pp.UNAVAILABLE, pp.SHUTTING_DOWN, pp.TOO_LARGE, pp.TOO_SLOW,
+             pp.TOO_MANY_CONNECTIONS}
+    assert codes - set(O.HTTP_STATUS) == {pp.TOO_SLOW}
+    assert O.http_status(pp.RATE_LIMITED) == 429 and O.http_status(P.OVERLOADED) == 503 and O.http_status("?") == 500
+    for kind, prefix in (("chat", "chatcmpl-"), ("completion", "cmpl-"), ("infill", "infill-")):
+        a, b = O.response_id(kind), O.response_id(kind)
+        assert a != b and _re.fullmatch(prefix + "[0-9a-f]{24}", a)
