@@ -1,4 +1,6 @@
-"""Real servers on free loopback ports: replica stubs and the proxy (uvicorn) in the test's loop."""
+"""Real servers on free loopback ports: replica stubs and the proxy (uvicorn) in the test's loop;
+helpers the proxy tests share (a stub's expected text, a proxy process's log lines), and the
+`openai` SDK clients of a module's real stack (`sdk`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from edge_proxy.core import Proxy
 from edge_proxy.pool import PoolConfig
 from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.server import DrainingServer, bind, uvicorn_config
-from stub_replica.server import StubConfig, StubReplica
+from stub_replica.server import StubConfig, StubReplica, expected_tokens
+from wire import protocol as rp
 
 SECRET = "replica-secret"
 KEYS = [
@@ -47,11 +50,25 @@ async def stubs(*ids: str, **kw):
             await s.stop()
 
 
+def want(prompt: str, n: int) -> str:
+    """The stub's greedy text for a raw prompt under the byte tokenizer."""
+    return "".join(map(chr, expected_tokens(list(prompt.encode()), rp.SamplingParams(temperature=0.0), n)))
+
+
 async def until_load(conn, pred) -> None:
     """Wait for a Load report from `conn` satisfying `pred(load)`."""
     while conn.load is None or not pred(conn.load):
         conn.load_event.clear()
         await asyncio.wait_for(conn.load_event.wait(), 5)
+
+
+async def until_line(proc, needle: str, n: int = 1) -> None:
+    """Read a proxy process's stderr (an asyncio subprocess) until `n` lines containing `needle` went by."""
+    seen = 0
+    while seen < n:
+        line = await asyncio.wait_for(proc.stderr.readline(), 20)
+        assert line, f"proxy exited before logging {needle!r}"
+        seen += needle in line.decode()
 
 
 @dataclass
@@ -92,3 +109,28 @@ async def proxy_for(replicas: list[StubReplica], wait_ready: int | None = None, 
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 15)
+
+
+# -- the official `openai` SDK over a module's real stack (test_openai_sdk, test_structured_sdk) --
+@pytest.fixture(scope="module")
+def sdk_keys() -> dict:
+    """The api key of `sdk` clients by stack key; "EMPTY" for any other (a module overrides it)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def sdk(stack, sdk_keys):
+    """sdk(where): one `openai` client of stack[where] (the module's `stack` fixture: base
+    URLs by key) for the module, as a user sets it up; closed after the module."""
+    import openai
+
+    made: dict[str, openai.OpenAI] = {}
+
+    def client(where: str) -> openai.OpenAI:
+        if where not in made:
+            made[where] = openai.OpenAI(base_url=stack[where] + "/v1", api_key=sdk_keys.get(where, "EMPTY"),
+                                        max_retries=0, timeout=120)
+        return made[where]
+    yield client
+    for c in made.values():
+        c.close()

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 
 from edge_proxy.discovery import DiscoveryConfig, DnsDiscovery
 from regions.dns_zone import DnsZone
 from stub_replica.server import StubConfig, StubReplica
+from tests.replica.server import free_port
 
 from conftest import SECRET
 
 NAME = "edgechat-replica.edgechat.test"
 INTERVAL = 0.25  # the proxies' --dns-interval in these tests
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

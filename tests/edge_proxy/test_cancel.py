@@ -9,7 +9,7 @@ import pytest
 
 from edge_proxy.client import EdgeClient
 
-from conftest import proxy_for, stubs
+from conftest import proxy_for, stubs, want
 
 pytestmark = pytest.mark.anyio
 STEP = 0.05
@@ -103,7 +103,6 @@ async def test_generate_cancel_generate_with_one_id_never_mixes(cancel_after_tok
     requests whose frames never mix, the cancelled one stops on the replica (Abort),
     and nothing stays in flight."""
     from rawclient import RawClient, generate
-    from test_hostile_input import want
 
     async with stubs("a", step_s=0.01) as reps, proxy_for(reps) as p:
         async with await RawClient.connect(p.ws_url) as c:

@@ -16,10 +16,10 @@ from edge_proxy import protocol as pp
 from edge_proxy.client import EdgeClient
 from edge_proxy.connections import ConnectionLimits
 from stub_replica.server import expected_tokens
+from tests.replica.server import free_port
 from wire import protocol as rp
 
-from conftest import SECRET, proxy_for, stubs
-from test_server import free_port, until_line
+from conftest import SECRET, proxy_for, stubs, until_line
 
 pytestmark = pytest.mark.anyio
 

@@ -16,17 +16,12 @@ from edge_proxy import protocol as pp
 from stub_replica.server import expected_tokens
 from wire import protocol as rp
 
-from conftest import KEYS, proxy_for, stubs
+from conftest import KEYS, proxy_for, stubs, want
 from rawclient import RawClient, generate
 
 pytestmark = pytest.mark.anyio
 AUTH = {"Authorization": "Bearer sk-alice"}
 LOAD_KEYS = KEYS + [{"key": "sk-load", "tenant": "load", "rate_per_s": 10_000, "burst": 10_000}]
-
-
-def want(prompt: str, n: int) -> str:
-    """The stub's greedy text for a raw prompt under the byte tokenizer."""
-    return "".join(map(chr, expected_tokens(list(prompt.encode()), rp.SamplingParams(temperature=0.0), n)))
 
 
 POISON = {  # request id -> (field path, value); every one must be refused with bad_request

@@ -65,18 +65,9 @@ def ref():
 
 
 @pytest.fixture(scope="module")
-def sdk(stack):
-    """sdk("proxy") / sdk("replica"): one client each for the module, as a user sets it up."""
-    made: dict[str, openai.OpenAI] = {}
-
-    def client(where: str) -> openai.OpenAI:
-        if where not in made:
-            made[where] = openai.OpenAI(base_url=stack[where] + "/v1", api_key=KEYS.get(where, "EMPTY"), max_retries=0,
-                                        timeout=120)
-        return made[where]
-    yield client
-    for c in made.values():
-        c.close()
+def sdk_keys() -> dict:
+    """The keys of this module's `sdk` clients (tests/edge_proxy/conftest.py): sdk("proxy"), sdk("replica")."""
+    return KEYS
 
 
 BOTH = pytest.mark.parametrize("where", ["proxy", "replica"])
@@ -270,7 +261,7 @@ def test_fuzzed_bodies_at_the_replica(stack):
     """The fuzz of test_openai_fuzz.py, lighter, against the real replica's own API."""
     import random
 
-    from test_openai_fuzz import BASES, check_answer, mutate
+    from tests.edge_proxy.openai_bodies import BASES, check_answer, mutate
 
     rng = random.Random(77)
     kinds: dict[str, int] = {}

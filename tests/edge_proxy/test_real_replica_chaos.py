@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
-from tests.edge_proxy.test_real_replicas import stack
+from tests.edge_proxy.two_replicas import stack
 from tests.replica.server import engine_pid
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]

@@ -9,45 +9,15 @@ seeded sampling and penalties on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import sys
 
 import pytest
 
 from edge_proxy.client import EdgeClient
-from tests.replica.server import free_port, replica_server, wait_healthy
+from tests.edge_proxy.two_replicas import stack
 
-SECRET = {"EDGECHAT_REPLICA_SECRET": "e2e-secret"}
 pytestmark = pytest.mark.timeout(400)
-
-
-@contextlib.contextmanager
-def stack():
-    """Replicas A and B and a proxy over them, as separate processes."""
-    with contextlib.ExitStack() as es:
-        reps = {}
-        for rid in ("A", "B"):
-            url, proc = es.enter_context(replica_server("--replica-id", rid, "--kv-memory-gb", "0.25", env=SECRET))
-            reps[rid] = (url, proc)
-        port = free_port()
-        cmd = [sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous", "--region", "test",
-               "--stall-timeout", "3"]
-        for url, _ in reps.values():
-            cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
-        import subprocess
-
-        proxy = subprocess.Popen(cmd, env={**os.environ, **SECRET}, start_new_session=True)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", proxy)
-            yield f"ws://127.0.0.1:{port}/v1/stream", reps
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proxy.pid, signal.SIGTERM)
-            proxy.wait(30)
-
-
 QUESTIONS = ["What is the capital of France?", "Name a planet in the solar system.", "What color is the sky?"]
 
 

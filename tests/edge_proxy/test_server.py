@@ -3,23 +3,17 @@
 import asyncio
 import os
 import signal
-import socket
 import sys
 
 import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
+from tests.replica.server import free_port
 
-from conftest import SECRET, stubs
+from conftest import SECRET, stubs, until_line
 
 pytestmark = pytest.mark.anyio
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_proxy(replicas, port: int, *extra: str):
@@ -29,14 +23,6 @@ async def start_proxy(replicas, port: int, *extra: str):
         "--port", str(port), "--tokenizer", "bytes", "--healthz-interval", "0.2", *extra,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env)
     return proc
-
-
-async def until_line(proc, needle: str, n: int = 1) -> None:
-    seen = 0
-    while seen < n:
-        line = await asyncio.wait_for(proc.stderr.readline(), 20)
-        assert line, f"proxy exited before logging {needle!r}"
-        seen += needle in line.decode()
 
 
 async def test_sigterm_drains_open_streams_then_exits():

@@ -30,7 +30,6 @@ from edge_proxy.client import EdgeClient
 from replica.tokenizer import Tokenizer
 from wire import openai as O
 from wire import openai_prompts as OP
-from tests.edge_proxy.test_openai_sdk import sdk  # noqa: F401 (clients by stack key: sdk("off"), sdk("spec"))
 from tests.replica.server import free_port, stop_group, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

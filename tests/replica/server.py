@@ -1,4 +1,5 @@
-"""Start a real replica (`python -m replica`) on a free port for tests."""
+"""Start a real replica (`python -m replica`) on a free port for tests; the suite's free-port
+helpers (`free_port`, `free_port_range`) and a replica's metrics (`scrape`, `idle_within`)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ SECRET = "test-replica-secret"  # every replica requires one; tests start theirs
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` right now (the kernel picks it: bind to port 0). The one
+    free-port helper of the suite; `free_port_range` for a block of consecutive ports."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -107,3 +110,15 @@ def scrape(url: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+def idle_within(url: str, bound_s: float) -> float:
+    """Seconds until /metrics shows nothing running and no KV block in use (fails past bound_s)."""
+    t0 = time.perf_counter()
+    while True:
+        m = scrape(url)
+        if m["edgechat_replica_running"] == 0 and m["edgechat_replica_waiting"] == 0 \
+                and m["edgechat_replica_kv_usage"] == 0:
+            return time.perf_counter() - t0
+        assert time.perf_counter() - t0 < bound_s, f"still busy after {bound_s} s: {m}"
+        time.sleep(0.01)

@@ -13,6 +13,7 @@ from websockets.asyncio.client import connect
 
 from wire import protocol as P
 from tests.replica.server import AUTH, replica_server
+from tests.replica.ws_client import ReplicaWS, ws_url
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -28,52 +29,6 @@ def chat(url, messages, **kw):
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120, headers=AUTH)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-class ReplicaWS:
-    """A minimal proxy-side client of /v1/replica."""
-
-    def __init__(self, ws):
-        self.ws, self.codec = ws, P.Codec()
-        self.hello = None
-        self.load = None
-
-    async def send(self, *msgs):
-        await self.ws.send(self.codec.encode(list(msgs)))
-
-    async def recv(self):
-        msgs = self.codec.decode(await self.ws.recv())
-        for m in msgs:
-            if isinstance(m, P.Hello):
-                self.hello = m
-            elif isinstance(m, P.Load):
-                self.load = m
-        return msgs
-
-    async def collect(self, ids):
-        """Run until every id finished; returns {id: (token ids, text, final message)}."""
-        out = {i: ([], []) for i in ids}
-        final = {}
-        while len(final) < len(ids):
-            for m in await self.recv():
-                if isinstance(m, (P.Tokens, P.Finished)) and m.id in out:
-                    out[m.id][0].extend(m.ids)
-                    out[m.id][1].append(m.text)
-                if isinstance(m, (P.Finished, P.Error)) and m.id in out:
-                    final[m.id] = m
-        return {i: (out[i][0], "".join(out[i][1]), final[i]) for i in ids}
-
-    async def wait_idle(self):
-        """Until a load report shows nothing running and every block free."""
-        while True:
-            await self.recv()
-            ld = self.load
-            if ld and ld.running == 0 and ld.waiting == 0 and ld.free_blocks == ld.total_blocks:
-                return ld
-
-
-def ws_url(url):
-    return url.replace("http://", "ws://") + "/v1/replica"
 
 
 def test_golden_greedy_chat(server):

@@ -10,7 +10,7 @@ import pytest
 
 from wire import protocol as P
 from replica.containment import Containment, EngineBroken
-from tests.replica.test_engine import make_engine, prompts
+from tests.replica.engines import make_engine, prompts
 
 KINDS = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=1.0, top_k=5, seed=2)]
 

@@ -1,7 +1,6 @@
 """The engine end to end on a tiny random Llama: logits against the plain
 reference forward, prefix reuse, preemption, abort, seeded sampling."""
 
-import random
 import time
 
 import pytest
@@ -10,40 +9,13 @@ import torch
 from wire import protocol as P
 from replica.config import EngineConfig, RopeScaling
 from replica.engine import LLMEngine
+from tests.replica.engines import make_engine, prompts, run
 from tests.replica.reference import reference_logits
-from tests.replica.tiny import tiny_config, tiny_weights
-
-
-def make_engine(cfg=None, w=None, **kw):
-    cfg = cfg or tiny_config()
-    w = w if w is not None else tiny_weights(cfg)
-    ecfg = dict(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8)
-    ecfg.update(kw)
-    return LLMEngine(EngineConfig(**ecfg), cfg, w), cfg, w
+from tests.replica.tiny import tiny_config
 
 
 def greedy(max_tokens=8, **kw):
     return P.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
-
-
-def run(engine, check=None):
-    """Step until idle; returns {id: generated ids}, {id: Finished}."""
-    toks, fins = {}, {}
-    while engine.has_work():
-        out, logits = engine.step(return_logits=True)
-        if check:
-            check(logits, toks)
-        for m in out:
-            toks.setdefault(m.id, []).extend(m.ids)
-            if isinstance(m, P.Finished):
-                fins[m.id] = m
-    engine.blocks.check_invariants()
-    return toks, fins
-
-
-def prompts(n_list, seed=0, vocab=97):
-    rng = random.Random(seed)
-    return {f"s{i}": [rng.randrange(1, vocab) for _ in range(n)] for i, n in enumerate(n_list)}
 
 
 @pytest.mark.parametrize("model_kw", [

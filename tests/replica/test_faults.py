@@ -17,8 +17,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from wire import protocol as P
-from tests.replica.server import AUTH, engine_pid, replica_server, scrape
-from tests.replica.test_api import ReplicaWS, ws_url
+from tests.replica.server import AUTH, engine_pid, idle_within, replica_server, scrape
+from tests.replica.ws_client import ReplicaWS, ws_url
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 28, 2, 198, 1, 520, 9531, 198]
 SEEDED = P.SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=42)
@@ -38,18 +38,6 @@ def ws(url):
 async def first_tokens(c: ReplicaWS, rid: str) -> None:
     while not any(isinstance(m, P.Tokens) and m.id == rid for m in await c.recv()):
         pass
-
-
-def idle_within(url: str, bound_s: float) -> float:
-    """Seconds until /metrics shows nothing running and no KV block in use (fails past bound_s)."""
-    t0 = time.perf_counter()
-    while True:
-        m = scrape(url)
-        if m["edgechat_replica_running"] == 0 and m["edgechat_replica_waiting"] == 0 \
-                and m["edgechat_replica_kv_usage"] == 0:
-            return time.perf_counter() - t0
-        assert time.perf_counter() - t0 < bound_s, f"still busy after {bound_s} s: {m}"
-        time.sleep(0.01)
 
 
 def reference(url) -> list[int]:

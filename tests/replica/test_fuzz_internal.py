@@ -28,9 +28,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from wire import protocol as P
-from tests.replica.server import AUTH, engine_pid, replica_server, scrape
-from tests.replica.test_api import ReplicaWS, ws_url
-from tests.replica.test_faults import idle_within
+from tests.replica.server import AUTH, engine_pid, idle_within, replica_server, scrape
+from tests.replica.ws_client import ReplicaWS, ws_url
 
 SEED = int(os.environ.get("EDGECHAT_FUZZ_SEED", "20240611"))
 N_MESSAGES = 3000

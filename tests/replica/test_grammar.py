@@ -3,29 +3,18 @@ tokenizer): constrained and free rows in one step, masks applied before sampling
 grammar state through overlap, preemption and resume, compile errors and aborts."""
 
 import json
-import random
 import re
 
-import jsonschema
 import pytest
 
 from wire import protocol as P
 from wire import structured as S
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
+from tests.replica.grammars import CHOICES, REGEX, SCHEMA, prompt, text
 from tests.replica.tiny import tiny_config, tiny_tokenizer, tiny_weights
 
-SCHEMA = {"type": "object", "properties": {
-    "kind": {"enum": ["cat", "dog", "axolotl"]},
-    "age": {"type": "integer", "minimum": 0, "maximum": 99},
-    "tags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
-    "name": {"type": "string", "maxLength": 6},
-    "owner": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1,
-                                                                                     "maximum": 9}},
-                                           "required": ["id"], "additionalProperties": False}]}},
-    "required": ["kind", "age", "tags", "name", "owner"], "additionalProperties": False}
-REGEX = r"[0-9]{3}-[a-z]{2,4}"
-CHOICES = ["alpha", "beta", "gamma delta"]
+jsonschema = pytest.importorskip("jsonschema")  # the test extra; a GPU image may lack it
 
 
 def make(tokenizer=True, **kw):
@@ -78,16 +67,6 @@ def run(engine, requests: dict, abort_at=None):
     engine.blocks.check_invariants()
     assert not engine.seqs and engine.blocks.num_free == engine.blocks.num_blocks
     return {k: (toks.get(k, []), fins[k]) for k in fins}, rows
-
-
-def prompt(rid: str) -> list[int]:
-    """Each request's own prompt, whatever else runs (str seeds hash the same in every process)."""
-    rng = random.Random(rid)
-    return [rng.randrange(1, 97) for _ in range(rng.randrange(4, 30))]
-
-
-def text(ids) -> str:
-    return tiny_tokenizer().decode([t for t in ids if t != 0])
 
 
 def check_constrained(res: dict) -> None:

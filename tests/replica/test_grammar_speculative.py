@@ -6,23 +6,25 @@ output without speculation (greedy and seeded), next to free rows in the same st
 import json
 import re
 
-import jsonschema
 import pytest
 
 from wire import protocol as P
 from wire import structured as S
 from speculative.drafting import DraftTree
-from tests.replica import test_speculative_engine as spec_engine
-from tests.replica.test_grammar import CHOICES, REGEX, SCHEMA, prompt, text
-from tests.replica.test_speculative_engine import DRAFTERS, head_path  # noqa: F401 (the head fixture)
+from tests.replica import spec_engines
+from tests.replica.grammars import CHOICES, REGEX, SCHEMA, prompt, text
+from tests.replica.spec_engines import DRAFTERS
 from tests.replica.tiny import tiny_tokenizer
+
+jsonschema = pytest.importorskip("jsonschema")  # the test extra; a GPU image may lack it
 
 NEWLINE = 96  # never valid in these grammars (compact JSON, the regex, the choices)
 
 
 def engine(spec=None, head=None, **kw):
-    """test_speculative_engine's engine (the same tiny target and head), with a tokenizer and room for JSON."""
-    return spec_engine.engine(spec, head, tokenizer=tiny_tokenizer(), **{
+    """The speculating engine of test_speculative_engine (spec_engines: the same tiny target and
+    head), with a tokenizer and room for JSON."""
+    return spec_engines.engine(spec, head, tokenizer=tiny_tokenizer(), **{
         "num_blocks": 96, "max_num_batched_tokens": 64, **kw})
 
 

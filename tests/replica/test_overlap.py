@@ -4,7 +4,7 @@ read back) must not change a single token, finish reason or usage figure."""
 import pytest
 
 from wire import protocol as P
-from tests.replica.test_engine import make_engine, prompts
+from tests.replica.engines import make_engine, prompts
 from tests.replica.tiny import tiny_config
 
 

@@ -13,8 +13,8 @@ import torch
 
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
+from tests.replica.engines import make_engine, prompts
 from tests.replica.reference import reference_logits
-from tests.replica.test_engine import make_engine, prompts, run
 from tests.replica.tiny import tiny_config, tiny_weights
 from wire import protocol as P
 

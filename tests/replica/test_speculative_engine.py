@@ -16,30 +16,8 @@ from replica.sequence import Sequence
 from speculative.drafting import TreeSpec
 from speculative.head import save_head
 from speculative.policy import SpecPolicy
-from tests.replica.tiny import tiny_config, tiny_weights
+from tests.replica.spec_engines import CFG, DRAFTERS, W, engine
 from tests.speculative.util import OracleDrafter, random_head, tiny_target
-
-CFG = tiny_config(num_layers=4)  # four layers: the head's three feature layers are distinct
-W = tiny_weights(CFG)
-DRAFTERS = {
-    "ngram": dict(speculative="ngram", spec_depth=4),
-    "eagle3-chain": dict(speculative="eagle3", spec_depth=3),
-    "eagle3-tree": dict(speculative="eagle3", spec_depth=4, spec_top_k=3, spec_budget=10),
-}
-
-
-@pytest.fixture(scope="module")
-def head_path(tmp_path_factory):
-    return str(save_head(random_head(tiny_target()), tmp_path_factory.mktemp("eagle3") / "tiny"))
-
-
-def engine(spec=None, head=None, tokenizer=None, **kw):
-    ecfg = dict(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=40, spec_max_batch=16)
-    ecfg.update(DRAFTERS[spec] if spec else {})
-    if spec and spec.startswith("eagle3"):
-        ecfg["spec_head"] = head
-    ecfg.update(kw)
-    return LLMEngine(EngineConfig(**ecfg), CFG, W, tokenizer=tokenizer)
 
 
 def greedy(max_tokens=14, **kw):

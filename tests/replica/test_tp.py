@@ -10,37 +10,16 @@ import msgspec
 import pytest
 import torch
 
-from wire import protocol as P
 from replica.config import EngineConfig
 from replica.engine_process import build_engine
 from replica.tp import local_config, shard
 from tests.replica.tiny import tiny_config
+from tests.replica.tp_job import run_workload
 
 TINY_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
            "tie_word_embeddings": False, "eos_token_id": 0, "bos_token_id": 1}
-
-
-def run_workload(engine, rounds: int = 1):
-    """Rounds of greedy and seeded requests with chunked prefill, one round after the
-    other (finished prompts stay cached, so later rounds take fresh blocks while there
-    are any); {id: [logits rows]} and tokens."""
-    sp = [P.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-          P.SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)]
-    logits, tokens = {}, {}
-    for r in range(rounds):
-        for i in range(4):
-            ids = [(5 * i + 7 * r + j) % 120 + 2 for j in range(10 + 9 * i)]
-            engine.add(P.Generate(id=f"r{r}-{i}", prompt_ids=ids, sampling=sp[i % 2]))
-        while engine.has_work():
-            res = engine.step(return_logits=True)
-            out, lg = res if isinstance(res, tuple) else (res, {})  # with overlap: tokens only
-            for k, v in lg.items():
-                logits.setdefault(k, []).append(v.clone())
-            for m in out:
-                tokens.setdefault(m.id, []).extend(m.ids)
-    return {"logits": {k: torch.stack(v) for k, v in logits.items()}, "tokens": tokens}
 
 
 def test_shards_cover_the_weights():

@@ -9,7 +9,7 @@ import pytest
 
 from wire import openai as O
 from wire import structured as S
-from tests.wire.test_tools import accepts, tok  # noqa: F401 (the tokenizer fixture)
+from tests.wire.grammars import accepts
 
 
 def grammar(**body) -> str:
@@ -21,7 +21,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type
           "required": ["a", "b"], "additionalProperties": False}
 
 
-def test_response_format_kinds(tok):  # noqa: F811
+def test_response_format_kinds(tok):
     assert grammar() == "" and grammar(response_format={"type": "text"}) == ""
     obj = grammar(response_format={"type": "json_object"})
     assert accepts(tok, obj, '{"k": [1, {"z": null}], "s": "t"}') and not accepts(tok, obj, "[1, 2]")
@@ -33,14 +33,14 @@ def test_response_format_kinds(tok):  # noqa: F811
     assert not accepts(tok, js, '{\n  "a": 3, "b": []}')
 
 
-def test_whitespace_options(tok):  # noqa: F811
+def test_whitespace_options(tok):
     flexible = grammar(guided_json=SCHEMA, guided_whitespace_pattern=r"[ \n]*")
     assert accepts(tok, flexible, '{\n "a" : 3 ,\n "b" : [ ] }')
     compact = grammar(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
     assert accepts(tok, compact, '{"a":3,"b":["x"]}') and not accepts(tok, compact, '{"a": 3, "b": []}')
 
 
-def test_vllm_fields(tok):  # noqa: F811
+def test_vllm_fields(tok):
     assert accepts(tok, grammar(guided_regex=r"[0-9]{3}-[a-z]+"), "123-abc")
     assert not accepts(tok, grammar(guided_regex=r"[0-9]{3}-[a-z]+"), "12-abc")
     choice = grammar(guided_choice=["yes", "no way"])
@@ -75,6 +75,6 @@ def test_refusals_name_their_field(body, param):
     assert e.value.param == param, e.value.message
 
 
-def test_a_schema_without_schema_allows_any_json(tok):  # noqa: F811
+def test_a_schema_without_schema_allows_any_json(tok):
     g = S.response_format_grammar({"type": "json_schema", "json_schema": {"name": "anything"}}, S.JSON_LAYOUT)
     assert accepts(tok, g, "[1, 2]") and accepts(tok, g, '"s"')

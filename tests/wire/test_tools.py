@@ -5,7 +5,6 @@ chunking, and OpenAI's answer shapes (whole and streamed)."""
 
 import json
 
-import llguidance
 import msgspec
 import pytest
 
@@ -13,8 +12,8 @@ from wire import openai as O
 from wire import tools as T
 from wire.openai_render import Response
 from wire.tool_calls import ArgsDelta, CallStart, ToolCallStream
-from replica.grammar import lark_tokenizer
 from replica.tokenizer import Tokenizer
+from tests.wire.grammars import accepts
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -33,11 +32,6 @@ LLAMA3_TEMPLATE = (
     "m.tool_calls[0].function.arguments} | tojson }}{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
     "{% if tools %}[{% for t in tools %}{{ t.function.name }} {% endfor %}]{% endif %}"
     "<|start_header_id|>assistant<|end_header_id|>\n")
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_spec("default")
 
 
 def with_template(tok: Tokenizer, template: str | None) -> Tokenizer:
@@ -96,12 +90,6 @@ def test_llama3_renders_one_call_per_message(tok):
     two = [{**CONVERSATION[1], "tool_calls": CONVERSATION[1]["tool_calls"] * 2}]
     with pytest.raises(T.ToolError):
         T.chat_ids(t, [CONVERSATION[0], *two], tools())
-
-
-def accepts(tok, grammar: str, text: str) -> bool:
-    m = llguidance.LLMatcher(lark_tokenizer(tok, 49152), grammar, log_level=0)
-    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_ids[0]]
-    return not m.is_error() and m.validate_tokens(ids) == len(ids)
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'

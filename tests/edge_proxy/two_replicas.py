@@ -1,0 +1,37 @@
+"""Two real replicas (default model) and a proxy over them, as separate processes: the
+stack of test_real_replicas and test_real_replica_chaos."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+
+from tests.replica.server import free_port, replica_server, wait_healthy
+
+SECRET = {"EDGECHAT_REPLICA_SECRET": "e2e-secret"}  # test_real_replica_chaos presents it to /metrics
+
+
+@contextlib.contextmanager
+def stack():
+    """Replicas A and B and a proxy over them, as separate processes."""
+    with contextlib.ExitStack() as es:
+        reps = {}
+        for rid in ("A", "B"):
+            url, proc = es.enter_context(replica_server("--replica-id", rid, "--kv-memory-gb", "0.25", env=SECRET))
+            reps[rid] = (url, proc)
+        port = free_port()
+        cmd = [sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous", "--region", "test",
+               "--stall-timeout", "3"]
+        for url, _ in reps.values():
+            cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
+        proxy = subprocess.Popen(cmd, env={**os.environ, **SECRET}, start_new_session=True)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proxy)
+            yield f"ws://127.0.0.1:{port}/v1/stream", reps
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proxy.pid, signal.SIGTERM)
+            proxy.wait(30)
