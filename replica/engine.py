@@ -19,7 +19,7 @@ from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
 from replica.forks import Forks
 from replica.grammar import Grammars
-from replica.plan import plan_step
+from replica.plan import placeholder, plan_step
 from replica.runner import Runner
 from replica.scheduler import Scheduler
 from replica.sequence import Sequence, Status
@@ -37,7 +37,7 @@ class _Launched:
     """A step whose tokens may still be on their way to the host."""
 
     seqs: list[Sequence]
-    sampled: list[tuple[Sequence, int]]  # (sequence, index of its placeholder token)
+    sampled: list[tuple[Sequence, int]]  # (sequence, index of its placeholder in its token ids)
     tokens: torch.Tensor  # on the device
     host: torch.Tensor  # host copy (complete once `event` has fired)
     event: object  # torch.cuda.Event, or None on CPU
@@ -267,7 +267,7 @@ class LLMEngine:
         for j, i in enumerate(plan.sample_rows):
             seq = batch.seqs[i]
             sampled.append((seq, len(seq.token_ids)))
-            seq.token_ids.append(-(j + 1))  # placeholder: this step's j-th token
+            seq.token_ids.append(placeholder(j))  # this step's j-th token, until `_resolve` reads it back
             seq.num_unresolved += 1
         self.stats.decode_rows += batch.num_decodes
         self.stats.decode_tokens += batch.num_decodes
@@ -281,28 +281,21 @@ class LLMEngine:
         tokens = step.host.tolist()
         sampling.keep_logprobs([seq for seq, _ in step.sampled], step.logprobs)
         sampling.collect_prompt_logprobs(step.prompt_rows, step.prompt_logits)
-        out: list = []
         now = time.monotonic()
-        for (seq, pos), tok in zip(step.sampled, tokens):
-            seq.token_ids[pos] = tok
-            seq.num_unresolved -= 1
-            if seq.status == Status.FINISHED:
-                continue  # finished or aborted while this step was in flight
-            first = not seq.first_token_time
-            if first:
-                seq.first_token_time = now
-            reason = self._accept(seq, tok, pos + 1)
-            if reason:
-                out.append(self._finish(seq, reason, [tok], length=pos + 1))
-            else:
-                out.append(sampling.attach(self._tokens(seq, [tok], first), seq))
-        for seq in step.seqs:  # tokens before num_computed are all real now
+        out = [self._emit(seq, [tok], now, at=pos) for (seq, pos), tok in zip(step.sampled, tokens)]
+        self._settle(step.seqs, [seq for seq, _ in step.sampled], step.t0, step.prefill_tokens)
+        return [m for m in out if m is not None]
+
+    def _settle(self, seqs: list[Sequence], sampled: list[Sequence], t0: float, prefill_tokens: int = 0) -> None:
+        """After a step's tokens are emitted: hash the blocks its live sequences computed
+        (their tokens before num_computed are all real and verified now), start the samples
+        waiting for a sampled sequence's prompt (cached now), count the step."""
+        for seq in seqs:
             if seq.status != Status.FINISHED:
                 self.blocks.commit(seq)
-        for seq, _ in step.sampled:  # their prompts are cached: their samples may start
+        for seq in sampled:
             self._release_forks(seq)
-        self._count_step(step.t0, step.prefill_tokens)
-        return out
+        self._count_step(t0, prefill_tokens)
 
     def _count_step(self, t0: float, prefill_tokens: int = 0) -> None:
         self.stats.steps += 1
@@ -330,41 +323,57 @@ class LLMEngine:
         msgs: list = []
         now = time.monotonic()
         for i, (seq, n, (tokens, accepted)) in enumerate(zip(batch.seqs, batch.num_tokens, results)):
-            seq.num_computed += n  # a speculating row: its root (the accepted drafts follow below)
-            if not tokens:
-                continue  # a prefill chunk short of the prompt's end
-            first = not seq.first_token_time
-            if first:
-                seq.first_token_time = now
-            emitted, reason = [], ""
-            for tok in tokens:  # a stop (EOS, stop id, max_tokens) may cut an accepted run
-                seq.token_ids.append(tok)
-                emitted.append(tok)
-                reason = self._accept(seq, tok, len(seq))
-                if reason:
-                    break
-            if i < batch.num_spec:
-                # Accepted drafts are verified tokens with their KV in place: all but the newest are computed.
-                seq.num_computed = len(seq) - 1
-                seq.num_accepted_drafts += min(accepted, len(emitted))
-            if reason:
-                msgs.append(self._finish(seq, reason, emitted, length=len(seq)))
-                continue
-            msgs.append(sampling.attach(self._tokens(seq, emitted, first), seq))
-            if i < batch.num_spec:
-                self.blocks.truncate(seq, len(seq))  # rejected drafts' blocks go back
-        for seq, (tokens, _) in zip(batch.seqs, results):
-            if seq.status != Status.FINISHED:
-                self.blocks.commit(seq)  # hashes cover computed (verified) tokens only
-            if tokens:
-                self._release_forks(seq)
+            seq.num_computed += n  # a speculating row: its root (the accepted drafts follow in `_emit`)
+            if tokens:  # else a prefill chunk short of the prompt's end
+                msgs.append(self._emit(seq, tokens, now, drafts=accepted if i < batch.num_spec else None))
+        self._settle(batch.seqs, [seq for seq, (tokens, _) in zip(batch.seqs, results) if tokens], t0)
         st = self.stats
         st.decode_rows += batch.num_decodes
         st.decode_tokens += batch.num_decodes - len(trees) + sum(len(r[0]) for r in results[: len(trees)])
         st.drafted += sum(len(t) - 1 for t in trees)
         st.accepted += sum(r[1] for r in results[: len(trees)])
-        self._count_step(t0)
         return msgs
+
+    def _emit(self, seq: Sequence, tokens: list[int], now: float, *, at: int | None = None,
+              drafts: int | None = None) -> P.Tokens | P.Finished | None:
+        """Make one step's `tokens` seq's and say so: the one emit path of every kind of step.
+
+        Each token is checked for a stop (`_accept`: EOS, stop ids, max_tokens, the model's
+        length, a complete grammar) as it is added; the first stop cuts the rest (a
+        speculating row's accepted run) and finishes the request, once. Returns the
+        Tokens message, the Finished one, or None when seq finished (or was aborted)
+        while its step was in flight. `now` is the step's first-token time.
+
+        at: the index of the placeholder the one token replaces (a launched step read
+        back, `_resolve`); otherwise the tokens are appended. drafts: a speculating row's
+        accepted draft tokens among `tokens`: verified, with their KV in place, so all but
+        the newest emitted token are computed, and the blocks past it go back."""
+        if at is not None:
+            (tok,) = tokens
+            seq.token_ids[at] = tok
+            seq.num_unresolved -= 1
+            if seq.status == Status.FINISHED:
+                return None  # finished or aborted while its step was in flight
+        first = not seq.first_token_time
+        if first:
+            seq.first_token_time = now
+        emitted, reason = [], ""
+        for tok in tokens:
+            if at is None:
+                seq.token_ids.append(tok)
+            emitted.append(tok)
+            length = at + len(emitted) if at is not None else len(seq)  # this token's number in seq
+            reason = self._accept(seq, tok, length)
+            if reason:
+                break
+        if drafts is not None:  # before `_finish`: its commit hashes the computed (verified) tokens
+            seq.num_computed = len(seq) - 1
+            seq.num_accepted_drafts += min(drafts, len(emitted))
+        if reason:
+            return self._finish(seq, reason, emitted, length=length)
+        if drafts is not None:
+            self.blocks.truncate(seq, len(seq))  # rejected drafts' blocks go back
+        return sampling.attach(self._tokens(seq, emitted, first), seq)
 
     def _accept(self, seq: Sequence, tok: int, length: int) -> str:
         """The finish reason once `tok` (token number `length`) is seq's, or "": stop

@@ -41,14 +41,15 @@ import numpy as np
 import torch
 
 from replica.model import Context
+from replica.plan import is_placeholder, placeholder_index
 
 
 def resolve_placeholders(ids: torch.Tensor, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-    """Overlap scheduling: input id -(j + 1) stands for prev_tokens[j], a token the
-    previous step sampled that the host has not seen yet; resolve it on the device."""
+    """Overlap scheduling: input id placeholder(j) stands for prev_tokens[j], a token the
+    previous step sampled that the host has not seen yet (replica.plan); resolve it on the device."""
     if prev_tokens is None or prev_tokens.numel() == 0:
         return ids
-    return torch.where(ids >= 0, ids, prev_tokens[(-ids - 1).clamp(0, prev_tokens.numel() - 1)])
+    return torch.where(is_placeholder(ids), prev_tokens[placeholder_index(ids).clamp(0, prev_tokens.numel() - 1)], ids)
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:

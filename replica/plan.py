@@ -13,16 +13,48 @@ starts[i] tokens are in the KV cache. Rows come in this order:
   * extends: prefill chunks.
 
 Logits rows, in order: every tree node, then the last token of each row in
-sample_rows (then, for prompt logprobs, the tokens in extra_logits). sampling[r] says how logits row r is sampled: (temperature, top_k,
-top_p, seed, position of the sampled token); the randomness is a pure function of
-(seed, position), so every rank draws the same token from the same logits.
+sample_rows (then, for prompt logprobs, the tokens in extra_logits). sampling[r]
+(a `Sampling`) says how logits row r is sampled; the randomness is a pure function
+of (seed, position), so every rank draws the same token from the same logits.
+
+Placeholders (overlap scheduling): a token sampled by the step in flight, not
+read back by the host yet, stands in its sequence's token ids (and so in the next
+plan's input_ids) as `placeholder(j)`, a negative id: that step's j-th sampled
+token, tokens[j] of its output (a step left in flight has no draft trees). The
+device resolves it from its own copy of those tokens
+(replica.graphs.resolve_placeholders), the engine once it reads them back.
+`is_placeholder` and `placeholder_index` take ints or integer tensors alike.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-Sampling = tuple[float, int, float, int, int]  # (temperature, top_k, top_p, seed, position)
+
+def placeholder(j: int) -> int:
+    """The id standing for the in-flight step's j-th sampled token."""
+    return -(j + 1)
+
+
+def is_placeholder(t):
+    """Whether token id `t` (or each id of a tensor) is a placeholder."""
+    return t < 0
+
+
+def placeholder_index(t):
+    """j for `placeholder(j)` (elementwise on a tensor; meaningless for real ids)."""
+    return -t - 1
+
+
+class Sampling(msgspec.Struct, array_like=True, gc=False):
+    """How one logits row is sampled. Encoded as a 5-element array: a plan broadcast to
+    tensor-parallel ranks carries one per logits row."""
+
+    temperature: float  # 0: greedy (argmax)
+    top_k: int  # 0: off
+    top_p: float  # >= 1: off
+    seed: int
+    position: int  # of the sampled token in its sequence: (seed, position) drives the randomness
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -40,7 +72,7 @@ class StepPlan(msgspec.Struct, array_like=True):
 def sampling_of(seq, position: int) -> Sampling:
     """How `seq`'s token at `position` is drawn."""
     sp = seq.sampling
-    return (sp.temperature, sp.top_k, sp.top_p, seq.seed, position)
+    return Sampling(sp.temperature, sp.top_k, sp.top_p, seq.seed, position)
 
 
 def plan_step(batch, trees=()) -> StepPlan:

@@ -107,6 +107,7 @@ class Runner:
         self.model_cfg = local_config(model_cfg, self.tp.world) if self.tp.world > 1 else model_cfg  # this rank's
         self.device, self.dtype, self.block_size = torch.device(cfg.device), DTYPES[cfg.dtype], cfg.block_size
         self.ops = ops if ops is not None else kernels.ops(self.device.type)
+        self.sampler = sampling.Sampler(self.ops, self.device)
         mpe = model_cfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or mpe, mpe)  # cut to the pool's size by allocate_kv
         if model is None:
@@ -226,9 +227,9 @@ class Runner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, seqs=None,
                 constrain=None) -> StepOutput:
-        """Run one step and sample each logits row. With overlap, input id -(j + 1)
-        stands for prev_tokens[j], the previous step's j-th sampled token, still on
-        the device: it is resolved there, without waiting for the host. seqs (rank 0):
+        """Run one step and sample each logits row. With overlap, input id placeholder(j)
+        (replica.plan) stands for prev_tokens[j], the previous step's j-th sampled token,
+        still on the device: it is resolved there, without waiting for the host. seqs (rank 0):
         the sequences of plan.sample_rows, whose params beyond temperature/top-k/top-p
         (penalties, logit bias, logprobs: replica.sampling) apply to their rows.
         constrain(x, first_row) (rank 0): grammar masks, applied to the logits rows
@@ -247,48 +248,13 @@ class Runner:
             logits = self.model.compute_logits(hidden[rows]).float()
         n = len(plan.sampling)
         logits, prompt_logits = logits[:n], (logits[n:] if plan.extra_logits else None)
-        tokens, logprobs = self._sample(logits, plan, prev_tokens, seqs, constrain)
+        tokens, logprobs = self.sampler(logits, plan, prev_tokens, seqs, constrain)
         return StepOutput(logits, tokens, aux, hidden if self.keep_hidden else None, logprobs, prompt_logits)
-
-    def _sample(self, logits: torch.Tensor, plan: StepPlan, prev_tokens, seqs, constrain=None):
-        """The token of every logits row: tree nodes plainly (speculating sequences are
-        `Sequence.plain`; constrained nodes masked in place, so the acceptance reads the
-        masked logits), sample rows through replica.sampling when their sequences are
-        known (rank 0), plainly on the other ranks."""
-        nt = len(plan.sampling) - len(plan.sample_rows)
-        if seqs is None:
-            return self.sample_params(logits, plan.sampling), None
-        if constrain is not None and nt:
-            constrain(logits[:nt], 0)
-        rows, logprobs = sampling.sample(self, logits[nt:], seqs, plan.sampling[nt:], prev_tokens,
-                                         constrain and (lambda x: constrain(x, nt)))
-        if not nt:
-            return rows, logprobs
-        return torch.cat([self.sample_params(logits[:nt], plan.sampling[:nt]), rows]), logprobs
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states (StepOutput.hidden)."""
         with torch.inference_mode():
             return self.model.compute_logits(hidden).float()
-
-    @torch.inference_mode()
-    def sample_params(self, logits: torch.Tensor, params: list[tuple[float, int, float, int, int]]) -> torch.Tensor:
-        """Sample one token per row; randomness depends on (seed, position) only.
-        Greedy rows take a plain argmax; only rows that sample pay for filtering
-        and hashed noise (which rows is known on the host: no device sync)."""
-        hot = [i for i, p in enumerate(params) if p[0] > 0]
-        tokens = logits.argmax(-1)
-        if hot:
-            temp, top_k, top_p, seed, pos = zip(*(params[i] for i in hot))
-            rows = logits if len(hot) == len(params) else logits[self._tensor(hot, torch.int64)]
-            sampled = self.ops.sample(rows, self._tensor(temp, torch.float32), self._tensor(top_k, torch.int32),
-                                      self._tensor(top_p, torch.float32), self._tensor(seed, torch.int64),
-                                      self._tensor(pos, torch.int64))
-            if len(hot) == len(params):
-                tokens = sampled
-            else:
-                tokens[self._tensor(hot, torch.int64)] = sampled
-        return tokens
 
     def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying sampled tokens to the host; returns (host tensor, event to wait on).

@@ -1,5 +1,6 @@
-"""The engine's side of SamplingParams beyond temperature/top-k/top-p: per-step
-logits processing and logprobs, for the rows that ask for them.
+"""The Runner's sampler (`Sampler`) and the engine's side of SamplingParams beyond
+temperature/top-k/top-p: per-step logits processing and logprobs, for the rows
+that ask for them.
 
 Per sampled row, in this order (vLLM's, and what OpenAI documents):
 
@@ -9,7 +10,8 @@ Per sampled row, in this order (vLLM's, and what OpenAI documents):
     x[EOS, stop ids] = -inf while fewer than min_tokens were generated
     x[t] = -inf where p(t) < min_p * p_max, i.e. x_t / T < max(x) / T + log(min_p)
 
-then the seeded sampler (kernels/sampling.py) applies top-k, top-p and temperature.
+then the seeded sampler (kernels/sampling.py, through the op set the Runner chose)
+applies top-k, top-p and temperature, per row as its `replica.plan.Sampling` says.
 Every input is a function of (params, tokens so far), so a seeded stream is still a
 pure function of (seed, position, tokens so far): a resumed request, which carries
 its tokens, continues exactly. Rows without such params are not touched (no copy).
@@ -35,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from wire import protocol as P
+from replica.graphs import resolve_placeholders
+from replica.plan import Sampling, StepPlan
 
 
 @dataclass
@@ -142,8 +146,7 @@ def _counts(shape, histories, prev_tokens, dev):
         flat_r.extend([r] * len(ids))
         flat_t.extend(ids)
     dense = torch.zeros(shape, dtype=torch.float32, device=dev)
-    t = _tensor(flat_t, torch.int64, dev)
-    t = torch.where(t >= 0, t, prev_tokens[(-t - 1).clamp(0, prev_tokens.numel() - 1)])  # -(j + 1): prev_tokens[j]
+    t = resolve_placeholders(_tensor(flat_t, torch.int64, dev), prev_tokens)
     dense.index_put_((_tensor(flat_r, torch.int64, dev), t), torch.ones_like(t, dtype=torch.float32), accumulate=True)
     return None, None, None, dense
 
@@ -179,14 +182,58 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs) -> StepLogprobs |
     return StepLogprobs(rows, lp.gather(1, tokens[idx][:, None])[:, 0], top.indices, top.values, ks)
 
 
-def sample(runner, logits: torch.Tensor, seqs, params, prev_tokens: torch.Tensor | None = None, constrain=None):
-    """One step's tokens for `seqs` (params: their StepPlan.sampling rows) and their logprobs, on the device.
-    `constrain(x)` masks the processed logits in place (grammars: replica.grammar); the logprobs stay raw."""
-    x = process(logits, seqs, prev_tokens)
-    if constrain is not None:
-        x = constrain(x.clone() if x is logits else x)
-    tokens = runner.sample_params(x, params)
-    return tokens, logprobs(logits, tokens, seqs)
+# -- the sampler --------------------------------------------------------------------------
+class Sampler:
+    """One token per logits row of a step, on the device; built by the Runner with its op set."""
+
+    def __init__(self, ops, device: torch.device):
+        self.ops, self.device = ops, device
+
+    def __call__(self, logits: torch.Tensor, plan: StepPlan, prev_tokens: torch.Tensor | None = None, seqs=None,
+                 constrain=None) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """The tokens of logits rows (R, V) and the sample rows' logprobs. Tree nodes are drawn
+        plainly (speculating sequences are `Sequence.plain`; constrained nodes are masked in
+        place, so the acceptance reads the masked logits). Sample rows go through `process`
+        when their sequences `seqs` are known (rank 0), plainly on the other ranks.
+        prev_tokens: the in-flight step's tokens (placeholders in the histories);
+        constrain(x, first_row) (rank 0): grammar masks (replica.grammar); logprobs stay raw."""
+        nt = len(plan.sampling) - len(plan.sample_rows)
+        if seqs is None:
+            return self.draw(logits, plan.sampling), None
+        if constrain is not None and nt:
+            constrain(logits[:nt], 0)
+        rows = logits[nt:]
+        x = process(rows, seqs, prev_tokens)
+        if constrain is not None:
+            x = constrain(x.clone() if x is rows else x, nt)
+        tokens = self.draw(x, plan.sampling[nt:])
+        lp = logprobs(rows, tokens, seqs)
+        if nt:
+            tokens = torch.cat([self.draw(logits[:nt], plan.sampling[:nt]), tokens])
+        return tokens, lp
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, params: list[Sampling]) -> torch.Tensor:
+        """One token per row as params[row] says; randomness depends on (seed, position) only.
+        Greedy rows take a plain argmax; only rows that sample pay for filtering
+        and hashed noise (which rows is known on the host: no device sync)."""
+        hot = [i for i, p in enumerate(params) if p.temperature > 0]
+        tokens = logits.argmax(-1)
+        if hot:
+            ps = [params[i] for i in hot]
+            dev = self.device
+            sampled = self.ops.sample(
+                logits if len(hot) == len(params) else logits[_tensor(hot, torch.int64, dev)],
+                _tensor([p.temperature for p in ps], torch.float32, dev),
+                _tensor([p.top_k for p in ps], torch.int32, dev),
+                _tensor([p.top_p for p in ps], torch.float32, dev),
+                _tensor([p.seed for p in ps], torch.int64, dev),
+                _tensor([p.position for p in ps], torch.int64, dev))
+            if len(hot) == len(params):
+                tokens = sampled
+            else:
+                tokens[_tensor(hot, torch.int64, dev)] = sampled
+        return tokens
 
 
 def keep_logprobs(seqs, lp: StepLogprobs | None) -> None:

@@ -251,6 +251,8 @@ class Speculator:
         """(len(rows), V): the distributions the sampler draws logits rows `rows` from."""
         if not rows:
             return None
-        params = list(zip(*(plan.sampling[r] for r in rows)))  # (temperatures, top_ks, top_ps, seeds, positions)
-        temp, top_k, top_p = (torch.tensor(x, device=logits.device) for x in params[:3])
-        return probs_ref(logits[torch.tensor(rows, device=logits.device)], temp, top_k, top_p)
+        ps, dev = [plan.sampling[r] for r in rows], logits.device
+        temp = torch.tensor([p.temperature for p in ps], device=dev)
+        top_k = torch.tensor([p.top_k for p in ps], device=dev)
+        top_p = torch.tensor([p.top_p for p in ps], device=dev)
+        return probs_ref(logits[torch.tensor(rows, device=dev)], temp, top_k, top_p)

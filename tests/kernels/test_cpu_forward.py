@@ -13,13 +13,13 @@ import torch
 
 from replica.config import EngineConfig
 from replica.cpu_model import CpuModel
-from replica.plan import StepPlan
+from replica.plan import Sampling, StepPlan
 from replica.runner import Runner
 from tests.replica.tiny import tiny_config, tiny_weights
 
 pytestmark = pytest.mark.usefixtures("cpu_forward_built")
 
-GREEDY = (0.0, 0, 1.0, 0, 0)
+GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, position=0)
 
 
 def runners(bias: bool, aux=()):
