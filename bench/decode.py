@@ -170,7 +170,7 @@ def bench_model(name: str, batches: list[int], context: int, steps: int, device:
     release_memory()
 
 
-def profile_step(name: str, batch: int, context: int, device: str, top: int = 18) -> None:
+def profile_step(name: str, batch: int, context: int, device: str, bw: float | None, top: int = 18) -> None:
     """Where a decode step's device time goes: one engine with CUDA graphs, `batch` sequences
     at `context` tokens, 10 replays of the batch's graph under torch.profiler (CUPTI reports
     the kernels inside a graph); kernel time per step by kernel name, largest first, against
@@ -209,7 +209,7 @@ def profile_step(name: str, batch: int, context: int, device: str, top: int = 18
         if t > 0 and (not on_device or e.device_type == torch.autograd.DeviceType.CUDA):
             rows[e.key] = (t / reps, e.count / reps)
     total = sum(t for t, _ in rows.values())
-    roof = bytes_per_step(cfg, dtype.itemsize, batch, context) / copy_bandwidth() * 1e6 if on_device else float("nan")
+    roof = bytes_per_step(cfg, dtype.itemsize, batch, context) / bw * 1e6 if bw else float("nan")
     print(f"\n### Device time of one step by kernel: {name}, batch {batch}, context {context} "
           f"({'replayed graph' if on_device else 'eager ops on CPU'}): {total:.0f} us a step, "
           f"roofline {roof:.0f} us, {len([1 for _, c in rows.values() if c])} kinds\n")
@@ -293,12 +293,12 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     models = args.models or (["llama-3.1-8b"] if device == "cuda" else ["tiny"])
+    bw = copy_bandwidth() if device == "cuda" else None  # measured once: every roofline of this run
     if args.profile is not None:
         for name in models:
             for b in args.profile or [1]:
-                profile_step(name, b, args.context, device)
+                profile_step(name, b, args.context, device, bw)
         return
-    bw = copy_bandwidth() if device == "cuda" else None
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: figures mean nothing)"
     print(f"device: {name}, torch {torch.__version__}, copy bandwidth "
           f"{f'{bw / 1e12:.2f} TB/s' if bw else 'n/a'}, context {args.context}, {args.steps} steps\n")

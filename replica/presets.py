@@ -60,6 +60,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ mes
                  "{{ message['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+
 def _word(k: int) -> str:
     """Distinct lower-case words for k = 0, 1, ... (bijective base 26: a..z, aa, ab, ...)."""
     out = []
@@ -71,7 +72,7 @@ def _word(k: int) -> str:
 
 
 def write_preset_folder(name: str, dest: Path) -> Path:
-    """A Hugging Face folder for PRESETS[name]: config.json, tokenizer.json (a vocabulary of
+    """Into the existing folder `dest`, a Hugging Face folder for PRESETS[name]: config.json, tokenizer.json (a vocabulary of
     exactly vocab_size ids, see the module docstring), tokenizer_config.json with the chat
     template (tests/replica/test_presets.py: it reads back as the preset)."""
     cfg = PRESETS[name]
@@ -98,13 +99,11 @@ def write_preset_folder(name: str, dest: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.values()])
     assert tok.get_vocab_size(with_added_tokens=True) == V, (tok.get_vocab_size(with_added_tokens=True), V)
-    folder = dest
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
+    tok.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": specials.get(cfg.bos_token_id), "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
     rs = cfg.rope_scaling
-    (folder / "config.json").write_text(json.dumps({
+    (dest / "config.json").write_text(json.dumps({
         "model_type": "qwen2" if cfg.attention_bias else "llama", "vocab_size": V, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -112,8 +111,7 @@ def write_preset_folder(name: str, dest: Path) -> Path:
         "rope_scaling": dataclasses.asdict(rs) if rs else None,
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": eos}, indent=1))
-    return folder
-
+    return dest
 
 
 def preset_dir(name: str) -> Path:

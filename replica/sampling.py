@@ -222,17 +222,19 @@ class Sampler:
         if hot:
             ps = [params[i] for i in hot]
             dev = self.device
+            every = len(hot) == len(params)
+            idx = None if every else _tensor(hot, torch.int64, dev)
             sampled = self.ops.sample(
-                logits if len(hot) == len(params) else logits[_tensor(hot, torch.int64, dev)],
+                logits if every else logits[idx],
                 _tensor([p.temperature for p in ps], torch.float32, dev),
                 _tensor([p.top_k for p in ps], torch.int32, dev),
                 _tensor([p.top_p for p in ps], torch.float32, dev),
                 _tensor([p.seed for p in ps], torch.int64, dev),
                 _tensor([p.position for p in ps], torch.int64, dev))
-            if len(hot) == len(params):
+            if every:
                 tokens = sampled
             else:
-                tokens[_tensor(hot, torch.int64, dev)] = sampled
+                tokens[idx] = sampled
         return tokens
 
 
