@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from peers import gguf_path, llama_bins  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
-from replica.engine import LLMEngine  # noqa: E402
-from replica.loader import load_checkpoint  # noqa: E402
+from replica.engine.llm_engine import LLMEngine  # noqa: E402
+from replica.model.loader import load_checkpoint  # noqa: E402
 from wire import protocol as P  # noqa: E402
 
 GEN = 64

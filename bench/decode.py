@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wire import protocol as P  # noqa: E402
 from replica.config import EngineConfig, ModelConfig  # noqa: E402
-from replica.engine import LLMEngine  # noqa: E402
-from replica.loader import PRESETS, random_weights, weight_shapes  # noqa: E402
+from replica.engine.llm_engine import LLMEngine  # noqa: E402
+from replica.model.loader import PRESETS, random_weights, weight_shapes  # noqa: E402
 
 # The dry run's model: small enough for a CPU, the real code path.
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wire import protocol as P  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
-from replica.engine import LLMEngine  # noqa: E402
-from replica.loader import PRESETS, load_checkpoint  # noqa: E402
+from replica.engine.llm_engine import LLMEngine  # noqa: E402
+from replica.model.loader import PRESETS, load_checkpoint  # noqa: E402
 
 
 class ZeroCostModel(torch.nn.Module):
@@ -88,12 +88,12 @@ def host_overhead(device: str) -> None:
 
 
 def graph_prepare(device: str, rows: int = 64, max_model_len: int = 131072, reps: int = 200) -> None:
-    """Host time to prepare one replayed decode step (replica.graphs.DecodeGraphs.prepare:
+    """Host time to prepare one replayed decode step (replica.model.graphs.DecodeGraphs.prepare:
     metadata into pinned buffers, copies queued) for `rows` sequences, with a model
     context of max_model_len (Llama-3.1-8B's: 8,192 blocks of 16 a row). DESIGN.md's
     budget: 0.2 ms at 64 rows."""
-    from replica.graphs import DecodeGraphs
-    from replica.plan import StepPlan
+    from replica.model.graphs import DecodeGraphs
+    from replica.model.plan import StepPlan
 
     bs = 16
     kv = torch.zeros(1, device=device)

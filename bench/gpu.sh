@@ -21,7 +21,7 @@
 #   train    (named only) an EAGLE-3 head for the default model trained on the GPU, packed into
 #            $OUT/eagle3-head.tar.part-*, and its measured speed-up (bench/gpu_train.sh; needs the GGUF
 #            carried in two parts: `mkdir -p .gguf && split -n 2 "$(.venv/bin/python -c 'from
-#            replica.loader import resolve_model; print(resolve_model("default"))')" .gguf/part-`,
+#            replica.model.loader import resolve_model; print(resolve_model("default"))')" .gguf/part-`,
 #            .gguf/ ignored by git, part-aa carried by one call, part-ab by the next)
 # The lease's calls (each brings back at most 8 files of $OUT; issue the next within the 30 s the
 # machine stays warm):

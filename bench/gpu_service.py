@@ -18,7 +18,7 @@ carry; the replica and the proxy read the preset's byte-level tokenizer from
 replica.presets) or any model the replica takes (a .gguf, a Hugging Face folder,
 "default"). On an H200 (2026-11-26) llama-3.1-8b's replica took 240 s to start while
 the engine drew its random weights on the CPU in bfloat16 (~37 M values/s on 16
-cores; on the GPU: 1 G in 12 ms); replica/loader.py's load_model_for now draws them
+cores; on the GPU: 1 G in 12 ms); replica/model/loader.py's load_model_for now draws them
 on the engine's device. Prompts tokenize to bytes (no merges): ~720 tokens each, the
 system prompt shared (prefix-cached after the first stream).
 
@@ -162,7 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # finally: stop the servers
-    from replica.loader import PRESETS
+    from replica.model.loader import PRESETS
 
     device = args.device
     if device is None:

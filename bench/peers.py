@@ -64,7 +64,7 @@ QUESTIONS = ["Where should I go for a weekend in spring?", "How do I get there f
              "What should I pack?", "Any food I should try?", "Is it good for kids?"]
 NEW_TOKENS = 64
 API_KEY = "sk-peers"  # the proxy's key for this run, without a practical rate limit
-REPLICA_ENV = {"EDGECHAT_REPLICA_SECRET": API_KEY}  # a replica takes its secret as the bearer (replica.auth)
+REPLICA_ENV = {"EDGECHAT_REPLICA_SECRET": API_KEY}  # a replica takes its secret as the bearer (replica.api.auth)
 
 
 def log(msg: str) -> None:
@@ -133,7 +133,7 @@ def hf_folder() -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from replica.loader import load_checkpoint
+    from replica.model.loader import load_checkpoint
 
     ckpt = load_checkpoint("default", dtype=torch.float32)
     cfg, tok = ckpt.config, ckpt.tokenizer

@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 from wire import protocol as P  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
-from replica.engine import LLMEngine  # noqa: E402
-from replica.loader import load_checkpoint  # noqa: E402
-from replica.runner import StepPlan  # noqa: E402
+from replica.engine.llm_engine import LLMEngine  # noqa: E402
+from replica.model.loader import load_checkpoint  # noqa: E402
+from replica.model.runner import StepPlan  # noqa: E402
 
 
 def answers(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:

@@ -56,9 +56,9 @@ def bench_contain(repeats: int) -> list[str]:
     import torch
 
     from replica.config import EngineConfig
-    from replica.containment import Containment
-    from replica.engine import LLMEngine
-    from replica.loader import load_checkpoint
+    from replica.engine.containment import Containment
+    from replica.engine.llm_engine import LLMEngine
+    from replica.model.loader import load_checkpoint
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     ckpt = load_checkpoint("default")

@@ -229,7 +229,7 @@ def passthrough_app(upstream: str):
                 dropped.update(extra)
                 print(f"pass-through drops body fields {sorted(extra)}", flush=True)
             body = msgspec.json.encode({k: v for k, v in obj.items() if k in keep})
-        # Replicas take their secret, not the client's key (`replica.auth`).
+        # Replicas take their secret, not the client's key (`replica.api.auth`).
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in hop and k.lower() != b"authorization"]
         headers.append((b"authorization", REPLICA_AUTH["Authorization"].encode()))
         path = scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")

@@ -8,7 +8,7 @@ plain versus every request asking for one parameter (penalties, logit_bias, min_
 logprobs), side by side in one run (interleaved rounds, the best of each), and the
 overhead over plain.
 Table 2: n samples of one prompt as one request (`fork_of`: the prompt computed once,
-replica.forks) versus n independent requests (the same prompt n times, arriving
+replica.engine.forks) versus n independent requests (the same prompt n times, arriving
 together: the prefix cache helps only those scheduled after the first prefills
 finished): prompt tokens the engine computed, and the time until every sample has
 its first token.
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import decode_steps  # noqa: E402  (bench/engine.py: this script's folder is on sys.path)
 from replica.config import EngineConfig  # noqa: E402
-from replica.engine import LLMEngine  # noqa: E402
-from replica.loader import load_checkpoint  # noqa: E402
+from replica.engine.llm_engine import LLMEngine  # noqa: E402
+from replica.model.loader import load_checkpoint  # noqa: E402
 from wire import protocol as P  # noqa: E402
 
 PARAMS = {

@@ -33,10 +33,10 @@ import torch  # noqa: E402
 
 import kernels  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
-from replica.engine import LLMEngine  # noqa: E402
-from replica.loader import load_checkpoint  # noqa: E402
-from replica.offline import generate  # noqa: E402
-from replica.runner import build_model  # noqa: E402
+from replica.engine.llm_engine import LLMEngine  # noqa: E402
+from replica.model.loader import load_checkpoint  # noqa: E402
+from replica.engine.offline import generate  # noqa: E402
+from replica.model.runner import build_model  # noqa: E402
 from speculative.cache import head_dir  # noqa: E402
 from speculative.drafting import TreeSpec  # noqa: E402
 from speculative.ngram import NgramDrafter  # noqa: E402
@@ -83,8 +83,8 @@ class Engines:
 
 def gemm_table(model, dev: str, rows=(1, 4, 16, 33), reps: int = 20) -> None:
     """Time the target's own linear layers (one decoder layer's and the lm head) per row count:
-    dense weights through F.linear, quantized ones (replica.quant.QLinear) through their kernel."""
-    model = getattr(model, "model", model)  # replica.cpu_model.CpuModel wraps the LlamaModel
+    dense weights through F.linear, quantized ones (replica.model.quant.QLinear) through their kernel."""
+    model = getattr(model, "model", model)  # replica.model.cpu_model.CpuModel wraps the LlamaModel
     layer = model.layers[0]
     head = model.lm_head if model.lm_head is not None else torch.nn.Linear(1, 1)
     if model.lm_head is None:

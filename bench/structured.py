@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import decode_steps  # noqa: E402  (bench/engine.py: this script's folder is on sys.path)
 from replica.config import EngineConfig  # noqa: E402
-from replica.engine import LLMEngine  # noqa: E402
-from replica.grammar import Grammars, StepMask, _fill  # noqa: E402
-from replica.loader import load_checkpoint  # noqa: E402
+from replica.engine.llm_engine import LLMEngine  # noqa: E402
+from replica.engine.grammar import Grammars, StepMask, _fill  # noqa: E402
+from replica.model.loader import load_checkpoint  # noqa: E402
 from replica.tokenizer import Tokenizer  # noqa: E402
 from wire import structured as S  # noqa: E402
 from wire import tools as T  # noqa: E402

@@ -15,7 +15,7 @@ values from the paged pool through the block tables (decode rows, prefill chunks
 with their causal lengths, draft trees with their masks), so the KV pool and the
 block tables are passed in and nothing is gathered.
 
-Same math as `replica.model.LlamaModel` over `replica.quant.QLinear`s (the
+Same math as `replica.model.llama.LlamaModel` over `replica.model.quant.QLinear`s (the
 reference; tests/kernels/test_cpu_forward.py compares them within 3e-4 of the
 values' scale): the same int16 activation rounding, norm, rotate-half RoPE, SwiGLU
 and softmax formulas (exp vectorized), summed in other orders. A row's result

@@ -86,7 +86,7 @@ def packable(n: int, k: int) -> bool:
 
 def pack(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
     """The kernel's layout (module docstring) of a weight given as qgemm_ref takes it.
-    d and m must be fp16 values (GGUF's are; replica.quant's recipes round them so);
+    d and m must be fp16 values (GGUF's are; replica.model.quant's recipes round them so);
     8-bit weights must be symmetric (m = -128 d, Q8_0)."""
     u = unpack_codes(qs, bits)
     N, K = u.shape

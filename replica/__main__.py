@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
                                                   "bfloat16 on CUDA)")
     ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
-                    help="weight-only quantization on CPU (see replica/quant.py): gguf serves a GGUF file's own "
+                    help="weight-only quantization on CPU (see replica/model/quant.py): gguf serves a GGUF file's own "
                          "Q4_0/Q4_1/Q8_0 blocks as stored; int8/int4 quantize the weights per block of 32 "
                          "(default: gguf for a .gguf model on CPU, else none)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -81,12 +81,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def cuda_devices() -> int:
+    """How many CUDA devices the driver sees, without importing torch (the API process
+    never does): libcuda's cuInit and cuDeviceGetCount through ctypes. 0 without a
+    driver, or where the installed torch is a CPU build (its version ends in +cpu)."""
+    import ctypes
+    from importlib import metadata
+
+    try:
+        if metadata.version("torch").endswith("+cpu"):
+            return 0
+        lib = ctypes.CDLL("libcuda.so.1")
+    except (OSError, metadata.PackageNotFoundError):
+        return 0
+    n = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(n)) != 0:
+        return 0
+    return n.value
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     device = args.device
     if device is None:
-        import torch  # only to probe the device; the API process otherwise stays torch-free
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if cuda_devices() > 0 else "cpu"
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     quantization = args.quantization or default_quantization(args.model, device, args.tp, args.random_weights)
     return EngineConfig(model=args.model, device=device, dtype=dtype, quantization=quantization,
@@ -116,8 +133,8 @@ def default_quantization(model: str, device: str, tp: int, random_weights: bool)
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from replica.api import create_app
-    from replica.auth import launch_secret
+    from replica.api.app import create_app
+    from replica.api.auth import launch_secret
     from replica.tokenizer import Tokenizer
 
     args = parse_args(argv)

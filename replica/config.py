@@ -67,7 +67,7 @@ class EngineConfig:
     model: str = "default"  # "default" | GGUF path | HF folder | hub id
     device: str = "cpu"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    quantization: str = "none"  # "none" | "int8" | "int4" | "gguf" (weight-only, CPU; see replica.quant)
+    quantization: str = "none"  # "none" | "int8" | "int4" | "gguf" (weight-only, CPU; see replica.model.quant)
     block_size: int = 16
     kv_memory_bytes: int = 0  # KV pool budget; 0 -> 1 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = 0.85  # fraction of the GPU this replica may fill (weights + KV + graphs)

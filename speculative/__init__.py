@@ -1,5 +1,5 @@
 """EAGLE-3 speculative decoding for the replica: drafts and acceptance rules. It never
-runs the target: the engine's Speculator (replica/speculation.py) calls it, the
+runs the target: the engine's Speculator (replica/engine/speculation.py) calls it, the
 Runner verifies.
 
 head.py      the draft head (fc over three target layers, one decoder layer, reduced vocabulary), files

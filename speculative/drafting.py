@@ -3,7 +3,7 @@
 A round starts at the sequence's newest token x_{n-1}, the tree's root: emitted,
 not yet in the target's KV. Node i holds a token for position n - 1 + depth(i);
 the target verifies the whole tree in one forward, node i's KV at slot n - 1 + i,
-attending to the prefix and to its ancestors (replica.plan, replica.runner).
+attending to the prefix and to its ancestors (replica.model.plan, replica.model.runner).
 
 Head KV. The head keeps one layer of K/V in the target's paged pool (the
 Runner allocates it beside the target's layers), addressed by the sequence's own
@@ -123,7 +123,7 @@ class HeadState:
 class Drafter:
     """Runs the head over a batch of sequences: commit pending entries, then draft.
     kv (2, num_blocks, block_size, Hkv, D): the head's layer of the paged pool
-    (replica.runner.Runner.draft_kv), in the head's dtype."""
+    (replica.model.runner.Runner.draft_kv), in the head's dtype."""
 
     def __init__(self, head: Eagle3Head, cos_sin: torch.Tensor, kv: torch.Tensor, ops):
         assert kv.shape[-2:] == head.kv_shape() and kv.dtype == head.fc.weight.dtype, "the head's KV layer"

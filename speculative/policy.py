@@ -9,7 +9,7 @@ the fastest configuration, if it beats plain decoding by at least MIN_GAIN (a
 draft head, extra KV and a verify step are not worth a gain inside the noise),
 else none; between measured sizes the choice of the next smaller one. `bench/speculative.py --write-policy` saves it as
 policy.json beside the head, tagged with the device type it was measured on; the
-engine (replica/speculation.py) follows it on that device type only.
+engine (replica/engine/speculation.py) follows it on that device type only.
 """
 
 from __future__ import annotations

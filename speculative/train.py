@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.config import EngineConfig
-from replica.model import LlamaModel
+from replica.model.llama import LlamaModel
 from speculative.cache import head_dir
 from speculative.head import Eagle3Head, HeadConfig, save_head
 
@@ -101,7 +101,7 @@ def self_distill(model: LlamaModel, prompts: list[list[int]], aux_layers, max_to
     is never processed; row T-1 holds the target's distribution for it."""
     from tqdm import tqdm
 
-    from replica.engine import LLMEngine
+    from replica.engine.llm_engine import LLMEngine
     from wire import protocol as P
 
     bs = 16
@@ -397,8 +397,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     import kernels
-    from replica.loader import load_checkpoint
-    from replica.runner import build_model
+    from replica.model.loader import load_checkpoint
+    from replica.model.runner import build_model
 
     t_all = time.perf_counter()
     ck = load_checkpoint(args.model)

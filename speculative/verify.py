@@ -2,7 +2,7 @@
 
 The target scored every tree node in one forward; row i of its logits is the
 target's next-token distribution p_i after the path root..i. The engine's
-Speculator (replica/speculation.py) applies these rules per sequence.
+Speculator (replica/engine/speculation.py) applies these rules per sequence.
 
 Deterministic drafts (`accept_greedy`): from the root, step to the child whose
 token is the token the target emits after the node (its argmax at temperature 0,

@@ -12,15 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("contracts", ["wire"]),
     ("kernels", ["kernels"]),
-    ("model", ["replica.config", "replica.presets", "replica.hf_checkpoint", "replica.gguf_file", "replica.fim",
-               "replica.tokenizer", "replica.loader", "replica.model", "replica.quant", "replica.tp",
-               "replica.cpu_model", "replica.plan", "replica.sampling", "replica.graphs", "replica.runner",
-               "replica.worker", "replica"]),
-    ("engine", ["replica.sequence", "replica.block_manager", "replica.scheduler", "replica.forks", "replica.grammar",
-                "replica.validation", "replica.speculation", "replica.engine", "replica.offline", "speculative"]),
-    ("replica processes", ["replica.containment", "replica.engine_process", "replica.engine_supervisor",
-                           "replica.engine_client", "replica.frame_split", "replica.auth", "replica.openai_http",
-                           "replica.api", "replica.__main__", "stub_replica"]),
+    # replica/*.py at the top: torch-free, shared by both processes and the proxy
+    ("model", ["replica", "replica.model"]),
+    ("engine", ["replica.engine", "replica.validation", "speculative"]),
+    ("replica processes", ["replica.engine.containment", "replica.engine.process", "replica.api",
+                           "replica.__main__", "stub_replica"]),
     ("proxy", ["edge_proxy"]),
     ("regions, load tests, examples", ["regions", "loadtest", "examples"]),
     ("tools", ["speculative.train", "bench"]),
@@ -82,3 +78,46 @@ def test_imports_point_down():
     upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}) at {mods[a].relative_to(ROOT)}:{line}"
               for a, b, line in imports(mods) if layer_of(b) > layer_of(a)]
     assert not upward, "imports pointing up the layering:\n" + "\n".join(sorted(set(upward)))
+
+
+# What runs outside the engine process never imports torch or triton, at module level or
+# inside a function, directly or through a module of ours: the proxy, regions, load tests,
+# the examples, the replica's API process (replica/api/, replica/__main__.py) and the
+# torch-free files at the top of replica/ that both processes and the proxy share.
+TORCH_FREE = ["wire", "replica.api", "replica.__main__", "edge_proxy", "regions", "loadtest", "examples",
+              "stub_replica"]
+HEAVY = ("torch", "triton")
+
+
+def torch_free(module: str, mods: dict[str, Path]) -> bool:
+    top_of_replica = module.startswith("replica.") and module.count(".") == 1 and mods[module].name != "__init__.py"
+    return top_of_replica or any(module == p or module.startswith(p + ".") for p in TORCH_FREE)
+
+
+def heavy_imports(path: Path) -> list[tuple[str, int]]:
+    out = []
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+            [n.module or ""] if isinstance(n, ast.ImportFrom) and not n.level else []
+        out += [(name, n.lineno) for name in names if name.split(".")[0] in HEAVY]
+    return out
+
+
+def test_what_runs_outside_the_engine_process_never_imports_torch():
+    mods = modules()
+    edges: dict[str, list[str]] = {}
+    for a, b, _ in imports(mods):
+        edges.setdefault(a, []).append(b)
+    bad = []
+    for m in sorted(x for x in mods if torch_free(x, mods)):
+        seen, todo, via = {m}, [m], {m: [m]}
+        while todo:
+            cur = todo.pop()
+            bad += [f"{' -> '.join(via[cur])} imports {name} ({mods[cur].relative_to(ROOT)}:{line})"
+                    for name, line in heavy_imports(mods[cur])]
+            for nxt in edges.get(cur, []):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    via[nxt] = via[cur] + [nxt]
+                    todo.append(nxt)
+    assert not bad, "torch or triton reached from a torch-free module:\n" + "\n".join(sorted(set(bad)))

@@ -39,7 +39,7 @@ Json = object  # a JSON value the schema only checks for presence
 PRIORITIES = {"interactive": P.INTERACTIVE, "batch": P.BATCH}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # The HTTP status of every error code the two OpenAI front doors (edge_proxy/openai_api.py,
-# replica/openai_http.py) answer with: the internal protocol's codes and the proxy's own
+# replica/api/openai_http.py) answer with: the internal protocol's codes and the proxy's own
 # public ones (edge_proxy/protocol.py, named here by value: wire imports nothing above it).
 HTTP_STATUS = {P.BAD_REQUEST: 400, P.PROMPT_TOO_LONG: 400, P.UNAUTHORIZED: 401, "forbidden": 403, P.NOT_FOUND: 404,
                "too_large": 413, "rate_limited": 429, P.OVERLOADED: 503, "unavailable": 503, "shutting_down": 503,

@@ -164,7 +164,7 @@ class Generate(msgspec.Struct, tag="generate", array_like=True, omit_defaults=Tr
     # (aligned); [] -> samples 0..n-1 from the start (resume_ids is sample 0's, n == 1)
     sample_ids: list[int] = []
     sample_resume: list[list[int]] = []
-    fork_of: str = ""  # API process -> engine: a sample that shares this request's prompt prefill (replica.forks)
+    fork_of: str = ""  # API process -> engine: a sample that shares this request's prompt prefill (replica.engine.forks)
 
     def samples(self) -> list[tuple[int, list[int]]]:
         """(sample index, tokens already generated) for every sample to run."""

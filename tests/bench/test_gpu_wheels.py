@@ -247,7 +247,7 @@ def test_image_plus_wheels_cover_every_import_and_requirement(pins):
 
 def test_each_carried_wheel_is_needed(pins):
     """Dropping any wheel of a package the image lacks is noticed, llguidance first
-    (wire/structured.py and replica/grammar.py import it)."""
+    (wire/structured.py and replica/engine/grammar.py import it)."""
     assert "llguidance" in pins
     missing = [n for n in pins if n not in IMAGE_PACKAGES]
     for name in ["llguidance"] + missing:

@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 
-from replica.loader import load_checkpoint
+from replica.model.loader import load_checkpoint
 from replica.tokenizer import Tokenizer
 from tests.replica.reference import reference_logits
 from tests.replica.server import free_port, replica_server, wait_healthy
@@ -29,7 +29,7 @@ from tests.replica.server import free_port, replica_server, wait_healthy
 pytestmark = pytest.mark.timeout(600)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
-KEYS = {"proxy": "EMPTY", "replica": "sdk-secret"}  # a replica takes its secret as the bearer (replica.auth)
+KEYS = {"proxy": "EMPTY", "replica": "sdk-secret"}  # a replica takes its secret as the bearer (replica.api.auth)
 
 
 def auth(where: str) -> dict:

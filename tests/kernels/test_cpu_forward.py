@@ -1,4 +1,4 @@
-"""The whole-step C++ decoder (kernels/cpu_forward.py through replica/cpu_model.py)
+"""The whole-step C++ decoder (kernels/cpu_forward.py through replica/model/cpu_model.py)
 against the op-by-op LlamaModel over the same packed QLinears, on a small random
 model whose shapes exercise partial supertiles, GQA and a qkv bias: prefill
 chunks over a cached prefix, a mixed decode + prefill step, a draft-tree verify
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from replica.config import EngineConfig
-from replica.cpu_model import CpuModel
-from replica.plan import Sampling, StepPlan
-from replica.runner import Runner
+from replica.model.cpu_model import CpuModel
+from replica.model.plan import Sampling, StepPlan
+from replica.model.runner import Runner
 from tests.replica.tiny import tiny_config, tiny_weights
 
 pytestmark = pytest.mark.usefixtures("cpu_forward_built")
@@ -89,7 +89,7 @@ def test_padding_rows_are_inert():
     fast.execute(plan(list(range(1, 11)), [0], [10], [[0]], [0], 0))
     before = fast.kv_cache.clone()
     model, kv = fast.model, fast.kv_cache
-    from replica.model import Context
+    from replica.model.llama import Context
 
     ctx = lambda n: Context(slot_mapping=torch.tensor([10, -1][:n]), num_decode_tokens=n,  # noqa: E731
                             decode_block_tables=torch.tensor([[0], [0]][:n], dtype=torch.int32),

@@ -6,7 +6,7 @@ import random
 
 from wire import protocol as P
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
+from replica.engine.llm_engine import LLMEngine
 from tests.replica.tiny import tiny_config, tiny_weights
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from replica.config import ModelConfig
-from replica.model import rope_inv_freq
+from replica.model.llama import rope_inv_freq
 
 
 def _rms(x, w, eps):

@@ -92,12 +92,12 @@ def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = N
 
 
 def engine_pid(api_pid: int) -> int:
-    """The engine process of a replica's API process (its child running replica.engine_process)."""
+    """The engine process of a replica's API process (its child running replica.engine.process)."""
     with open(f"/proc/{api_pid}/task/{api_pid}/children") as f:
         children = [int(p) for p in f.read().split()]
     for pid in children:
         with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"replica.engine_process" in f.read():
+            if b"replica.engine.process" in f.read():
                 return pid
     raise LookupError(f"process {api_pid} has no engine process")
 

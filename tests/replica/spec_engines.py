@@ -4,7 +4,7 @@ test_grammar_speculative; the random EAGLE-3 head is the `head_path` fixture
 (tests/replica/conftest.py)."""
 
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
+from replica.engine.llm_engine import LLMEngine
 from tests.replica.tiny import tiny_config, tiny_weights
 
 CFG = tiny_config(num_layers=4)  # four layers: the head's three feature layers are distinct

@@ -1,9 +1,9 @@
 """Block pool accounting, prefix matching, LRU eviction and KV events."""
 
-from replica.block_manager import BlockManager
+from replica.engine.block_manager import BlockManager
 from wire.hashing import block_hashes
 from wire.protocol import SamplingParams
-from replica.sequence import Sequence
+from replica.engine.sequence import Sequence
 
 
 def seq(ids, salt=""):

@@ -1,5 +1,10 @@
 """`python -m replica`'s flags reach the engine's config."""
 
+import subprocess
+import sys
+
+import torch
+
 from replica.__main__ import engine_config, parse_args
 
 
@@ -8,3 +13,10 @@ def test_cpu_threads_reach_the_engine_config():
     assert cfg.cpu_threads == 1 and cfg.engine_threads() == 1
     cfg = engine_config(parse_args(["--device", "cpu", "--quantization", "gguf"]))
     assert cfg.cpu_threads == 0 and cfg.engine_threads() >= 1  # every core
+
+
+def test_without_a_device_flag_a_cpu_torch_build_serves_on_cpu_and_the_api_process_never_imports_torch():
+    code = ("import sys; from replica.__main__ import engine_config, parse_args; "
+            "cfg = engine_config(parse_args([])); print(cfg.device, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["cuda" if torch.cuda.is_available() else "cpu", "False"]

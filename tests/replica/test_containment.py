@@ -9,7 +9,7 @@ int32 tensor it becomes (put past validation, which now rejects it at the door).
 import pytest
 
 from wire import protocol as P
-from replica.containment import Containment, EngineBroken
+from replica.engine.containment import Containment, EngineBroken
 from tests.replica.engines import make_engine, prompts
 
 KINDS = [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=1.0, top_k=5, seed=2)]
@@ -91,7 +91,7 @@ def test_two_poisoned_requests_are_both_found():
 
 
 def test_a_poisoned_leader_releases_its_samples():
-    """n > 1: samples 1 and 2 wait for sample 0's prefill (replica.forks); sample 0 fails, they run."""
+    """n > 1: samples 1 and 2 wait for sample 0's prefill (replica.engine.forks); sample 0 fails, they run."""
     engine, _, _ = make_engine()
     ids = prompts([40], seed=6)["s0"]
     for k in ("x0", "x1", "x2"):

@@ -9,9 +9,9 @@ import torch
 
 from wire import protocol as P
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.graphs import resolve_placeholders
-from replica.plan import Sampling, StepPlan, is_placeholder, placeholder, placeholder_index
+from replica.engine.llm_engine import LLMEngine
+from replica.model.graphs import resolve_placeholders
+from replica.model.plan import Sampling, StepPlan, is_placeholder, placeholder, placeholder_index
 from speculative.drafting import chain
 from tests.replica.spec_engines import CFG, W
 from tests.replica.tiny import tiny_config

@@ -8,7 +8,7 @@ import torch
 
 from wire import protocol as P
 from replica.config import EngineConfig, RopeScaling
-from replica.engine import LLMEngine
+from replica.engine.llm_engine import LLMEngine
 from tests.replica.engines import make_engine, prompts, run
 from tests.replica.reference import reference_logits
 from tests.replica.tiny import tiny_config
@@ -167,7 +167,7 @@ def test_bad_requests_are_rejected_with_the_problem_named(req, problem):
 
 def test_default_model_logits_match_reference_and_golden_greedy():
     """SmolLM2-135M-Instruct from its GGUF: chunked prefill + decode vs the plain forward."""
-    from replica.loader import load_checkpoint
+    from replica.model.loader import load_checkpoint
 
     ckpt = load_checkpoint("default")
     cfg, w = ckpt.config, ckpt.weights
@@ -208,7 +208,7 @@ def test_token_budget_beside_decodes_and_alone():
 def test_load_reports_the_measured_prefill_rate():
     """Load.tokens_per_s: prompt tokens per second on steps that prefill at least
     PREFILL_RATE_MIN_TOKENS (the proxy prices queued prefill and spills with it)."""
-    from replica.engine import PREFILL_RATE_MIN_TOKENS
+    from replica.engine.llm_engine import PREFILL_RATE_MIN_TOKENS
 
     engine, _, _ = make_engine(max_num_batched_tokens=64)
     assert engine.load().tokens_per_s == 0.0  # nothing measured yet: not reported

@@ -1,4 +1,4 @@
-"""replica.frame_split finds a frame's messages without recursion: the same boundaries
+"""replica.api.frame_split finds a frame's messages without recursion: the same boundaries
 msgspec finds, on seeded random msgpack of every type; truncation is an error; a
 message nested 100,000 levels deep does not hide its neighbours."""
 
@@ -7,7 +7,7 @@ import random
 import msgspec
 import pytest
 
-from replica.frame_split import split_frame
+from replica.api.frame_split import split_frame
 
 
 def value(rng: random.Random, depth: int = 0):

@@ -10,9 +10,9 @@ import torch
 
 from wire import protocol as P
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.loader import random_weights
-from replica.plan import StepPlan
+from replica.engine.llm_engine import LLMEngine
+from replica.model.loader import random_weights
+from replica.model.plan import StepPlan
 from tests.replica.divergence import check_same_or_near_tie
 from tests.replica.tiny import tiny_config
 
@@ -97,3 +97,9 @@ def test_overlap_gives_the_tokens_of_synchronous_stepping():
     for rid in prompts:
         assert len(got[rid]) == len(want[rid]) == 48
         check_same_or_near_tie(got[rid], want[rid], logits[rid], f"request {rid}")
+
+
+def test_the_api_process_finds_the_gpus_torch_finds_without_importing_torch():
+    from replica.__main__ import cuda_devices
+
+    assert cuda_devices() == torch.cuda.device_count() > 0

@@ -10,7 +10,7 @@ import pytest
 from wire import protocol as P
 from wire import structured as S
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
+from replica.engine.llm_engine import LLMEngine
 from tests.replica.grammars import CHOICES, REGEX, SCHEMA, prompt, text
 from tests.replica.tiny import tiny_config, tiny_tokenizer, tiny_weights
 

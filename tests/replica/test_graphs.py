@@ -1,4 +1,4 @@
-"""The decode-graph path (replica/graphs.py) on CPU: graph_mode="buffers" runs the
+"""The decode-graph path (replica/model/graphs.py) on CPU: graph_mode="buffers" runs the
 same padded buffers and static outputs a replay uses, eagerly. Metadata staging,
 padding rows, the columns copied, the lifetime of what a step returns, and an
 engine's memory going back when it is dropped."""
@@ -14,10 +14,10 @@ import torch
 
 import kernels
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.graphs import DecodeGraphs, default_buckets
-from replica.plan import StepPlan
-from replica.runner import build_model
+from replica.engine.llm_engine import LLMEngine
+from replica.model.graphs import DecodeGraphs, default_buckets
+from replica.model.plan import StepPlan
+from replica.model.runner import build_model
 from tests.replica.tiny import tiny_config, tiny_weights
 
 BS = 16
@@ -130,7 +130,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import kernels
 from replica.config import EngineConfig
-from replica.runner import build_model
+from replica.model.runner import build_model
 from tests.replica.tiny import tiny_config
 
 seen = []

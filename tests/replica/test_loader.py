@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from replica.config import ModelConfig, RopeScaling
 from replica.gguf_file import GGUFFile
 from replica.hf_checkpoint import ModelNotFoundError, default_model_path
-from replica.loader import (PRESETS, CheckpointError, load_checkpoint, load_config, random_weights, resolve_model,
+from replica.model.loader import (PRESETS, CheckpointError, load_checkpoint, load_config, random_weights, resolve_model,
                             unpermute_qk, weight_shapes)
 from replica.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""Weight-only quantization (replica/quant.py) against the fp32 reference forward.
+"""Weight-only quantization (replica/model/quant.py) against the fp32 reference forward.
 
 The default model's GGUF is Q4_1 (layers) and Q8_0 (embedding = head). Its dense
 fp32 weights are those blocks dequantized, so `--quantization gguf` serves the
@@ -16,8 +16,8 @@ import torch
 
 from wire import protocol as P
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.quant import QWeight, quantize_int4, quantize_int8
+from replica.engine.llm_engine import LLMEngine
+from replica.model.quant import QWeight, quantize_int4, quantize_int8
 from tests.replica.reference import reference_logits
 
 TOL = {"gguf": 0.05, "int4": 0.05, "int8": 2.0}
@@ -25,13 +25,13 @@ TOL = {"gguf": 0.05, "int4": 0.05, "int8": 2.0}
 
 @pytest.fixture(scope="module")
 def ckpt():
-    from replica.loader import load_checkpoint
+    from replica.model.loader import load_checkpoint
 
     return load_checkpoint("default")
 
 
 def test_gguf_blocks_dequantize_to_the_dense_weights(ckpt):
-    from replica.loader import load_gguf_quantized
+    from replica.model.loader import load_gguf_quantized
 
     stored = load_gguf_quantized(ckpt.source, ckpt.config)
     assert {w.bits for w in stored.values()} == {4, 8}  # Q4_1 layers, Q8_0 embedding

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
+from replica.engine.llm_engine import LLMEngine
 from tests.replica.engines import make_engine, prompts
 from tests.replica.reference import reference_logits
 from tests.replica.tiny import tiny_config, tiny_weights

@@ -1,4 +1,4 @@
-"""The scheduler on its own (replica/scheduler.py's invariants): a real BlockManager and
+"""The scheduler on its own (replica/engine/scheduler.py's invariants): a real BlockManager and
 real Sequences, no engine and no model. Each step is advanced as the engine's
 synchronous path advances it (LLMEngine._launch, then _resolve): every scheduled
 sequence computes its tokens, one whose chunk reaches its last token samples one
@@ -12,9 +12,9 @@ import random
 from collections import Counter
 
 from wire import protocol as P
-from replica.block_manager import BlockManager
-from replica.scheduler import Batch, Scheduler
-from replica.sequence import Sequence, Status
+from replica.engine.block_manager import BlockManager
+from replica.engine.scheduler import Batch, Scheduler
+from replica.engine.sequence import Sequence, Status
 
 BLOCK = 4  # tokens per block: small, so a few tokens cross block boundaries
 

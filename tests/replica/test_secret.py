@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
-from replica.auth import launch_secret
+from replica.api.auth import launch_secret
 from tests.replica.server import free_port, replica_server, wait_healthy
 
 

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from wire import protocol as P
-from replica.block_manager import BlockManager
+from replica.engine.block_manager import BlockManager
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.sequence import Sequence
+from replica.engine.llm_engine import LLMEngine
+from replica.engine.sequence import Sequence
 from speculative.drafting import TreeSpec
 from speculative.head import save_head
 from speculative.policy import SpecPolicy
@@ -213,8 +213,8 @@ def test_missing_head_is_named():
 def default_model():
     """The default model, built once, and eight chat prompts."""
     import kernels
-    from replica.loader import load_checkpoint
-    from replica.runner import build_model
+    from replica.model.loader import load_checkpoint
+    from replica.model.runner import build_model
 
     ckpt = load_checkpoint("default")
     model = build_model(ckpt.config, EngineConfig(), ckpt.weights, kernels.ops("cpu"), 1024)
@@ -289,7 +289,7 @@ def test_auto_uses_a_head_when_there_is_one_unless_its_policy_never_speculates(t
 def test_plain_decodes_of_a_speculating_engine_run_through_the_decode_graphs(head_path, baseline, monkeypatch):
     """Above spec_max_batch the steps are plain decodes: they replay the graphs (padded
     buffers, eagerly on CPU), which also hand the head its features; output unchanged."""
-    from replica.graphs import DecodeGraphs
+    from replica.model.graphs import DecodeGraphs
 
     calls = []
     graph_run = DecodeGraphs.run

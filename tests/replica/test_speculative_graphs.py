@@ -25,9 +25,9 @@ import torch
 import kernels
 from wire import protocol as P
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.loader import random_weights
-from replica.runner import build_model
+from replica.engine.llm_engine import LLMEngine
+from replica.model.loader import random_weights
+from replica.model.runner import build_model
 from speculative.head import Eagle3Head, HeadConfig, aux_layers_for, save_head
 from speculative.train import draft_vocab, init_head, self_distill, train
 from tests.replica.divergence import check_same_or_near_tie

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kernels.sampling import probs_ref
-from replica import speculation
+from replica.engine import speculation
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
+from replica.engine.llm_engine import LLMEngine
 from speculative.drafting import TreeSpec
 from speculative.head import save_head
 from speculative.policy import SpecPolicy

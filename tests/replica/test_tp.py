@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from replica.config import EngineConfig
-from replica.engine_process import build_engine
-from replica.tp import local_config, shard
+from replica.engine.process import build_engine
+from replica.model.tp import local_config, shard
 from tests.replica.tiny import tiny_config
 from tests.replica.tp_job import run_workload
 

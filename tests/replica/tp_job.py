@@ -12,11 +12,11 @@ import msgspec
 import torch
 
 from wire import protocol as P
-from replica import tp as TP
+from replica.model import tp as TP
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.engine_process import build_engine
-from replica.loader import load_model_for
+from replica.engine.llm_engine import LLMEngine
+from replica.engine.process import build_engine
+from replica.model.loader import load_model_for
 from tests.replica.server import free_port
 
 
@@ -43,7 +43,7 @@ def run_workload(engine, rounds: int = 1):
 
 def engine_with_worker_config(cfg: EngineConfig, worker_config: str) -> LLMEngine:
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    worker = subprocess.Popen([sys.executable, "-m", "replica.worker", "--rank", "1", "--world", "2",
+    worker = subprocess.Popen([sys.executable, "-m", "replica.model.worker", "--rank", "1", "--world", "2",
                                "--init-method", init_method, "--config", worker_config])
     model_cfg, weights = load_model_for(cfg)
     return LLMEngine(cfg, model_cfg, weights, tp=TP.init(0, 2, init_method, cfg.device), workers=[worker])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.paged import attend_ref, gather_kv
-from replica.runner import ancestor_mask
+from replica.model.runner import ancestor_mask
 from speculative.drafting import DraftTree, Drafter, TreeSpec, chain
 from tests.speculative.util import random_head, tiny_target
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replica.config import EngineConfig
-from replica.engine import LLMEngine
+from replica.engine.llm_engine import LLMEngine
 from wire import protocol as P
 from speculative.cache import head_dir
 from speculative.drafting import Drafter, TreeSpec

@@ -10,7 +10,7 @@ import kernels
 import torch
 
 from replica.config import EngineConfig
-from replica.runner import build_model
+from replica.model.runner import build_model
 from speculative.drafting import DraftTree
 from speculative.head import Eagle3Head, HeadConfig
 from tests.replica.tiny import tiny_config, tiny_weights

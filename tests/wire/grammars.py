@@ -2,7 +2,7 @@
 
 import llguidance
 
-from replica.grammar import lark_tokenizer
+from replica.engine.grammar import lark_tokenizer
 
 
 def accepts(tok, grammar: str, text: str) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from replica.config import ModelConfig
-from replica.tp import TensorParallel
+from replica.model.tp import TensorParallel
 
 
 @dataclass
@@ -140,7 +140,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """cfg is this rank's shape (replica.tp.local_config) when tensor-parallel."""
+    """cfg is this rank's shape (replica.model.tp.local_config) when tensor-parallel."""
 
     def __init__(self, cfg: ModelConfig, ops, max_positions: int, tp: TensorParallel | None = None):
         super().__init__()
@@ -175,7 +175,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding is the head
             return self.tp.gather_vocab(torch.nn.functional.linear(hidden, self.embed_tokens.weight))
-        return self.tp.gather_vocab(self.lm_head(hidden))  # a Linear, or a quantized copy (replica.quant)
+        return self.tp.gather_vocab(self.lm_head(hidden))  # a Linear, or a quantized copy (replica.model.quant)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

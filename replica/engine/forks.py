@@ -13,7 +13,7 @@ sample (fewer than a block), and each sample then decodes in blocks of its own.
 
 from __future__ import annotations
 
-from replica.sequence import Sequence
+from replica.engine.sequence import Sequence
 
 
 class Forks:

@@ -8,7 +8,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from replica.engine import EngineStats, LLMEngine
+from replica.engine.llm_engine import EngineStats, LLMEngine
 from wire import protocol as P
 
 

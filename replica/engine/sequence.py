@@ -51,8 +51,8 @@ class Sequence:
         self.num_unresolved = 0  # overlap scheduling: placeholder tokens not yet read back
         self.draft_state = None  # EAGLE-3: the head's view of this sequence (speculative.drafting.HeadState)
         self.num_accepted_drafts = 0  # draft tokens accepted and emitted (usage)
-        self.logprob_state = None  # replica.sampling.LogprobState once logprobs are asked for
-        self.grammar = None  # llguidance.LLMatcher over the generated tokens when constrained (replica.grammar)
+        self.logprob_state = None  # replica.model.sampler.LogprobState once logprobs are asked for
+        self.grammar = None  # llguidance.LLMatcher over the generated tokens when constrained (replica.engine.grammar)
 
     @property
     def plain(self) -> bool:

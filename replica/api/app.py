@@ -1,12 +1,12 @@
 """The replica's API process: a Starlette app in front of the engine process.
 
   WS   /v1/replica           proxy protocol (wire.protocol), many requests per socket
-  POST /v1/chat/completions  OpenAI-compatible, SSE or JSON (replica.openai_http)
+  POST /v1/chat/completions  OpenAI-compatible, SSE or JSON (replica.api.openai_http)
   POST /v1/completions       OpenAI-compatible, SSE or JSON
   POST /infill               llama.cpp's fill-in-the-middle (IDE plugins)
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
 
-Every path but /healthz and /health requires the replica secret (`replica.auth`).
+Every path but /healthz and /health requires the replica secret (`replica.api.auth`).
 /healthz answers 503 while the engine process starts or restarts.
 Bad input gets an error naming the problem; the connection and the engine keep
 serving everyone else. A cancel, a closed socket or a dropped HTTP client sends an
@@ -29,18 +29,18 @@ from starlette.routing import Route
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from wire import protocol as P
-from replica.auth import RequireSecret
+from replica.api.auth import RequireSecret
 from replica.config import EngineConfig
-from replica.engine_client import EngineClient
-from replica.frame_split import split_frame
-from replica.openai_http import OpenAIRoutes
+from replica.api.engine_client import EngineClient
+from replica.api.frame_split import split_frame
+from replica.api.openai_http import OpenAIRoutes
 from wire.metrics import ReplicaMetrics
 from wire.openai_stream import http_error
 from replica.tokenizer import Tokenizer
 from replica.validation import MAX_ID_CHARS
 from wire.ws_frames import WebSocketFront, binary_frame, direct_protocol, gone
 
-log = logging.getLogger("replica.api")
+log = logging.getLogger("replica.api.app")
 
 MAX_FRAME_BYTES = 4 << 20
 ENGINE_RESTARTING = 1013  # WebSocket close code "try again later"

@@ -11,7 +11,7 @@ Per sampled row, in this order (vLLM's, and what OpenAI documents):
     x[t] = -inf where p(t) < min_p * p_max, i.e. x_t / T < max(x) / T + log(min_p)
 
 then the seeded sampler (kernels/sampling.py, through the op set the Runner chose)
-applies top-k, top-p and temperature, per row as its `replica.plan.Sampling` says.
+applies top-k, top-p and temperature, per row as its `replica.model.plan.Sampling` says.
 Every input is a function of (params, tokens so far), so a seeded stream is still a
 pure function of (seed, position, tokens so far): a resumed request, which carries
 its tokens, continues exactly. Rows without such params are not touched (no copy).
@@ -19,7 +19,7 @@ its tokens, continues exactly. Rows without such params are not touched (no copy
 Logprobs are the model's raw log-softmax (before any processing), as vLLM returns
 them by default: the sampled token's and the top k. With overlap scheduling the
 token history may end in a placeholder for the token still on the device; it is
-resolved there (as replica.graphs.resolve_placeholders does), never on the host.
+resolved there (as replica.model.graphs.resolve_placeholders does), never on the host.
 
 Prompt logprobs (completions `echo` with `logprobs`): the logits of every prompt
 position are computed in the prefill (`StepPlan.extra_logits`) and the logprob of
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from wire import protocol as P
-from replica.graphs import resolve_placeholders
-from replica.plan import Sampling, StepPlan
+from replica.model.graphs import resolve_placeholders
+from replica.model.plan import Sampling, StepPlan
 
 
 @dataclass
@@ -196,7 +196,7 @@ class Sampler:
         place, so the acceptance reads the masked logits). Sample rows go through `process`
         when their sequences `seqs` are known (rank 0), plainly on the other ranks.
         prev_tokens: the in-flight step's tokens (placeholders in the histories);
-        constrain(x, first_row) (rank 0): grammar masks (replica.grammar); logprobs stay raw."""
+        constrain(x, first_row) (rank 0): grammar masks (replica.engine.grammar); logprobs stay raw."""
         nt = len(plan.sampling) - len(plan.sample_rows)
         if seqs is None:
             return self.draw(logits, plan.sampling), None

@@ -29,7 +29,7 @@ target computes.
 With graph_mode="buffers" the same path runs eagerly and writes the same static
 outputs, which is how the padding, staging and aliasing rules are tested without
 a GPU. On CPU the analogue of a replayed graph is the model itself:
-replica/cpu_model.py runs any step (no padding, no buckets) as one C++ call.
+replica/model/cpu_model.py runs any step (no padding, no buckets) as one C++ call.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ import time
 import numpy as np
 import torch
 
-from replica.model import Context
-from replica.plan import is_placeholder, placeholder_index
+from replica.model.llama import Context
+from replica.model.plan import is_placeholder, placeholder_index
 
 
 def resolve_placeholders(ids: torch.Tensor, prev_tokens: torch.Tensor | None) -> torch.Tensor:
     """Overlap scheduling: input id placeholder(j) stands for prev_tokens[j], a token the
-    previous step sampled that the host has not seen yet (replica.plan); resolve it on the device."""
+    previous step sampled that the host has not seen yet (replica.model.plan); resolve it on the device."""
     if prev_tokens is None or prev_tokens.numel() == 0:
         return ids
     return torch.where(is_placeholder(ids), prev_tokens[placeholder_index(ids).clamp(0, prev_tokens.numel() - 1)], ids)

@@ -10,7 +10,7 @@ Abort goes to the engine, which frees the blocks before its next step.
 A request with n > 1 samples (`SampleGroup`) goes to the engine as one request per
 sample, `<id>#<i>`, seeded `sample_seed(seed, i)`; samples after the first name it
 in `fork_of`, so the engine computes the prompt once and shares its blocks
-(replica.forks). Their messages come back under the request's id with `index = i`;
+(replica.engine.forks). Their messages come back under the request's id with `index = i`;
 the first error ends them all.
 
 If the engine process dies, every stream in flight gets `Error(internal)` (the
@@ -30,7 +30,7 @@ import msgspec
 
 from wire import protocol as P
 from replica.config import EngineConfig
-from replica.engine_supervisor import EngineSupervisor, EngineUnavailable
+from replica.api.engine_supervisor import EngineSupervisor, EngineUnavailable
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 from replica.validation import check_generate
 

@@ -3,7 +3,7 @@
 (wire.openai, wire.infill, wire.openai_render, wire.openai_stream).
 
 Each prompt of a request is one engine request `<id>/<p>` (n samples each, see
-replica.engine_client); the answer is rendered from their messages as they come.
+replica.api.engine_client); the answer is rendered from their messages as they come.
 """
 
 from __future__ import annotations

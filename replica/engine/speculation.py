@@ -4,7 +4,7 @@ The Speculator drafts and accepts; the Runner runs every forward. A speculating 
 
   1. `draft(batch)`: a tree per speculating decode (rows [0, batch.num_spec)) rooted at
      its newest token x_{n-1} (EAGLE-3 chains or EAGLE-2 trees, or n-gram lookup);
-  2. the engine plans the step with the trees (replica.plan) and the Runner verifies
+  2. the engine plans the step with the trees (replica.model.plan) and the Runner verifies
      them in one forward with every other row (prefill chunks, plain decodes), sampling
      after every node the token plain decoding would emit there;
   3. `accept(batch, trees, plan, out)`: per sequence the longest accepted path plus a
@@ -54,7 +54,7 @@ import torch
 
 from kernels.sampling import probs_ref
 from replica.config import EngineConfig, ModelConfig
-from replica.plan import StepPlan, slot
+from replica.model.plan import StepPlan, slot
 from speculative.cache import head_dir
 from speculative.drafting import DraftTree, Drafter, TreeSpec
 from speculative.head import load_head
@@ -62,7 +62,7 @@ from speculative.ngram import NgramDrafter
 from speculative.policy import SpecPolicy
 from speculative.verify import Verdict, accept_greedy, accept_sampling
 
-log = logging.getLogger("replica.speculation")
+log = logging.getLogger("replica.engine.speculation")
 
 
 def measured_policy(cfg: EngineConfig, head_path) -> SpecPolicy | None:

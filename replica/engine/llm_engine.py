@@ -1,6 +1,6 @@
 """The engine: requests in, token ids out, one `step()` at a time.
 
-Single-threaded and synchronous; `replica.engine_process` drives it in a busy loop.
+Single-threaded and synchronous; `replica.engine.process` drives it in a busy loop.
 It validates requests, schedules, runs the model, samples, checks stop
 conditions and frees finished or aborted requests' blocks immediately.
 """
@@ -14,16 +14,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from wire import protocol as P
-from replica import sampling
-from replica.block_manager import BlockManager
+from replica.model import sampler
+from replica.engine.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
-from replica.forks import Forks
-from replica.grammar import Grammars
-from replica.plan import placeholder, plan_step
-from replica.runner import Runner
-from replica.scheduler import Scheduler
-from replica.sequence import Sequence, Status
-from replica.tp import TensorParallel
+from replica.engine.forks import Forks
+from replica.engine.grammar import Grammars
+from replica.model.plan import placeholder, plan_step
+from replica.model.runner import Runner
+from replica.engine.scheduler import Scheduler
+from replica.engine.sequence import Sequence, Status
+from replica.model.tp import TensorParallel
 from replica.validation import check_for_model, check_generate
 
 # Steps computing at least this many prompt tokens time the prefill rate reported in Load
@@ -43,7 +43,7 @@ class _Launched:
     event: object  # torch.cuda.Event, or None on CPU
     logits: torch.Tensor
     t0: float
-    logprobs: sampling.StepLogprobs | None = None
+    logprobs: sampler.StepLogprobs | None = None
     prompt_rows: list = ()  # prefill chunks' prompt logprobs: (seq, position, offset) into prompt_logits
     prompt_logits: torch.Tensor | None = None
     prefill_tokens: int = 0  # prompt tokens this step computes (beyond one per decode row)
@@ -77,19 +77,19 @@ class LLMEngine:
         in `workers` (processes, joined by close()). `features` is an aux-feature hook
         for plain decoding: `.aux_layers`, `.keep_hidden` and `.feed(batch, StepOutput)`
         after every step (speculative.train records self-distillation data with it).
-        `tokenizer` (or a callable loading it) serves structured output (replica.grammar).
+        `tokenizer` (or a callable loading it) serves structured output (replica.engine.grammar).
         """
         self.cfg, self.model_cfg, self.workers = cfg, model_cfg, list(workers)
         self.runner = Runner(cfg, model_cfg, weights, model=model, ops=ops, tp=tp)
         self.speculator = None
         kind = cfg.speculative
         if kind == "auto":
-            from replica.speculation import auto_kind
+            from replica.engine.speculation import auto_kind
 
             kind = auto_kind(cfg, model_cfg) if self.runner.tp.world == 1 else "off"
             cfg = self.cfg = replace(cfg, speculative=kind)
         if kind != "off":
-            from replica.speculation import Speculator
+            from replica.engine.speculation import Speculator
 
             if features is not None:
                 raise ValueError("a feature hook records plain decoding: build the engine with speculative='off'")
@@ -158,7 +158,7 @@ class LLMEngine:
     def _queue(self, seq: Sequence, fork_of: str) -> None:
         leader = self.seqs.get(fork_of) if fork_of else None
         if leader is not None and not leader.first_token_time:
-            self.forks.park(leader.id, seq)  # waits for the leader's prompt KV (replica.forks)
+            self.forks.park(leader.id, seq)  # waits for the leader's prompt KV (replica.engine.forks)
         else:
             self.scheduler.add(seq)
 
@@ -253,7 +253,7 @@ class LLMEngine:
             return None
         t0 = time.perf_counter()
         plan = plan_step(batch)
-        prompt_rows = sampling.prompt_rows(plan, batch)
+        prompt_rows = sampler.prompt_rows(plan, batch)
         seqs = [batch.seqs[i] for i in plan.sample_rows]
         masks = self.grammars.begin(self.grammars.rows(seqs))
         out = self.runner.execute(plan, prev.tokens if prev is not None else None, seqs,
@@ -279,8 +279,8 @@ class LLMEngine:
         if step.event is not None:
             step.event.synchronize()
         tokens = step.host.tolist()
-        sampling.keep_logprobs([seq for seq, _ in step.sampled], step.logprobs)
-        sampling.collect_prompt_logprobs(step.prompt_rows, step.prompt_logits)
+        sampler.keep_logprobs([seq for seq, _ in step.sampled], step.logprobs)
+        sampler.collect_prompt_logprobs(step.prompt_rows, step.prompt_logits)
         now = time.monotonic()
         out = [self._emit(seq, [tok], now, at=pos) for (seq, pos), tok in zip(step.sampled, tokens)]
         self._settle(step.seqs, [seq for seq, _ in step.sampled], step.t0, step.prefill_tokens)
@@ -310,14 +310,14 @@ class LLMEngine:
         """Draft, verify and append: rows [0, batch.num_spec) may emit several tokens."""
         t0 = time.perf_counter()
         # A constrained sequence's drafts are cut to what its grammar accepts, and every
-        # node is verified against the mask of its state (replica.grammar).
+        # node is verified against the mask of its state (replica.engine.grammar).
         trees = [self.grammars.prune(s, t) for s, t in zip(batch.seqs, self.speculator.draft(batch))]
         plan = plan_step(batch, trees)
         seqs = [batch.seqs[i] for i in plan.sample_rows]
         masks = self.grammars.begin(self.grammars.tree_rows(trees, batch.seqs)
                                     + self.grammars.rows(seqs, first_row=sum(map(len, trees))))
         out = self.runner.execute(plan, seqs=seqs, constrain=self.grammars.constrain(masks))
-        sampling.keep_logprobs([batch.seqs[i] for i in plan.sample_rows], out.logprobs)  # plain rows only
+        sampler.keep_logprobs([batch.seqs[i] for i in plan.sample_rows], out.logprobs)  # plain rows only
         results, src, dst = self.speculator.accept(batch, trees, plan, out)
         self.runner.move_kv(src, dst)
         msgs: list = []
@@ -373,7 +373,7 @@ class LLMEngine:
             return self._finish(seq, reason, emitted, length=length)
         if drafts is not None:
             self.blocks.truncate(seq, len(seq))  # rejected drafts' blocks go back
-        return sampling.attach(self._tokens(seq, emitted, first), seq)
+        return sampler.attach(self._tokens(seq, emitted, first), seq)
 
     def _accept(self, seq: Sequence, tok: int, length: int) -> str:
         """The finish reason once `tok` (token number `length`) is seq's, or "": stop
@@ -394,7 +394,7 @@ class LLMEngine:
         usage = P.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=length - seq.num_prompt_tokens,
                         cached_tokens=max(0, seq.num_cached_prompt),
                         accepted_draft_tokens=seq.num_accepted_drafts)
-        return sampling.attach(P.Finished(id=seq.id, finish_reason=reason, usage=usage, ttft_ms=ttft,
+        return sampler.attach(P.Finished(id=seq.id, finish_reason=reason, usage=usage, ttft_ms=ttft,
                                           ids=list(last_ids)), seq)
 
     def _finish(self, seq: Sequence, reason: str, last_ids: list[int], length: int) -> P.Finished:

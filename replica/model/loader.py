@@ -161,9 +161,9 @@ def _load_gguf(gf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[st
 
 
 def load_gguf_quantized(path: str, config: ModelConfig) -> dict:
-    """The file's Q4_0 / Q4_1 / Q8_0 matrices as `replica.quant.QWeight`s by Hugging
+    """The file's Q4_0 / Q4_1 / Q8_0 matrices as `replica.model.quant.QWeight`s by Hugging
     Face name, exactly as stored (Q/K rows un-permuted like the dense weights)."""
-    from replica.quant import GGUF_TYPES, QWeight, from_gguf
+    from replica.model.quant import GGUF_TYPES, QWeight, from_gguf
 
     gf = GGUFFile(path)
     out = {}
@@ -235,7 +235,7 @@ def load_model_for(cfg: EngineConfig):
     """(ModelConfig, Hugging Face-named weights) for this engine config."""
     torch.manual_seed(cfg.seed)
     if cfg.device == "cpu":
-        # torch's OpenMP pool spins between ops: leave the API process a core. The C++ step (replica.cpu_model)
+        # torch's OpenMP pool spins between ops: leave the API process a core. The C++ step (replica.model.cpu_model)
         # has its own pool over every core, whose helpers yield instead (kernels/csrc/include/edgechat/pool.h).
         torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     dtype = getattr(torch, cfg.dtype) if cfg.quantization == "none" else torch.float32  # quantized from fp32

@@ -7,8 +7,8 @@
 
 Step plans and the KV layout travel from rank 0 as msgspec bytes over a gloo
 group (`broadcast_bytes`), so NCCL only ever carries activations. NCCL on GPUs,
-gloo on CPU (tests). Who runs what: replica.runner (rank 0's engine calls
-`Runner.execute`, the other ranks run `Runner.loop`), replica.worker (their
+gloo on CPU (tests). Who runs what: replica.model.runner (rank 0's engine calls
+`Runner.execute`, the other ranks run `Runner.loop`), replica.model.worker (their
 processes).
 """
 

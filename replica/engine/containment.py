@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import logging
 from wire import protocol as P
-from replica.sequence import Sequence, Status
+from replica.engine.sequence import Sequence, Status
 
-log = logging.getLogger("replica.containment")
+log = logging.getLogger("replica.engine.containment")
 
 PROBE_TOKENS = 2  # tokens a suspect must sample alone to be cleared
 MAX_PROBE_STEPS = 10_000  # a probe that makes no headway this long passes (never seen: prefill always advances)

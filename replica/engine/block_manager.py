@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from wire.hashing import chain_hash, salt_seed
-from replica.sequence import Sequence
+from replica.engine.sequence import Sequence
 
 
 class BlockManager:

@@ -1,6 +1,6 @@
 """The API process's hold on its engine process: spawn, connect, watch, restart.
 
-The engine process (`python -m replica.engine_process`) connects back over a Unix
+The engine process (`python -m replica.engine.process`) connects back over a Unix
 socket and opens with Hello; `ready` is set from then until it is lost. It is lost
 when its socket closes (it exited or was killed) or when it says nothing for
 `stall_s` (an idle engine reports Load every `load_report_interval_s`, so silence
@@ -90,7 +90,7 @@ class EngineSupervisor:
                 connected.set_result((reader, writer))
 
         server = await asyncio.start_unix_server(on_connect, path=path)
-        self._proc = proc = subprocess.Popen([sys.executable, "-m", "replica.engine_process", "--socket", path,
+        self._proc = proc = subprocess.Popen([sys.executable, "-m", "replica.engine.process", "--socket", path,
                                               "--config", msgspec.json.encode(self.cfg).decode(),
                                               "--replica-id", self.replica_id])
         self.pid = proc.pid

@@ -3,9 +3,9 @@
 It owns the model (built from Hugging Face-named weights; under tensor
 parallelism this rank's shard), the op set chosen for the device, the KV pool
 (sized here), the decode graphs and the sampler. Every forward is
-`execute(plan)` over a `replica.plan.StepPlan`: prefill chunks, decodes (eager,
+`execute(plan)` over a `replica.model.plan.StepPlan`: prefill chunks, decodes (eager,
 or replayed per batch-size bucket) and draft-tree verification, then sampling.
-On CPU a quantized fp32 model is built as `replica.cpu_model.CpuModel`: every
+On CPU a quantized fp32 model is built as `replica.model.cpu_model.CpuModel`: every
 forward is then one C++ call (graph_mode "auto"; "off" keeps op by op).
 
 KV pool: one tensor, layers x {k, v} x blocks x block_size x Hkv x D, plus the
@@ -28,13 +28,13 @@ import msgspec
 import torch
 
 import kernels
-from replica import sampling
+from replica.model import sampler
 from replica.config import EngineConfig, ModelConfig
-from replica.graphs import DecodeGraphs, resolve_placeholders
-from replica.loader import random_weights
-from replica.model import Context, LlamaModel
-from replica.plan import StepPlan, slot
-from replica.tp import TensorParallel, local_config, shard
+from replica.model.graphs import DecodeGraphs, resolve_placeholders
+from replica.model.loader import random_weights
+from replica.model.llama import Context, LlamaModel
+from replica.model.plan import StepPlan, slot
+from replica.model.tp import TensorParallel, local_config, shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,7 +52,7 @@ class StepOutput:
     tokens: torch.Tensor  # (R,) the token sampled from each logits row (plan.sampling), on the device
     aux: torch.Tensor | None = None  # (T, 3h): residual streams after the aux layers, every token of the step
     hidden: torch.Tensor | None = None  # (T, h): final hidden states, every token (keep_hidden only)
-    logprobs: sampling.StepLogprobs | None = None  # the sample rows that ask for them
+    logprobs: sampler.StepLogprobs | None = None  # the sample rows that ask for them
     prompt_logits: torch.Tensor | None = None  # (len(plan.extra_logits), V): prompt logprobs' positions
 
 
@@ -107,7 +107,7 @@ class Runner:
         self.model_cfg = local_config(model_cfg, self.tp.world) if self.tp.world > 1 else model_cfg  # this rank's
         self.device, self.dtype, self.block_size = torch.device(cfg.device), DTYPES[cfg.dtype], cfg.block_size
         self.ops = ops if ops is not None else kernels.ops(self.device.type)
-        self.sampler = sampling.Sampler(self.ops, self.device)
+        self.sampler = sampler.Sampler(self.ops, self.device)
         mpe = model_cfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or mpe, mpe)  # cut to the pool's size by allocate_kv
         if model is None:
@@ -228,12 +228,12 @@ class Runner:
     def execute(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, seqs=None,
                 constrain=None) -> StepOutput:
         """Run one step and sample each logits row. With overlap, input id placeholder(j)
-        (replica.plan) stands for prev_tokens[j], the previous step's j-th sampled token,
+        (replica.model.plan) stands for prev_tokens[j], the previous step's j-th sampled token,
         still on the device: it is resolved there, without waiting for the host. seqs (rank 0):
         the sequences of plan.sample_rows, whose params beyond temperature/top-k/top-p
-        (penalties, logit bias, logprobs: replica.sampling) apply to their rows.
+        (penalties, logit bias, logprobs: replica.model.sampler) apply to their rows.
         constrain(x, first_row) (rank 0): grammar masks, applied to the logits rows
-        before sampling, once the forward is queued (replica.grammar)."""
+        before sampling, once the forward is queued (replica.engine.grammar)."""
         if self.tp.world > 1 and self.tp.rank == 0:
             self.tp.broadcast_bytes(self._encoder.encode(plan))
         if (self.graphs is not None and not plan.trees and not plan.extra_logits
@@ -294,14 +294,13 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
     if weights is not None:
         model.load_weights(weights)  # copy_ rounds each fp32 tensor to the parameter's dtype
     if cfg.quantization != "none":
-        from replica.quant import quantize_model
+        from replica.model.quant import quantize_model
 
         quantize_model(model, cfg.quantization, weights, gguf_stored(cfg, model_cfg))
     model = model.eval()
     if cfg.device == "cpu" and cfg.graph_mode == "auto":  # the CPU's "graph": the whole step in one C++ call
         from kernels import cpu_forward
-        from replica import cpu_model
-
+        from replica.model import cpu_model
         if cpu_model.supports(model, dtype) and cpu_forward.available():
             return cpu_model.CpuModel(model, cfg.engine_threads()).eval()
     return model
@@ -311,7 +310,7 @@ def gguf_stored(cfg: EngineConfig, model_cfg: ModelConfig) -> dict | None:
     """The GGUF file's own quantized tensors when serving them as-is (--quantization gguf)."""
     if cfg.quantization != "gguf" or cfg.random_weights:
         return None
-    from replica.loader import load_gguf_quantized, resolve_model
+    from replica.model.loader import load_gguf_quantized, resolve_model
 
     path = resolve_model(cfg.model)
     return load_gguf_quantized(path, model_cfg) if path.endswith(".gguf") else None

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replica.model import Context, LlamaModel
-from replica.quant import QLinear
+from replica.model.llama import Context, LlamaModel
+from replica.model.quant import QLinear
 
 
 def supports(model: nn.Module, dtype: torch.dtype) -> bool:

@@ -1,8 +1,8 @@
 """Tensor-parallel ranks 1..N-1 as processes: each builds its Runner (its shard of
 the weights, the KV layout rank 0 decides) and runs `Runner.loop()` until rank 0
-closes. Rank 0 is the engine process (`replica.engine_process.build_engine`).
+closes. Rank 0 is the engine process (`replica.engine.process.build_engine`).
 
-    python -m replica.worker --rank R --world N --init-method tcp://H:P --config JSON
+    python -m replica.model.worker --rank R --world N --init-method tcp://H:P --config JSON
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from replica.config import EngineConfig
 def spawn_workers(cfg: EngineConfig, init_method: str) -> list[subprocess.Popen]:
     """Start ranks 1..tp-1 (rank 0 is the caller)."""
     conf = msgspec.json.encode(cfg).decode()
-    return [subprocess.Popen([sys.executable, "-m", "replica.worker", "--rank", str(r), "--world", str(cfg.tp),
+    return [subprocess.Popen([sys.executable, "-m", "replica.model.worker", "--rank", str(r), "--world", str(cfg.tp),
                               "--init-method", init_method, "--config", conf]) for r in range(1, cfg.tp)]
 
 
 def main(argv: list[str] | None = None) -> None:
-    from replica import tp as TP
-    from replica.loader import load_model_for
-    from replica.runner import Runner
+    from replica.model import tp as TP
+    from replica.model.loader import load_model_for
+    from replica.model.runner import Runner
 
     ap = argparse.ArgumentParser(description="one worker rank of a tensor-parallel engine")
     ap.add_argument("--rank", type=int, required=True)

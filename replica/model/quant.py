@@ -15,7 +15,7 @@ The matmul runs on AVX-512 VNNI with the activations quantized per block to int1
 (kernels/qgemm_cpu.py, over weights packed once at load); the residual stream,
 norms, attention and KV stay in the model's dtype. Without VNNI or a compiler the
 PyTorch reference serves (slowly). On CPU the whole step runs in one C++ call over
-the same packed weights (replica/cpu_model.py).
+the same packed weights (replica/model/cpu_model.py).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-log = logging.getLogger("replica.grammar")
+log = logging.getLogger("replica.engine.grammar")
 
 CACHE_SIZE = 64  # compiled grammars kept (each a few hundred KiB at most)
 

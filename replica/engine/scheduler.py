@@ -12,7 +12,7 @@ of the lowest priority that arrived last gives back its blocks and goes back to
 the front of its waiting queue (its full blocks stay cached, so the recompute is
 mostly prefix hits).
 
-Speculation (`speculation`, a replica.speculation.Speculator): the step's draft
+Speculation (`speculation`, a replica.engine.speculation.Speculator): the step's draft
 shape follows the number of decoding sequences. A speculating decode costs
 1 + draft tokens of the budget (its tree is verified in the one forward) and
 holds blocks for its lookahead, positions [0, len + lookahead); a decode whose
@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from replica.block_manager import BlockManager
-from replica.sequence import Sequence, Status
+from replica.engine.block_manager import BlockManager
+from replica.engine.sequence import Sequence, Status
 
 
 @dataclass

@@ -22,7 +22,7 @@ read back by the host yet, stands in its sequence's token ids (and so in the nex
 plan's input_ids) as `placeholder(j)`, a negative id: that step's j-th sampled
 token, tokens[j] of its output (a step left in flight has no draft trees). The
 device resolves it from its own copy of those tokens
-(replica.graphs.resolve_placeholders), the engine once it reads them back.
+(replica.model.graphs.resolve_placeholders), the engine once it reads them back.
 `is_placeholder` and `placeholder_index` take ints or integer tensors alike.
 """
 

@@ -1,10 +1,10 @@
 """The engine process: a busy loop while there is work, blocking when idle.
 
-Started by the API process (`python -m replica.engine_process --socket PATH
+Started by the API process (`python -m replica.engine.process --socket PATH
 --config JSON`); connects back over a Unix socket and speaks length-prefixed
 msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
   1. takes every message already received (blocking only when idle),
-  2. runs one engine step (`replica.containment`: a request that makes it fail
+  2. runs one engine step (`replica.engine.containment`: a request that makes it fail
      fails alone, the others go on),
   3. sends the step's tokens, finishes, KV events and load (periodically, and
      after every step that admits, aborts or finishes a request, so the running
@@ -29,16 +29,16 @@ import msgspec
 
 from wire import protocol as P
 from replica.config import EngineConfig
-from replica.containment import Containment
+from replica.engine.containment import Containment
 
 
 def build_engine(cfg: EngineConfig):
-    """The engine; with cfg.tp > 1 it is rank 0 and starts ranks 1..tp-1 (replica.worker)."""
-    from replica import tp as TP
-    from replica.engine import LLMEngine
-    from replica.loader import load_model_for
+    """The engine; with cfg.tp > 1 it is rank 0 and starts ranks 1..tp-1 (replica.model.worker)."""
+    from replica.model import tp as TP
+    from replica.engine.llm_engine import LLMEngine
+    from replica.model.loader import load_model_for
     from replica.tokenizer import Tokenizer
-    from replica.worker import spawn_workers
+    from replica.model.worker import spawn_workers
 
     model_cfg, weights = load_model_for(cfg)
     tokenizer = functools.partial(Tokenizer.from_spec, cfg.model)  # grammars' tokenizer, built in their thread
