@@ -2,8 +2,11 @@
 
 Each module holds `name_ref` (PyTorch, the definition) beside `name_triton` (the
 kernel and its wrapper, same signature); `cpu_ops` holds C++ versions of the
-decode step's small ops (`name_cpu`, fp32). The engine picks one set once at
-start-up with `ops(device_type)`; tests force one with `impl=`.
+decode step's small ops (`name_cpu`, fp32); `qgemm_cpu` the packed int8/int4 GEMM and
+`cpu_forward` the whole decoder step as one C++ call. What runs where is decided
+here, once at start-up, by `ops(device_type)`: the model's layers, its quantized
+linears (packed or not) and the Runner's choice of the C++ step all read the one
+`Ops` it returns; tests force one with `impl=`.
 """
 
 import os
@@ -40,6 +43,11 @@ class Ops:
     apply_rotary: Callable
     silu_and_mul: Callable
     sample: Callable
+    # impl "cpu" where they build (AVX-512 VNNI): quantized linears packed for the C++
+    # GEMM (kernels.qgemm_cpu; else its PyTorch reference), and a packed fp32 model run
+    # a step at a time as one C++ call (kernels.cpu_forward; else op by op).
+    packed_qgemm: bool = False
+    cpu_step: bool = False
 
 
 def ops(device_type: str, impl: str | None = None) -> Ops:
@@ -57,10 +65,12 @@ def ops(device_type: str, impl: str | None = None) -> Ops:
     if impl not in ("triton", "cpu", "ref"):
         raise ValueError(f"kernels.ops: impl must be 'triton', 'cpu' or 'ref', got {impl!r}")
     if impl == "cpu":
-        from kernels import cpu_ops
+        from kernels import cpu_forward, cpu_ops, qgemm_cpu
 
+        packed = qgemm_cpu.available()
         return Ops(impl=impl, **{name: getattr(cpu_ops, f"{name}_cpu", None) or getattr(mod, f"{name}_ref")
-                                 for name, mod in _SOURCES.items()})
+                                 for name, mod in _SOURCES.items()},
+                   packed_qgemm=packed, cpu_step=packed and cpu_forward.available())
     if impl == "triton":
         if not HAS_TRITON:
             raise RuntimeError("kernels.ops: impl='triton' needs the triton package; install it or use impl='ref'")

@@ -160,13 +160,6 @@ class QLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
 
 
-def packed_kernel_available() -> bool:
-    """The VNNI kernel builds and runs here (else QLinear serves the PyTorch reference)."""
-    from kernels import qgemm_cpu
-
-    return qgemm_cpu.available()
-
-
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -179,7 +172,7 @@ def quantize_model(model: nn.Module, mode: str, weights: dict[str, torch.Tensor]
     they are quantized from these). `stored` (mode "gguf"): the file's quantized
     tensors; a linear whose parts are all there is served from them as they are,
     any other is quantized to int8. `packed`: serve through the VNNI kernel
-    (default: where it runs). A tied head becomes its own quantized copy of
+    (default: as the model's kernel set says, `kernels.Ops.packed_qgemm`). A tied head becomes its own quantized copy of
     the embedding (the lookup keeps the dense table: it reads one row a token)."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
@@ -187,7 +180,7 @@ def quantize_model(model: nn.Module, mode: str, weights: dict[str, torch.Tensor]
         return model
     if mode == "gguf" and stored is None:
         raise ValueError("--quantization gguf serves a GGUF file's own blocks: the model must be a .gguf file")
-    packed = packed_kernel_available() if packed is None else packed
+    packed = model.ops.packed_qgemm if packed is None else packed
     quantize = quantize_int4 if mode == "int4" else quantize_int8
     stored = stored or {}
 

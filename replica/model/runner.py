@@ -298,10 +298,9 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
 
         quantize_model(model, cfg.quantization, weights, gguf_stored(cfg, model_cfg))
     model = model.eval()
-    if cfg.device == "cpu" and cfg.graph_mode == "auto":  # the CPU's "graph": the whole step in one C++ call
-        from kernels import cpu_forward
+    if ops.cpu_step and cfg.graph_mode == "auto":  # the CPU's "graph": the whole step in one C++ call
         from replica.model import cpu_model
-        if cpu_model.supports(model, dtype) and cpu_forward.available():
+        if cpu_model.supports(model, dtype):
             return cpu_model.CpuModel(model, cfg.engine_threads()).eval()
     return model
 

@@ -11,10 +11,12 @@ with the C++ ops by the same 1e-4."""
 import pytest
 import torch
 
+import kernels
 from replica.config import EngineConfig
 from replica.model.cpu_model import CpuModel
+from replica.model.llama import LlamaModel
 from replica.model.plan import Sampling, StepPlan
-from replica.model.runner import Runner
+from replica.model.runner import Runner, build_model
 from tests.replica.tiny import tiny_config, tiny_weights
 
 pytestmark = pytest.mark.usefixtures("cpu_forward_built")
@@ -117,3 +119,17 @@ def test_the_result_does_not_depend_on_the_thread_count():
         prompts = plan(list(range(1, 34)), [0, 0], [25, 8], [[0, 1], [2]], [0, 1], 0)
         outs.append((r.execute(prompts).logits, r.execute(plan([5, 6], [25, 8], [1, 1], [[0, 1], [2]], [0, 1], 2)).logits))
     assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+
+
+def test_the_kernel_set_decides_packing_and_the_cpu_step_once():
+    """kernels.ops is the one place: forced to the references, the same quantized
+    model is neither packed nor stepped in C++; by default (C++ built) it is both."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=2)
+    ecfg = EngineConfig(quantization="int8", cpu_threads=1)
+    ref_ops, cpu_ops = kernels.ops("cpu", impl="ref"), kernels.ops("cpu")
+    assert (ref_ops.packed_qgemm, ref_ops.cpu_step) == (False, False)
+    assert (cpu_ops.packed_qgemm, cpu_ops.cpu_step) == (True, True)
+    ref = build_model(cfg, ecfg, tiny_weights(cfg), ref_ops, 64)
+    assert isinstance(ref, LlamaModel) and ref.lm_head.packed is None
+    assert all(layer.mlp.down_proj.packed is None for layer in ref.layers)
+    assert isinstance(build_model(cfg, ecfg, tiny_weights(cfg), cpu_ops, 64), CpuModel)
