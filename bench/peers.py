@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/peers.py                     # build/find the peers, run every server
     .venv/bin/python bench/peers.py --servers llama edgechat proxy --turns 3
+    .venv/bin/python bench/peers.py --servers proxy proxy@/tmp/before proxy proxy@/tmp/before
 
 Peers (built or installed once, cached under ~/.cache/edgechat/peers/, never in
 the repo):
@@ -168,6 +169,7 @@ class Server:
     model: str
     env: dict = field(default_factory=dict)
     after: list = field(default_factory=list)  # servers started before this one (proxy -> replica)
+    cwd: Path = ROOT  # ours from another checkout: "proxy@DIR" runs DIR's code
 
 
 def servers(names: list[str], quantization: str, threads: int, budget: int = 0) -> list[Server]:
@@ -175,8 +177,11 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
     ours = ["--quantization", quantization, "--speculative", "off"] + (["--max-num-batched-tokens", str(budget)]
                                                                         if budget else [])
     out = []
-    for name in names:
+    for spec in names:
+        name, _, tree = spec.partition("@")
         port = free_port()
+        if tree and name not in ("edgechat", "proxy"):
+            raise SystemExit(f"{spec!r}: only edgechat and proxy run from another checkout")
         if name == "llama":
             bins = llama_bins()
             out.append(Server("llama.cpp llama-server (Q4_1 GGUF)", [
@@ -203,6 +208,13 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
                 env={"EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9", **REPLICA_ENV}))
         else:
             raise SystemExit(f"unknown server {name!r}: choose from llama, vllm, edgechat, proxy")
+        if tree:
+            where = Path(tree).resolve()
+            rev = subprocess.run(["git", "-C", str(where), "log", "-1", "--format=%h"], capture_output=True,
+                                 text=True).stdout.strip() or where.name
+            out[-1].name += f" @ {rev}"
+            for s in [out[-1], *out[-1].after]:
+                s.cwd = where
     return out
 
 
@@ -211,7 +223,7 @@ def start(server: Server, timeout: float = 900.0) -> list[subprocess.Popen]:
 
     procs = [p for s in server.after for p in start(s, timeout)]
     log(f"starting {server.name} on :{server.port} ...")
-    procs.append(subprocess.Popen(server.cmd, env={**os.environ, **server.env}, cwd=ROOT,
+    procs.append(subprocess.Popen(server.cmd, env={**os.environ, **server.env}, cwd=server.cwd,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -343,7 +355,9 @@ def with_children(pids: list[int]) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--servers", nargs="+", default=["llama", "vllm", "edgechat", "proxy"])
+    ap.add_argument("--servers", nargs="+", default=["llama", "vllm", "edgechat", "proxy"],
+                    help="llama, vllm, edgechat, proxy; edgechat@DIR / proxy@DIR run another checkout's code (a "
+                         "before/after pair in one run; repeat names to alternate them)")
     ap.add_argument("--quantization", default="gguf", help="edgechat's --quantization")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--turns", type=int, default=3, help="turns per session")
