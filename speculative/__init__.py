@@ -10,5 +10,7 @@ ngram.py     prompt-lookup drafter
 policy.py    the measured draft shape per batch size
 cache.py     where heads live
 train.py     `python -m speculative.train`: self-distillation data (the engine with a feature hook),
-             training-time test, checkpoints
+             training-time test, checkpoints. A tool above the engine, not part of the library: it
+             runs the target through replica's LLMEngine, and nothing else here (nor the engine)
+             imports it (tests/test_layering.py places it with bench/)
 """
