@@ -147,7 +147,9 @@ class LlamaModel(nn.Module):
         self.cfg, self.ops = cfg, ops
         self.tp = tp = tp or TensorParallel()
         vocab = cfg.vocab_size // tp.world  # vocab-parallel embedding and head
-        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        # Built on meta and loaded (runner.build_model): no init draw. A meta normal_ would
+        # also import torch._dynamo, 4 s of a replica's start.
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)

@@ -141,10 +141,15 @@ class Runner:
         layout = self._agree(KvLayout(num_blocks=capacity, block_size=bs))
         n = layout.num_blocks
         c = self.model_cfg
-        self.kv_cache = torch.zeros(c.num_layers, 2, n, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype,
-                                    device=self.device)
+        # On CPU the pool is left as the OS hands it over: a block is always written before
+        # a kernel reads it (padding rows included; tests/kernels/test_cpu_forward.py fills it
+        # with noise first), and zeroing 1 GiB up front cost 1-2 s of every start. Its pages
+        # are faulted in as blocks are first used. Zeros elsewhere (graph padding on CUDA).
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.kv_cache = alloc(c.num_layers, 2, n, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+                              device=self.device)
         if draft_kv is not None:
-            self.draft_kv = torch.zeros(2, n, bs, *draft_kv, dtype=self.dtype, device=self.device)
+            self.draft_kv = alloc(2, n, bs, *draft_kv, dtype=self.dtype, device=self.device)
         self.max_model_len = min(self.max_model_len, n * bs)
         self.aux_layers, self.keep_hidden = tuple(aux_layers), keep_hidden
         on_cuda = self.device.type == "cuda"
@@ -283,12 +288,28 @@ class Runner:
             self.tp.close()
 
 
+def materialize(model: torch.nn.Module, device) -> torch.nn.Module:
+    """Module.to_empty without its detour: each meta parameter and buffer becomes an
+    uninitialised tensor of the same shape and dtype on `device`, allocated directly
+    (to_empty's empty_like on meta tensors goes through torch._refs and imports sympy,
+    0.6 s of a replica's start)."""
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                mod._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                           requires_grad=p.requires_grad)
+        for name, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return model
+
+
 def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None, ops, max_positions: int, tp=None):
     dtype = DTYPES[cfg.dtype]
     with torch.device("meta"):
         model = LlamaModel(model_cfg, ops, max_positions, tp)
     # Cast on meta, then allocate: an 8B model never exists in fp32 (32 GB) on its way to bf16.
-    model = model.to(dtype).to_empty(device=cfg.device)
+    model = materialize(model.to(dtype), cfg.device)
     # Buffers made on meta are empty: rebuild the rotary table for real (kept in fp32).
     model.cos_sin = LlamaModel.rope_table(model_cfg, max_positions).to(cfg.device)
     if weights is not None:
