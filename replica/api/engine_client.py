@@ -2,7 +2,7 @@
 sends it to the engine process (spawned and restarted by `EngineSupervisor`), and
 turns the engine's token ids into per-request text streams.
 
-Each request has a `Stream` whose sink receives protocol messages (Tokens with
+Each request has an `EngineStream` whose sink receives protocol messages (Tokens with
 text, Finished, Error). Incremental detokenization and stop strings happen here,
 not in the engine: when a stop string appears the stream finishes at once and an
 Abort goes to the engine, which frees the blocks before its next step.
@@ -37,8 +37,8 @@ from replica.validation import check_generate
 Sink = Callable[[object], None]
 
 
-class Stream:
-    """One request as seen by the API process."""
+class EngineStream:
+    """One engine request as seen by the API process: its sink, detokenizer and stop state."""
 
     __slots__ = ("id", "sink", "detok", "num_resumed", "arrival", "last_token", "done", "ttft_s", "num_tokens",
                  "stop_text", "stop_ids", "stop_logprobs")
@@ -69,7 +69,7 @@ class EngineClient:
                  **supervision):
         """`supervision`: EngineSupervisor's restart and stall settings."""
         self.cfg, self.tokenizer, self.replica_id, self.metrics = cfg, tokenizer, replica_id, metrics
-        self.streams: dict[str, Stream] = {}
+        self.streams: dict[str, EngineStream] = {}
         self.aborting: set[str] = set()  # aborted, their engine Finished (usage, for /metrics) still to come
         self.groups: dict[str, SampleGroup] = {}
         self.load: P.Load | None = None
@@ -127,7 +127,7 @@ class EngineClient:
         sp = req.sampling
         detok = IncrementalDetokenizer(self.tokenizer, stop=sp.stop, prefix_ids=req.resume_ids,
                                        include_stop=sp.include_stop_str_in_output)
-        self.streams[req.id] = Stream(req.id, sink, detok, len(req.resume_ids))
+        self.streams[req.id] = EngineStream(req.id, sink, detok, len(req.resume_ids))
 
     def _sample_sink(self, group: SampleGroup, index: int) -> Sink:
         def sink(msg) -> None:
@@ -231,7 +231,7 @@ class EngineClient:
             self.cached_blocks.update(msg.stored)
             self._publish(msg)
 
-    def _on_tokens(self, stream: Stream, ids: list[int]) -> str:
+    def _on_tokens(self, stream: EngineStream, ids: list[int]) -> str:
         now = time.perf_counter()
         if stream.num_tokens == 0:
             stream.ttft_s = now - stream.arrival
@@ -243,7 +243,7 @@ class EngineClient:
         stream.num_tokens += len(ids)
         return stream.detok.add(ids)
 
-    def _finish(self, stream: Stream, msg) -> None:
+    def _finish(self, stream: EngineStream, msg) -> None:
         self.streams.pop(stream.id, None)
         stream.done = True
         stream.sink(msg)
