@@ -34,17 +34,32 @@ from replica.engine.containment import Containment
 
 def build_engine(cfg: EngineConfig):
     """The engine; with cfg.tp > 1 it is rank 0 and starts ranks 1..tp-1 (replica.model.worker)."""
-    from replica.model import tp as TP
-    from replica.engine.llm_engine import LLMEngine
-    from replica.model.loader import load_model_for
-    from replica.tokenizer import Tokenizer
-    from replica.model.worker import spawn_workers
+    import torch
 
-    model_cfg, weights = load_model_for(cfg)
+    import kernels
+    from replica.engine.llm_engine import LLMEngine
+    from replica.model import built
+    from replica.model import tp as TP
+    from replica.model.loader import load_model_for, prepare_process
+    from replica.model.runner import for_device
+    from replica.model.worker import spawn_workers
+    from replica.tokenizer import Tokenizer
+
     tokenizer = functools.partial(Tokenizer.from_spec, cfg.model)  # grammars' tokenizer, built in their thread
     if cfg.tp == 1:
-        engine = LLMEngine(cfg, model_cfg, weights, tokenizer=tokenizer)
+        ops = kernels.ops(torch.device(cfg.device).type)
+        found = built.lookup(cfg, ops)  # a quantized CPU model built by an earlier start
+        if found is not None:
+            prepare_process(cfg)
+            model_cfg, model = found
+            engine = LLMEngine(cfg, model_cfg, model=for_device(model, cfg), ops=ops, tokenizer=tokenizer)
+        else:
+            model_cfg, weights = load_model_for(cfg)
+            engine = LLMEngine(cfg, model_cfg, weights, ops=ops, tokenizer=tokenizer)
+            del weights
+            built.keep(cfg, model_cfg, engine.runner.model)
     else:
+        model_cfg, weights = load_model_for(cfg)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"

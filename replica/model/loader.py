@@ -33,7 +33,7 @@ from replica.presets import PRESETS
 from replica.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "ModelNotFoundError", "PRESETS", "load_checkpoint", "load_config",
-           "load_gguf_quantized", "load_model_for", "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
+           "load_gguf_quantized", "load_model_for", "prepare_process", "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
 
 
 @dataclass
@@ -231,13 +231,18 @@ def _more(n_missing: int) -> str:
     return f" (and {n_missing - 1} more)" if n_missing > 1 else ""
 
 
-def load_model_for(cfg: EngineConfig):
-    """(ModelConfig, Hugging Face-named weights) for this engine config."""
+def prepare_process(cfg: EngineConfig) -> None:
+    """The engine process's torch settings: its seed and, on CPU, its threads."""
     torch.manual_seed(cfg.seed)
     if cfg.device == "cpu":
         # torch's OpenMP pool spins between ops: leave the API process a core. The C++ step (replica.model.cpu_model)
         # has its own pool over every core, whose helpers yield instead (kernels/csrc/include/edgechat/pool.h).
         torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+
+
+def load_model_for(cfg: EngineConfig):
+    """(ModelConfig, Hugging Face-named weights) for this engine config."""
+    prepare_process(cfg)
     dtype = getattr(torch, cfg.dtype) if cfg.quantization == "none" else torch.float32  # quantized from fp32
     if cfg.random_weights:
         model_cfg = load_config(cfg.model)

@@ -131,6 +131,19 @@ class QLinear(nn.Module):
         self.register_buffer("packed", qgemm_cpu.pack(self.qs, self.d, self.m, self.bits) if packed else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @classmethod
+    def shell(cls, out_features: int, in_features: int, bits: int, bias: bool) -> QLinear:
+        """A QLinear without tensors, to be filled from a kept build (replica.model.built):
+        its buffers are None (packed too) and its bias, if any, a parameter on the
+        current device (meta there)."""
+        q = cls.__new__(cls)
+        nn.Module.__init__(q)
+        q.out_features, q.in_features, q.bits = out_features, in_features, bits
+        for name in ("qs", "d", "m", "packed"):
+            q.register_buffer(name, None)
+        q.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        return q
+
     @property
     def weight(self) -> QWeight:
         return QWeight(self.qs, self.d, self.m, self.bits)

@@ -318,10 +318,15 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
         from replica.model.quant import quantize_model
 
         quantize_model(model, cfg.quantization, weights, gguf_stored(cfg, model_cfg))
-    model = model.eval()
-    if ops.cpu_step and cfg.graph_mode == "auto":  # the CPU's "graph": the whole step in one C++ call
+    return for_device(model.eval(), cfg)
+
+
+def for_device(model: LlamaModel, cfg: EngineConfig) -> torch.nn.Module:
+    """What serves a built model: on CPU with the C++ step (the model's kernel set says),
+    a packed fp32 model as one C++ call per step (the CPU's "graph"); else the model."""
+    if model.ops.cpu_step and cfg.graph_mode == "auto":
         from replica.model import cpu_model
-        if cpu_model.supports(model, dtype):
+        if cpu_model.supports(model, DTYPES[cfg.dtype]):
             return cpu_model.CpuModel(model, cfg.engine_threads()).eval()
     return model
 
