@@ -11,6 +11,24 @@
 // drained, the network went), the client reconnects with capped exponential backoff and
 // full jitter and sends every open request again with `resume` = the token ids it already
 // received: requests go out `resumable` with a seed, so the text continues exactly.
+//
+// A request made while the socket is not open waits, and goes out once it is (req.sent;
+// req.onsend is called each time it is sent). Nothing is dropped while the client cannot
+// connect: requests wait until it can or until they are cancelled.
+//
+// Why a connection fails: a browser tells a script nothing about a refused handshake (the
+// proxy's 401 and its JSON body are hidden; onclose says 1006). So when a socket closes
+// before it opened, the client asks the same server `GET /v1/models` with the same key,
+// where the status is readable, and sets `chat.failure` = {code, message}:
+//   unauthorized (401: no key, or a key the server does not know) and forbidden (403) are
+//     final: status `failed`, no more attempts until connect() is called again (say, with
+//     another `chat.key`);
+//   rate_limited (429: too many failed authentications from this address): the next
+//     attempt waits the server's Retry-After;
+//   unreachable (no answer) and unavailable (it answers, but the socket still failed):
+//     retried with backoff, status `reconnecting`.
+// A key that cannot ride in a subprotocol (only RFC 7230 token characters can) is refused
+// at once: bad_key.
 
 export class EdgeError extends Error {
   constructor(code, message, retryAfterS) {
@@ -21,6 +39,7 @@ export class EdgeError extends Error {
 }
 
 const RESUMED = new Set(["shutting_down"]);  // cut or refused by a draining proxy: resume elsewhere
+const KEY_CHARS = /^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/;  // a subprotocol is an RFC 7230 token
 
 function randomSeed() {
   const a = new Uint32Array(2);
@@ -44,6 +63,7 @@ export class Request {
     this.gaps = [];  // ms between consecutive deltas, as this page received them
     this.done = null;
     this.ondelta = null;  // (text, request) => void
+    this.onsend = null;  // (request) => void: it went out on a socket (again, after a reconnect)
     this.finished = new Promise((resolve, reject) => { this._resolve = resolve; this._reject = reject; });
     this.finished.catch(() => {});  // a caller that never awaits it must not see an unhandled rejection
   }
@@ -98,7 +118,8 @@ export class EdgeChat extends EventTarget {
     this.key = key;
     this.backoff = backoff;
     this.requests = new Map();
-    this.status = "closed";  // connecting | open | reconnecting | closed
+    this.status = "closed";  // connecting | open | reconnecting | failed | closed
+    this.failure = null;  // why the last attempt failed: {code, message, retryAfterS?}; null once open
     this.reconnects = 0;
     this.ws = null;
     this._attempt = 0;
@@ -108,38 +129,95 @@ export class EdgeChat extends EventTarget {
     this._wasOpen = false;
   }
 
+  // Connect now (again: with a changed `key`, say). A socket still open or opening is
+  // dropped first; its open requests are sent again, resumed, on the new one.
   connect() {
     this._stopped = false;
+    this._attempt = 0;
+    this._open("connecting");
+  }
+
+  _open(status) {
     clearTimeout(this._timer);
-    this._setStatus(this.status === "closed" ? "connecting" : "reconnecting");
+    this._retire();
+    if (this.key && !KEY_CHARS.test(this.key)) {
+      this._fail({code: "bad_key", message: "that API key has characters an API key cannot have (spaces, quotes, non-ASCII...)"});
+      return;
+    }
+    this._setStatus(status);
     const offer = ["edgechat.v1"];
     if (this.key) offer.push("bearer." + this.key);
     const ws = this.ws = new WebSocket(this.url, offer);
+    let opened = false;
     ws.onopen = () => {
       if (ws !== this.ws) return;
+      opened = true;
       if (this._wasOpen) this.reconnects += 1;
       this._wasOpen = true;
       this._attempt = 0;
+      this.failure = null;
       this._setStatus("open");
       for (const r of this.requests.values()) if (!r.sent) this._sendRequest(r);
     };
-    ws.onmessage = (ev) => this._frame(JSON.parse(ev.data));
-    ws.onclose = () => {
+    ws.onmessage = (ev) => { if (ws === this.ws) this._frame(JSON.parse(ev.data)); };
+    ws.onclose = async () => {
       if (ws !== this.ws) return;
       for (const r of this.requests.values()) r.sent = false;  // resumed on the next socket
       if (this._stopped) { this._setStatus("closed"); return; }
-      if (!this._wasOpen && this._attempt >= 2) {  // never got in (a wrong key looks the same): stop knocking
-        this._setStatus("failed");
-        for (const r of [...this.requests.values()]) r._end({type: "error", id: r.id, code: "unavailable",
-                                                             message: "cannot connect; check the API key"});
-        return;
+      let wait = null;
+      if (!opened) {  // refused, or nobody there: find out which
+        const why = await this._diagnose();
+        if (ws !== this.ws || this._stopped) return;  // connect() or close() came meanwhile
+        if (why.final) { this._fail(why); return; }
+        this.failure = why;
+        wait = why.retryAfterS ?? null;
       }
-      this._setStatus("reconnecting");
       const b = this.backoff;
-      const delay = Math.random() * Math.min(b.maxS, b.initialS * 2 ** Math.min(this._attempt, 20));
+      wait ??= Math.random() * Math.min(b.maxS, b.initialS * 2 ** Math.min(this._attempt, 20));
       this._attempt += 1;
-      this._timer = setTimeout(() => this.connect(), delay * 1000);
+      this._setStatus("reconnecting");
+      this._timer = setTimeout(() => this._open("reconnecting"), wait * 1000);
     };
+  }
+
+  // The socket of this client, if any, let go of: nothing it does reaches us any more.
+  _retire() {
+    const old = this.ws;
+    if (!old) return;
+    this.ws = null;
+    old.onopen = old.onmessage = old.onclose = null;
+    if (old.readyState === WebSocket.CONNECTING || old.readyState === WebSocket.OPEN) old.close();
+    for (const r of this.requests.values()) r.sent = false;
+  }
+
+  _fail(failure) {
+    this.failure = failure;
+    this._setStatus("failed");
+  }
+
+  // Why a handshake failed, asked of the same server over HTTP with the same key.
+  async _diagnose() {
+    const u = new URL(this.url);
+    u.protocol = u.protocol === "wss:" ? "https:" : "http:";
+    u.pathname = "/v1/models";
+    u.search = "";
+    let r;
+    try {
+      r = await fetch(u, {headers: this.key ? {Authorization: `Bearer ${this.key}`} : {}, cache: "no-store"});
+    } catch {
+      return {code: "unreachable", message: "cannot reach the server; retrying"};
+    }
+    if (r.status === 401) {
+      return {code: "unauthorized", final: true,
+              message: this.key ? "this server does not know that API key" : "this server needs an API key"};
+    }
+    if (r.status === 403) return {code: "forbidden", final: true, message: "this server refuses this page's origin"};
+    if (r.status === 429) {
+      const s = Math.max(1, Number(r.headers.get("Retry-After")) || 1);
+      return {code: "rate_limited", retryAfterS: s,
+              message: `too many failed attempts from this address; trying again in ${s} s`};
+    }
+    return {code: "unavailable", message: `the server answers (HTTP ${r.status}) but refused the connection; retrying`};
   }
 
   close() {
@@ -173,6 +251,7 @@ export class EdgeChat extends EventTarget {
     if (req.ids.length) { frame.resume = req.ids.slice(); req.resumes += 1; }
     req.sent = true;
     this.send(frame);
+    req.onsend?.(req);
   }
 
   _frame(m) {
