@@ -6,6 +6,11 @@
 
 Every endpoint but /healthz needs the replica secret: $EDGECHAT_REPLICA_SECRET, or
 --secret-file, or one generated for this launch (its file is printed at start-up).
+
+The port is taken first: one already in use stops the replica at once, before the
+model loads. Start-up stages are said on stderr as they end (`replica.stages`):
+building kernels, loading weights, building engine, warming up (by the engine
+process), then `stage: ready N s` once /healthz answers 200.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import socket
 import sys
+from time import perf_counter
 
+from replica import stages
 from replica.config import SPEC_MAX_BATCH, EngineConfig
 
 
@@ -130,16 +138,40 @@ def default_quantization(model: str, device: str, tp: int, random_weights: bool)
     return "gguf" if resolve_model(model, config_only=True).endswith(".gguf") else "int4"
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (listening only once the engine is up, so until then
+    connections are refused, as before); SO_REUSEADDR as uvicorn's own, so a restart is not
+    refused by the last run's connections in TIME_WAIT. Exits naming the port if it is taken."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sys.exit(f"python -m replica: cannot listen on {host}:{port}: {e.strerror or e}; "
+                 "another server there? choose another --port")
+    return sock
+
+
 def main(argv: list[str] | None = None) -> None:
+    t0 = perf_counter()
+    args = parse_args(argv)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        sys.exit("python -m replica: TLS needs both --ssl-certfile and --ssl-keyfile")
+    sock = bind(args.host, args.port)
+
     import uvicorn
 
     from replica.api.app import create_app
     from replica.api.auth import launch_secret
     from replica.tokenizer import Tokenizer
 
-    args = parse_args(argv)
-    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
-        sys.exit("python -m replica: TLS needs both --ssl-certfile and --ssl-keyfile")
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                stages.say("ready", perf_counter() - t0)
+
     cfg = engine_config(args)
     tokenizer = Tokenizer.from_spec(args.model)
     replica_id = args.replica_id or f"{args.host}:{args.port}"
@@ -158,8 +190,16 @@ def main(argv: list[str] | None = None) -> None:
         loop = "asyncio"
     print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}/{cfg.quantization}, "
           f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}; {where}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, loop=loop, ws="websockets-sansio", log_level="warning",
-                timeout_graceful_shutdown=5, ssl_certfile=args.ssl_certfile or None, ssl_keyfile=args.ssl_keyfile or None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, ws="websockets-sansio",
+                            log_level="warning", timeout_graceful_shutdown=5, ssl_certfile=args.ssl_certfile or None,
+                            ssl_keyfile=args.ssl_keyfile or None)
+    server = Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # as uvicorn.run: Ctrl-C during start-up ends quietly
+        pass
+    if not server.started:
+        sys.exit(3)  # uvicorn's STARTUP_FAILURE, as uvicorn.run exits
 
 
 if __name__ == "__main__":

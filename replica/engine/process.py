@@ -30,13 +30,20 @@ import msgspec
 from wire import protocol as P
 from replica.config import EngineConfig
 from replica.engine.containment import Containment
+from replica.stages import Stages
 
 
-def build_engine(cfg: EngineConfig):
-    """The engine; with cfg.tp > 1 it is rank 0 and starts ranks 1..tp-1 (replica.model.worker)."""
-    import torch
+def build_engine(cfg: EngineConfig, stages: Stages | None = None):
+    """The engine; with cfg.tp > 1 it is rank 0 and starts ranks 1..tp-1 (replica.model.worker).
+    Each stage of the build is said on stderr as it ends (replica.stages)."""
+    stages = stages or Stages()
+    with stages.stage("building kernels", " (torch, and on CPU the C++ kernels: a first start compiles them, "
+                                         "about a minute)"):
+        import torch
 
-    import kernels
+        import kernels
+
+        ops = kernels.ops(torch.device(cfg.device).type)  # builds them once per machine (kernels.cpu_build)
     from replica.engine.llm_engine import LLMEngine
     from replica.model import built
     from replica.model import tp as TP
@@ -46,27 +53,34 @@ def build_engine(cfg: EngineConfig):
     from replica.tokenizer import Tokenizer
 
     tokenizer = functools.partial(Tokenizer.from_spec, cfg.model)  # grammars' tokenizer, built in their thread
+    # "building engine": the model built from the weights (quantized, packed), the KV pool, decode graphs
     if cfg.tp == 1:
-        ops = kernels.ops(torch.device(cfg.device).type)
-        found = built.lookup(cfg, ops)  # a quantized CPU model built by an earlier start
-        if found is not None:
-            prepare_process(cfg)
-            model_cfg, model = found
-            engine = LLMEngine(cfg, model_cfg, model=for_device(model, cfg), ops=ops, tokenizer=tokenizer)
-        else:
-            model_cfg, weights = load_model_for(cfg)
-            engine = LLMEngine(cfg, model_cfg, weights, ops=ops, tokenizer=tokenizer)
-            del weights
-            built.keep(cfg, model_cfg, engine.runner.model)
+        with stages.stage("loading weights", f" ({cfg.model})"):
+            found = built.lookup(cfg, ops)  # a quantized CPU model built by an earlier start
+            if found is not None:
+                prepare_process(cfg)
+                model_cfg, model = found
+            else:
+                model_cfg, weights = load_model_for(cfg)
+        with stages.stage("building engine"):
+            if found is not None:
+                engine = LLMEngine(cfg, model_cfg, model=for_device(model, cfg), ops=ops, tokenizer=tokenizer)
+            else:
+                engine = LLMEngine(cfg, model_cfg, weights, ops=ops, tokenizer=tokenizer)
+                del weights
+                built.keep(cfg, model_cfg, engine.runner.model)
     else:
-        model_cfg, weights = load_model_for(cfg)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        workers = spawn_workers(cfg, init_method)
-        engine = LLMEngine(cfg, model_cfg, weights, tp=TP.init(0, cfg.tp, init_method, cfg.device), workers=workers,
-                           tokenizer=tokenizer)
-    engine.grammars.warm()
+        with stages.stage("loading weights", f" ({cfg.model})"):
+            model_cfg, weights = load_model_for(cfg)
+        with stages.stage("building engine"):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            workers = spawn_workers(cfg, init_method)
+            engine = LLMEngine(cfg, model_cfg, weights, tp=TP.init(0, cfg.tp, init_method, cfg.device),
+                               workers=workers, tokenizer=tokenizer)
+    with stages.stage("warming up"):
+        engine.grammars.warm()
     return engine
 
 
