@@ -1,11 +1,17 @@
 """python -m regions up [topology.toml]     launch a topology (built-in two-region one by default)
 python -m regions check [topology.toml]  validate a topology and print its resolved ports
 
-`up` prints one line per component with its URL, then serves until Ctrl-C or
-SIGTERM, when it stops everything (relays, then proxies, which drain, then
+`up` refuses at once, before starting anything, a port already in use (naming
+it, and a --port that is free). Then it says where the logs go, each replica's
+start-up stages as they end (building kernels, loading weights, building engine,
+warming up), one line per component with its URL once ready, and serves until
+Ctrl-C or SIGTERM, when it stops everything (relays, then proxies, which drain, then
 replicas); a second signal kills at once. Until then a replica or proxy that
 exits is restarted with backoff (a line says so, and when it is ready again);
 the proxies fail its streams over meanwhile, or forward to a peer region.
+
+While it runs, its URLs are in the run dir (`regions.running`), where
+`python -m loadtest --topology` finds them whatever --port moved them to.
 """
 
 from __future__ import annotations
@@ -13,11 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import signal
 import sys
+from dataclasses import replace
 
-from regions.launch import DISCOVERY, LaunchError, Stack
-from regions.topology import ROUTING_MODES, TopologyError, load, shift_ports
+from regions import running
+from regions.launch import DISCOVERY, LaunchError, Stack, check_ports, port_hint
+from regions.topology import ROUTING_MODES, Topology, TopologyError, load, shift_ports
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +37,15 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("topology", nargs="?", help="topology TOML (default: the built-in two-region topology)")
     up.add_argument("--port", type=int, default=None,
                     help="move every port so the first region's proxy listens here (the rest keep their offsets)")
+    up.add_argument("--model", default=None,
+                    help="what the replicas serve (python -m replica --model: 'default', a .gguf file, a Hugging Face "
+                         "folder or hub id, a preset name); the proxies tokenize with the same. Default: the "
+                         "topology's model")
+    up.add_argument("--replica-args", default="", metavar="'ARGS'",
+                    help="more python -m replica flags, one shell-quoted string (--replica-args='--max-num-seqs 16')")
+    up.add_argument("--proxy-args", default="", metavar="'ARGS'",
+                    help="more python -m edge_proxy flags, one shell-quoted string "
+                         "(--proxy-args='--allowed-origin http://localhost:3000')")
     up.add_argument("--routing", default="auto", choices=ROUTING_MODES, help="proxy routing mode")
     up.add_argument("--discovery", default="static", choices=DISCOVERY,
                     help="how proxies find replicas: static --replica URLs, or dns: --replicas-dns against a zone "
@@ -41,10 +59,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _up(a) -> int:
+def topology_of(a) -> Topology:
+    """The topology `up` launches: the file (or built-in), moved by --port, with --model and the extra flags."""
     topo = load(a.topology)
     if a.port is not None:
         topo = shift_ports(topo, a.port)
+    try:
+        extra_replica, extra_proxy = shlex.split(a.replica_args), shlex.split(a.proxy_args)
+    except ValueError as e:
+        raise TopologyError(f"--replica-args / --proxy-args: {e}") from None
+    return replace(topo, model=a.model or topo.model, replica_args=topo.replica_args + tuple(extra_replica),
+                   proxy_args=topo.proxy_args + tuple(extra_proxy))
+
+
+async def _up(a, topo: Topology) -> int:
+    port = topo.regions[0].proxy_port
+    reg = running.Registration(port, topo.source)
+    try:
+        reg.claim()
+    except running.Held as e:
+        state = e.info.get("state", "starting")
+        print(f"regions: port {port}: another `python -m regions up` (pid {e.info.get('pid', '?')}, {state}) holds "
+              f"it; nothing was started. Stop it, or {port_hint(topo, not a.no_relays)}", file=sys.stderr)
+        return 1
+    try:
+        return await _serve(a, topo, reg)
+    finally:
+        reg.release()
+
+
+async def _serve(a, topo: Topology, reg: running.Registration) -> int:
+    try:
+        check_ports(topo, relays=not a.no_relays)  # before the log folder or anything else
+    except LaunchError as e:
+        print(f"regions: {e}", file=sys.stderr)
+        return 1
     stack = Stack(topo, routing=a.routing, log_dir=a.log_dir, relays=not a.no_relays, discovery=a.discovery)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -75,6 +124,7 @@ async def _up(a) -> int:
     if a.targets:
         with open(a.targets, "w") as f:
             json.dump(stack.targets(), f, indent=1)
+    reg.ready({**stack.targets(), "log_dir": str(stack.log_dir)})
     stack.supervise()
     await stop.wait()
     print("regions: stopping", flush=True)
@@ -96,11 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                 rtt = t.rtt(src, dst) if kind == "link" else next(c for c in t.clients if c.name == src).rtt_ms[dst]
                 print(f"  relay {kind} {src}>{dst}: :{port} rtt {rtt:g} ms")
             return 0
-        if a.port is not None:
-            shift_ports(load(a.topology), a.port)  # report a bad --port before anything starts
+        topo = topology_of(a)  # a bad file, --port or flags: reported before anything starts
         import uvloop
 
-        return uvloop.run(_up(a))
+        return uvloop.run(_up(a, topo))
     except TopologyError as e:
         print(f"regions: {e}", file=sys.stderr)
         return 2

@@ -7,8 +7,17 @@ Relays run inside the launcher's event loop. `stop()` closes the relays, then
 SIGTERMs every proxy group (they drain), then every replica group, and SIGKILLs
 whatever group is still there after `grace_s`. No orphans.
 
+Before anything starts, every port the topology listens on is tried
+(`check_ports`): one already in use stops the launch at once, naming the port, what
+holds it and a free `--port` to use instead.
+
 Ready checks: a replica is up when `GET /healthz` answers 200 (the model is
-loaded); a proxy when its `/healthz` reports every one of its replicas ready.
+loaded); a proxy when its `/healthz` reports every one of its replicas ready; and
+either only if the socket listening on its port is its own process's (or its
+children's: `regions.listeners`), never another launch's answering on the same port.
+While a replica starts, its start-up stages (`replica.stages` lines in its log) are
+shown as they end: `  eu-0: loading weights 1.3 s`; a stage past two seconds says
+so when it gets there (`  eu-0: building kernels ...`).
 After `supervise()`, a replica or proxy that exits is restarted with backoff
 (`regions.supervisor`) until `stop()`.
 
@@ -18,7 +27,7 @@ small DNS zone (`dns_zone.DnsZone`) where each replica's SRV record appears once
 it is ready (`_ws._tcp.<region>.edgechat.test`).
 
     stack = Stack(topology.load(), routing="auto")
-    await stack.start()          # prints one line per component
+    await stack.start()          # prints where the logs go, stages, one line per component
     ...
     await stack.stop()
 """
@@ -39,10 +48,12 @@ from time import perf_counter
 
 import httpx
 
+from regions import listeners
 from regions.dns_zone import DnsZone
 from regions.relay import Relay
 from regions.supervisor import Supervisor
-from regions.topology import ROUTING_MODES, Topology
+from regions.topology import ROUTING_MODES, Topology, TopologyError, shift_ports
+from replica import stages
 
 SECRET_ENV = "EDGECHAT_REPLICA_SECRET"
 API_KEYS_ENV = "EDGECHAT_API_KEYS"
@@ -61,6 +72,10 @@ class LaunchError(RuntimeError):
     """A component failed to start or died; the message names it and ends with its log tail."""
 
 
+class PortsBusy(LaunchError):
+    """A port the topology needs is taken: nothing was started."""
+
+
 @dataclass
 class Component:
     kind: str  # replica | proxy | relay
@@ -73,6 +88,12 @@ class Component:
     note: str = ""
     argv: list[str] | None = None  # how it was started (a restart runs the same)
     env: dict | None = None
+    log_pos: int = 0  # how far the launcher has read its log (stage lines)
+    log_rest: bytes = b""  # a last line not yet ended
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     def log_tail(self, n: int = 15) -> str:
         if self.log is None or not self.log.exists():
@@ -105,8 +126,7 @@ class Stack:
         self.discovery = discovery
         self.zone: DnsZone | None = None
         self.topo, self.routing, self.python = topo, routing, python
-        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="edgechat-regions-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = Path(log_dir) if log_dir else None  # made by start(), once the ports are known to be free
         self.out = out if out is not None else sys.stdout
         stub = topo.replica_kind == "stub"
         self.ready_timeout_s = ready_timeout_s or (30.0 if stub else 600.0)
@@ -144,6 +164,7 @@ class Stack:
         c.argv, c.env = argv, env
         c.log = self.log_dir / f"{c.kind}-{c.name}.log"
         with open(c.log, "ab") as log:
+            c.log_pos, c.log_rest = log.tell(), b""  # stages of this start only (a restart appends)
             c.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=log,
                                                           stderr=asyncio.subprocess.STDOUT, env=env,
                                                           start_new_session=True, preexec_fn=_die_with_parent)
@@ -176,14 +197,24 @@ class Stack:
         for peer in t.peers(region.name):  # cross-region failover, through the inter-region link relay
             port = t.relay_ports[("link", region.name, peer)] if self.with_relays else t.region(peer).proxy_port
             argv += ["--peer", f"{peer}=ws://{t.host}:{port}/v1/stream@{t.rtt(region.name, peer):g}"]
-        if t.replica_kind == "stub":
-            argv += ["--tokenizer", "bytes"]
+        # the replicas' own tokenizer ("default", a folder, a .gguf, a preset name); a replica refuses a proxy
+        # whose tokenizer differs
+        argv += ["--tokenizer", "bytes" if t.replica_kind == "stub" else t.model]
         if self.anonymous:
             argv += ["--allow-anonymous"]
-        return argv
+        return argv + list(t.proxy_args)
 
     async def start(self) -> None:
-        """Bring everything up; on any failure stop what started and raise `LaunchError`."""
+        """Bring everything up; on any failure stop what started and raise `LaunchError`
+        (`PortsBusy`, before anything started, when a port is taken)."""
+        check_ports(self.topo, self.with_relays)
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="edgechat-regions-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        n = sum(len(r.replicas) for r in self.topo.regions)
+        slow = "" if self.topo.replica_kind == "stub" else \
+            " (a first start compiles kernels and loads weights: minutes; each stage is shown as it ends)"
+        self._say(f"regions: logs in {self.log_dir}; starting {n} replicas{slow}")
         try:
             if self.discovery == "dns":
                 self.zone = await DnsZone().start(self.topo.host)
@@ -257,8 +288,12 @@ class Stack:
             else:
                 rtt = t.rtt(src, dst)
                 label = f"link {src}>{dst}"
-            relay = await Relay(port, t.host, t.region(dst).proxy_port, rtt, t.jitter, host=t.host,
-                                name=label).start()
+            try:
+                relay = await Relay(port, t.host, t.region(dst).proxy_port, rtt, t.jitter, host=t.host,
+                                    name=label).start()
+            except OSError as e:  # taken since check_ports
+                raise LaunchError(f"relay {label}: cannot listen on port {port}: {e.strerror}; "
+                                  f"{port_hint(t, self.with_relays)}") from None
             c = Component("relay", label, relay.url, dst, relay=relay)
             self.relays.append(c)
             ws = c.url.replace("http://", "ws://", 1) + "/v1/stream"
@@ -268,16 +303,52 @@ class Stack:
         deadline = perf_counter() + self.ready_timeout_s
         async with httpx.AsyncClient(trust_env=False, timeout=2.0) as http:
             while True:
+                self._show_stages(c)
                 if c.proc.returncode is not None:
+                    self._show_stages(c)
                     raise LaunchError(f"{c.kind} {c.name} exited with code {c.proc.returncode} while starting; "
                                       f"log {c.log}:\n{c.log_tail()}")
+                answered = False
                 with contextlib.suppress(httpx.HTTPError, ValueError):
-                    if ok(await http.get(c.url + "/healthz")):
-                        return
+                    answered = ok(await http.get(c.url + "/healthz"))
+                if answered and self._listener_is_ours(c):
+                    self._show_stages(c)
+                    return
                 if perf_counter() > deadline:
                     raise LaunchError(f"{c.kind} {c.name} not ready after {self.ready_timeout_s:g} s; "
                                       f"log {c.log}:\n{c.log_tail()}")
                 await asyncio.sleep(0.1)  # polling an external process: there is no event to await
+
+    def _listener_is_ours(self, c: Component) -> bool:
+        """Whether what answered on c's port is c's process (or its children); raises
+        `LaunchError` when it is another process's: never report another launch as ours."""
+        owner = listeners.owner_check(c.proc.pid, c.port)
+        if owner is None or owner[0]:
+            return True
+        if c.proc.returncode is not None:
+            return False  # the caller reports the exit
+        others = ", ".join(listeners.describe(p) for p in owner[1]) or "a process this user cannot see"
+        raise LaunchError(f"{c.kind} {c.name}: port {c.port} is answered by {others}, not by this launch's "
+                          f"{c.kind} (pid {c.proc.pid}); another stack serves there: stop it, or "
+                          f"{port_hint(self.topo, self.with_relays)}")
+
+    def _show_stages(self, c: Component) -> None:
+        """Say the stage lines c wrote to its log since last read (replica.stages), as `  NAME: stage 1.3 s`."""
+        if c.log is None or c.kind != "replica":
+            return
+        try:
+            with open(c.log, "rb") as f:
+                f.seek(c.log_pos)
+                data = f.read()
+        except OSError:
+            return
+        c.log_pos += len(data)
+        *done, c.log_rest = (c.log_rest + data).split(b"\n")
+        for raw in done:
+            parsed = stages.parse(raw.decode(errors="replace"))
+            if parsed is not None and parsed[0] != "ready":  # the launcher's own line says ready
+                name, seconds, note = parsed
+                self._say(f"  {c.name}: {name} {'...' if seconds is None else f'{seconds:.1f} s'}{note}")
 
     # -- run / stop ------------------------------------------------------------
 
@@ -344,6 +415,46 @@ class Stack:
             await c.proc.wait()
 
         await asyncio.gather(*(reap(c) for c in live))
+
+
+def planned_ports(topo: Topology, relays: bool = True) -> list[tuple[int, str]]:
+    """(port, what listens there) for every port a launch of `topo` listens on."""
+    out = [(r.proxy_port, f"proxy {r.name}") for r in topo.regions]
+    out += [(x.port, f"replica {x.id}") for r in topo.regions for x in r.replicas]
+    if relays:
+        out += [(p, f"relay {kind} {a}>{b}") for (kind, a, b), p in topo.relay_ports.items()]
+    return out
+
+
+def check_ports(topo: Topology, relays: bool = True) -> None:
+    """Raise `PortsBusy` naming the first port of the topology already in use, what
+    holds it where /proc tells, and a `--port` whose ports are all free."""
+    planned = planned_ports(topo, relays)
+    taken = set(listeners.busy(topo.host, [p for p, _ in planned]))
+    if not taken:
+        return
+    port, what = next((p, w) for p, w in planned if p in taken)
+    holders = listeners.foreign_pids(listeners.listening_inodes(port) or set())
+    by = f" by {', '.join(listeners.describe(p) for p in holders)}" if holders else ""
+    more = f" (and {len(taken) - 1} more of its ports)" if len(taken) > 1 else ""
+    hint = port_hint(topo, relays)
+    raise PortsBusy(f"port {port} (for {what}) is already in use{by}{more}; nothing was started. "
+                    f"Another stack serving there? {hint[0].upper()}{hint[1:]}")
+
+
+def port_hint(topo: Topology, relays: bool = True) -> str:
+    """"choose other ports: make run PORT=9000 (python -m regions up --port 9000)", with a
+    port whose whole shifted topology is free right now where one is found."""
+    first = topo.regions[0].proxy_port
+    for k in range(1, 40):
+        port = first + 1000 * k
+        try:
+            moved = shift_ports(topo, port)
+        except TopologyError:
+            break
+        if not listeners.busy(topo.host, [p for p, _ in planned_ports(moved, relays)]):
+            return f"choose other ports: make run PORT={port} (python -m regions up --port {port})"
+    return "choose other ports: make run PORT=... (python -m regions up --port ...)"
 
 
 def srv_name(region: str) -> str:

@@ -3,6 +3,8 @@ client locations and regions and between regions.
 
     model = "default"          # replica --model (ignored by stub replicas)
     replica_kind = "model"     # "model": python -m replica; "stub": stub_replica (no model, fast)
+    replica_args = ["--max-num-seqs", "32"]     # more `python -m replica` flags (model replicas)
+    proxy_args = ["--allowed-origin", "http://localhost:3000"]  # more `python -m edge_proxy` flags
     base_port = 8100           # ports left out are assigned from here, in file order
     jitter = 0.1               # relay jitter, a fraction of each one-way delay
 
@@ -77,6 +79,7 @@ class Topology:
     jitter: float = 0.1
     stub_step_ms: float = 20.0
     replica_args: tuple[str, ...] = ()  # extra `python -m replica` arguments
+    proxy_args: tuple[str, ...] = ()  # extra `python -m edge_proxy` arguments
     source: str = "<memory>"
     # ("client", client, region) and ("link", from_region, to_region) -> relay port
     relay_ports: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -219,8 +222,8 @@ def parse(text: str, source: str = "<topology>") -> Topology:
     return _build(doc, _Where(source, text), source)
 
 
-_TOP_KEYS = {"model", "replica_kind", "host", "base_port", "jitter", "stub_step_ms", "replica_args", "regions",
-             "clients", "links"}
+_TOP_KEYS = {"model", "replica_kind", "host", "base_port", "jitter", "stub_step_ms", "replica_args", "proxy_args",
+             "regions", "clients", "links"}
 _REGION_KEYS = {"proxy_port", "proxy_workers", "replicas"}
 _REPLICA_KEYS = {"port", "tp", "gpus"}
 
@@ -269,6 +272,9 @@ def _build(doc: dict, w: _Where, source: str) -> Topology:
     extra = _typed(doc, "replica_args", list, [], (), w)
     if not all(isinstance(a, str) for a in extra):
         raise w.error(("replica_args",), "must be an array of strings")
+    proxy_extra = _typed(doc, "proxy_args", list, [], (), w)
+    if not all(isinstance(a, str) for a in proxy_extra):
+        raise w.error(("proxy_args",), "must be an array of strings")
 
     regions_doc = _typed(doc, "regions", dict, None, (), w) if "regions" in doc else None
     if not regions_doc:
@@ -386,7 +392,7 @@ def _build(doc: dict, w: _Where, source: str) -> Topology:
         relay_ports[("link", a, b)] = claim(0, ("links",))
         relay_ports[("link", b, a)] = claim(0, ("links",))
     return Topology(tuple(regions), tuple(clients), links, model, kind, host, base, jitter, step, tuple(extra),
-                    source, relay_ports)
+                    tuple(proxy_extra), source, relay_ports)
 
 
 def _rtt(v, path: tuple, w: _Where) -> float:

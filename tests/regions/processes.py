@@ -20,13 +20,17 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def cli_up(tmp_path):
-    """`python -m regions up` on a stub topology, read until ready: (process, its lines
-    so far, the pids it printed); the process group is killed if the test leaves it up."""
+def cli_up(tmp_path, *args: str, env: dict | None = None):
+    """`python -m regions up` on a stub topology (its file `tmp_path/t.toml`; `args`: more
+    flags), read until ready: (process, its lines so far, the pids it printed); the
+    process group is killed if the test leaves it up. Its run dir (regions.running) is
+    `tmp_path/run` unless `env` names one."""
     path = tmp_path / "t.toml"
     path.write_text(stub_topology(free_block(12)))
-    proc = subprocess.Popen([sys.executable, "-m", "regions", "up", str(path), "--log-dir", str(tmp_path / "logs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {**os.environ, "EDGECHAT_RUN_DIR": str(tmp_path / "run"), **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "regions", "up", str(path), "--log-dir", str(tmp_path / "logs"),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
     try:
         lines = []
         for line in proc.stdout:

@@ -4,6 +4,7 @@ per component, latency relays in front, clean shutdown with no process left behi
 import asyncio
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
-from regions.launch import Stack
+from regions.launch import LaunchError, PortsBusy, Stack
 from regions.topology import parse
 from edge_proxy.select import ws_url
 
@@ -132,20 +133,122 @@ def test_check_prints_the_resolved_plan():
     assert r.returncode == 0 and "region eu: proxy :8100" in r.stdout and "relay link eu>us" in r.stdout
 
 
-async def test_a_replica_that_fails_to_start_is_reported(tmp_path):
+async def test_a_busy_port_stops_the_launch_before_anything_starts(tmp_path):
     base = free_block(12)
     topo = parse(stub_topology(base), "stub.toml")
-    blocker = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", topo.regions[0].replicas[0].port)
+    port = topo.regions[0].replicas[0].port
+    blocker = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
     try:
-        stack = Stack(topo, log_dir=tmp_path, out=io.StringIO(), ready_timeout_s=10)
-        from regions.launch import LaunchError
-
-        with pytest.raises(LaunchError, match="replica eu-0"):
+        stack = Stack(topo, log_dir=tmp_path / "logs", out=io.StringIO(), ready_timeout_s=10)
+        with pytest.raises(PortsBusy, match=f"port {port} \\(for replica eu-0\\) is already in use by pid {os.getpid()}"
+                           ) as e:
             await stack.start()
-        assert all(c.proc.returncode is not None for c in stack.replicas)
+        assert "nothing was started" in str(e.value) and "make run PORT=" in str(e.value)
+        assert stack.replicas == stack.proxies == stack.relays == [] and not (tmp_path / "logs").exists()
     finally:
         blocker.close()
         await blocker.wait_closed()
+
+
+async def test_a_replica_that_fails_to_start_is_reported(tmp_path, monkeypatch):
+    topo = parse(stub_topology(free_block(12)), "stub.toml")
+    argv = Stack._replica_argv
+
+    def failing(self, rep, region):
+        if rep.id == "eu-0":
+            return [sys.executable, "-c", "import sys; sys.exit('no model here')"]
+        return argv(self, rep, region)
+
+    monkeypatch.setattr(Stack, "_replica_argv", failing)
+    stack = Stack(topo, log_dir=tmp_path, out=io.StringIO(), ready_timeout_s=10)
+    with pytest.raises(LaunchError, match="replica eu-0 exited with code 1 while starting") as e:
+        await stack.start()
+    assert "no model here" in str(e.value)  # the log's tail
+    assert len(stack.replicas) == 3 and all(c.proc.returncode is not None for c in stack.replicas)
+
+
+async def test_a_listener_this_launch_did_not_start_is_never_reported_ready(tmp_path, monkeypatch):
+    """Another stack's replica answers /healthz on eu-0's port (it took the port after the
+    launch checked it): the launch fails naming it, and never says eu-0 is ready."""
+    topo = parse(stub_topology(free_block(12)), "stub.toml")
+    port = topo.regions[0].replicas[0].port
+    argv = Stack._replica_argv
+
+    def silent(self, rep, region):  # eu-0 starts, slowly: it never listens
+        if rep.id == "eu-0":
+            return [sys.executable, "-c", "import time; time.sleep(120)"]
+        return argv(self, rep, region)
+
+    async def healthy(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n"
+                     b'{"status":"ok"}')
+        await writer.drain()
+        writer.close()
+
+    monkeypatch.setattr(Stack, "_replica_argv", silent)
+    monkeypatch.setattr("regions.launch.check_ports", lambda topo, relays: None)  # the port was free then
+    foreign = await asyncio.start_server(healthy, "127.0.0.1", port)
+    out = io.StringIO()
+    try:
+        stack = Stack(topo, log_dir=tmp_path, out=out, ready_timeout_s=60)
+        with pytest.raises(LaunchError, match=f"replica eu-0: port {port} is answered by pid {os.getpid()}") as e:
+            await stack.start()
+        assert "not by this launch's replica" in str(e.value) and "make run PORT=" in str(e.value)
+    finally:
+        foreign.close()
+        await foreign.wait_closed()
+    assert not any("eu-0" in ln and "ready" in ln for ln in out.getvalue().splitlines())
+    assert all(c.proc.returncode is not None for c in stack.replicas)
+
+
+def test_cli_refuses_a_busy_port_at_once_with_a_hint(tmp_path):
+    """A second `regions up` on the same ports: refused before anything starts, naming the
+    port and what holds it, with a PORT= that is free; the first one serves on."""
+    with cli_up(tmp_path) as (first, lines, pids):
+        path = tmp_path / "t.toml"
+        env = {**os.environ, "EDGECHAT_RUN_DIR": str(tmp_path / "run")}
+        again = subprocess.run([sys.executable, "-m", "regions", "up", str(path), "--log-dir", str(tmp_path / "again")],
+                               capture_output=True, text=True, timeout=60, env=env)
+        port = parse(path.read_text(), "t.toml").regions[0].proxy_port
+        assert again.returncode == 1 and not again.stdout
+        assert f"regions: port {port}: another `python -m regions up` (pid {first.pid}, ready) holds it" in again.stderr
+        assert re.search(r"make run PORT=\d+ \(python -m regions up --port \d+\)", again.stderr)
+        # Under another run dir (another user's launch, say): the busy port itself is named, with its holder.
+        env["EDGECHAT_RUN_DIR"] = str(tmp_path / "elsewhere")
+        moved = subprocess.run([sys.executable, "-m", "regions", "up", str(path), "--port", str(port + 1),
+                                "--log-dir", str(tmp_path / "again")], capture_output=True, text=True, timeout=60,
+                               env=env)
+        assert moved.returncode == 1
+        eu0 = next(int(m.group(1)) for ln in lines if (m := re.search(r"replica +eu-0 .*\(pid (\d+)", ln)))
+        assert f"regions: port {port + 1} (for proxy eu) is already in use by pid {eu0}" in moved.stderr
+        assert "nothing was started" in moved.stderr and "make run PORT=" in moved.stderr
+        assert not (tmp_path / "again").exists() and first.poll() is None and all(alive(p) for p in pids)
+
+
+def test_cli_flags_reach_the_processes(tmp_path):
+    """--model, --replica-args and --proxy-args (make run MODEL_PATH=, REPLICA_ARGS=, PROXY_ARGS=)."""
+    from regions.__main__ import _parser, topology_of
+
+    a = _parser().parse_args(["up", "--port", "9000", "--model", "/models/x.gguf",
+                              "--replica-args=--max-num-seqs 8 --kv-memory-gb 0.5",
+                              "--proxy-args=--allowed-origin 'http://a.test' --log-level info"])
+    topo = topology_of(a)
+    stack = Stack(topo, log_dir=tmp_path, out=io.StringIO())
+    rep = stack._replica_argv(topo.regions[0].replicas[0], "eu")
+    assert rep[rep.index("--model") + 1] == "/models/x.gguf" and rep[-4:] == ["--max-num-seqs", "8", "--kv-memory-gb",
+                                                                              "0.5"]
+    proxy = stack._proxy_argv(topo.regions[1])
+    assert proxy[proxy.index("--tokenizer") + 1] == "/models/x.gguf"  # the replicas' tokenizer
+    assert proxy[-4:] == ["--allowed-origin", "http://a.test", "--log-level", "info"]  # last: they win
+    assert topo.regions[0].proxy_port == 9000
+
+
+def test_cli_proxy_args_reach_a_running_proxy(tmp_path):
+    with cli_up(tmp_path, "--proxy-args=--allowed-origin http://app.test") as (_, lines, _):
+        url = next(m.group(1) for ln in lines if (m := re.search(r"proxy +eu .*\(OpenAI (\S+)/v1/chat/", ln)))
+        r = httpx.get(url + "/v1/models", headers={"Origin": "http://app.test"}, timeout=10, trust_env=False)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.test"
 
 
 def test_with_api_keys_the_proxies_get_a_generated_peer_key(tmp_path, monkeypatch):
