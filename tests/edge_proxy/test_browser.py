@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.server
 import os
-import shutil
 import signal
 import threading
 
@@ -18,13 +17,11 @@ import httpx
 import pytest
 
 from tests.edge_proxy.live import self_signed, start_proxy
+from tests.edge_proxy.page import (chromium_browser, open_page, rendered, reply, say, shot, shown, wait_state,
+                                   wait_tokens)
 from tests.replica.server import free_port, stop_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-# What Chromium needs as root in a sandbox without a network (docs: env/machines/python.md).
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
 KEY = "sk-page"
 ENV = {"EDGECHAT_API_KEYS": f"{KEY}=web"}
 LONG = "Write a long story about a dragon who learns to bake bread."
@@ -32,57 +29,8 @@ LONG = "Write a long story about a dragon who learns to bake bread."
 
 @pytest.fixture(scope="module")
 def chromium():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed: pip install -e '.[test]'")
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("Debian's chromium is not installed (`make install` installs it where apt-get can)")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)  # a fresh profile each
+    with chromium_browser() as browser:
         yield browser
-        browser.close()
-
-
-def open_page(browser, url: str, **ctx):
-    context = browser.new_context(**ctx)
-    page = context.new_page()
-    page.seen = []  # every URL the page asked for
-    page.problems = []  # script errors, and console errors other than a WebSocket that could not connect
-    page.on("request", lambda r: page.seen.append(r.url))
-    page.on("pageerror", lambda e: page.problems.append(str(e)))
-    page.on("console", lambda m: page.problems.append(m.text)
-            if m.type == "error" and not m.text.startswith("WebSocket connection to") else None)
-    page.goto(url)
-    page.fill("#key", KEY)
-    page.click("#connect")
-    page.wait_for_selector("#status[data-status=open]", timeout=10_000)
-    return page
-
-
-def say(page, text: str, max_tokens: int, temperature: float = 0.0) -> int:
-    """Send a message; the index of its reply bubble."""
-    n = page.locator(".msg.assistant").count()
-    page.fill("#max-tokens", str(max_tokens))
-    page.fill("#temperature", str(temperature))
-    page.fill("#message", text)
-    page.press("#message", "Enter")
-    page.wait_for_function(f"() => document.querySelectorAll('.msg.assistant').length > {n}")
-    return n
-
-
-def reply(page, i: int):
-    return page.locator(".msg.assistant").nth(i)
-
-
-def wait_state(page, i: int, state: str, timeout: float = 60_000) -> None:
-    page.wait_for_function(f"() => document.querySelectorAll('.msg.assistant')[{i}]?.dataset.state === '{state}'",
-                           timeout=timeout)
-
-
-def wait_tokens(page, i: int, n: int) -> None:
-    page.wait_for_function(f"() => Number(document.querySelectorAll('.msg.assistant')[{i}]?.dataset.tokens) >= {n}",
-                           timeout=60_000)
 
 
 def uninterrupted(proxy_url: str, messages: list[dict], max_tokens: int) -> str:
@@ -97,7 +45,7 @@ def test_chat_page_streams_stops_and_resumes_after_a_proxy_restart(chromium, def
     origin = f"http://127.0.0.1:{port}"
     proc = start_proxy(port, [default_replica], "--region", "browser", env=ENV)
     try:
-        page = open_page(chromium, origin + "/")
+        page = open_page(chromium, origin + "/", KEY)
 
         # A reply streams in, frame by frame, with its figures.
         i = say(page, "Count from one to twenty, separated by commas.", 40)
@@ -108,9 +56,10 @@ def test_chat_page_streams_stops_and_resumes_after_a_proxy_restart(chromium, def
         assert s["tokens"] > 3 and len(s["gaps_ms"]) >= 3  # several frames, not one at the end
         assert s["ttft_ms"] > 0 and s["tokens_per_s"] > 0 and s["finish_reason"] in ("stop", "length")
         assert s["region"] == "browser" and s["replica"] == "R0"
-        shown = reply(page, i).locator(".meta").inner_text()
-        assert "TTFT" in shown and "tok/s" in shown and "browser / R0" in shown
-        assert reply(page, i).locator(".text").inner_text() == page.evaluate("() => window.edgechat.history[1].content")
+        figures = reply(page, i).locator(".meta").inner_text()
+        assert "TTFT" in figures and "tok/s" in figures and "browser / R0" in figures
+        text = page.evaluate("() => window.edgechat.history[1].content")
+        assert s["text"] == text and shown(page, i) == rendered(page, text)  # the reply, as markdown
 
         # Stop ends the stream: done/abort, and the text stops growing.
         i = say(page, LONG, 400, temperature=0.7)
@@ -137,14 +86,16 @@ def test_chat_page_streams_stops_and_resumes_after_a_proxy_restart(chromium, def
         wait_state(page, i, "done")
         s = page.evaluate(f"() => window.edgechat.replies[{i}]")
         assert s["resumes"] == 1 and page.evaluate("() => window.edgechat.client.reconnects") == 1
-        assert reply(page, i).locator(".text").inner_text() == uninterrupted(origin, history, 60)
+        want = uninterrupted(origin, history, 60)
+        assert s["text"] == want and shown(page, i) == rendered(page, want)
 
-        shot = tmp_path / "chat-page.png"
-        page.screenshot(path=str(shot), full_page=True)
-        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5_000
-        print(f"screenshot: {shot}")
+        png = tmp_path / "chat-page.png"
+        page.screenshot(path=str(png), full_page=True)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
+        shot(page, "real-model-after-a-proxy-restart")
         assert all(u.startswith(origin) or u.startswith("data:") for u in page.seen), page.seen
-        assert {u.removeprefix(origin) for u in page.seen} >= {"/", "/static/chat.js", "/static/edgechat.js"}
+        assert {u.removeprefix(origin) for u in page.seen} >= {"/", "/static/chat.js", "/static/edgechat.js",
+                                                               "/static/markdown.js"}
         assert not page.problems, page.problems
     finally:
         stop_group(proc, timeout=10)
@@ -198,7 +149,7 @@ def test_page_over_https_and_wss(chromium, default_replica, tmp_path):
     proc = start_proxy(port, [default_replica], "--ssl-certfile", cert, "--ssl-keyfile", key, env=ENV,
                        scheme="https")
     try:
-        page = open_page(chromium, f"https://127.0.0.1:{port}/", ignore_https_errors=True)
+        page = open_page(chromium, f"https://127.0.0.1:{port}/", KEY, ignore_https_errors=True)
         assert page.evaluate("() => window.edgechat.client.url") == f"wss://127.0.0.1:{port}/v1/stream"
         i = say(page, "Say hello.", 8)
         wait_state(page, i, "done")
