@@ -2,8 +2,11 @@
 
 Where to send load (one of):
   --url [REGION=]URL       a proxy (or relay) base URL; repeat for several regions
+                           (REGION=URL each: one client location per region, its own region first)
   --targets FILE           URLs written by `python -m regions up --targets FILE`
-  --topology [TOML]        a topology that `python -m regions up` is serving (built-in if no file)
+  --topology [TOML]        a topology that `python -m regions up` (or `make run`) is serving, found
+                           in its run dir whatever --port moved it to (any one running launch if no
+                           file; the file's own ports when none runs)
   --topology [TOML] --launch   bring the topology up here, run, take it down
 
 How much: --rate R (open loop, sessions/s; Poisson or --arrival gamma --burstiness B)
@@ -31,6 +34,7 @@ from dataclasses import replace
 from loadtest import report as R
 from loadtest import workloads as W
 from loadtest.driver import Location, Run, RunConfig
+from regions import running
 
 COMPARE_MODES = ("round_robin", "sticky", "prefix")
 
@@ -111,12 +115,16 @@ def _levels(a) -> list[tuple[str, float, int]]:
 
 def _locations(a, targets: dict | None) -> list[Location]:
     if a.url:
-        regions = {}
+        regions, named = {}, True
         for i, u in enumerate(a.url):
             name, sep, url = u.partition("=")
             if not sep or "://" in name:
-                name, url = ("local" if len(a.url) == 1 else f"r{i}"), u
+                name, url, named = ("local" if len(a.url) == 1 else f"r{i}"), u, False
             regions[name] = url
+        if named and len(regions) > 1:
+            # One client population per region, each at its own region first (the others only when
+            # it fails): a single location would send everything to whichever region answers first.
+            return [Location(name, dict(regions), declared_rtt_ms={name: 0.0}) for name in regions]
         return [Location("local", regions)]
     declared = None if targets.get("relays", True) else targets.get("client_rtt_ms", {})
     locs = [Location(name, dict(regions), declared_rtt_ms=None if declared is None else declared.get(name, {}))
@@ -127,6 +135,28 @@ def _locations(a, targets: dict | None) -> list[Location]:
             raise ValueError(f"unknown --location {', '.join(sorted(unknown))}")
         locs = [loc for loc in locs if loc.name in a.location]
     return locs
+
+
+def running_targets(topology: str) -> tuple[dict | None, str]:
+    """The targets of the running `python -m regions up` of `topology` ("": any one
+    launch) and a title naming it, or (None, "") when none runs. Several: an error
+    naming their files (pass one to --targets)."""
+    launches = running.live()
+    if topology:
+        want = os.path.realpath(topology)
+        launches = [x for x in launches if os.path.realpath(x.get("source", "")) == want]
+    ready = [x for x in launches if x.get("state") == "ready"]
+    if len(ready) > 1:
+        files = ", ".join(f"--targets {x['file']}" for x in ready)
+        raise ValueError(f"{len(ready)} launches of {topology or 'topologies'} are running; say which: {files}")
+    if not ready and launches:
+        x = launches[0]
+        raise ValueError(f"the launch on port {x.get('port')} (pid {x.get('pid')}) is still starting: run this "
+                         "again once it says ready")
+    if not ready:
+        return None, ""
+    x = ready[0]
+    return x, f"{x.get('source')} on port {x.get('port')}"
 
 
 def machine() -> str:
@@ -160,11 +190,22 @@ async def main_async(a) -> int:
     stack = None
     targets = None
     topo = None
-    if a.topology is not None:
+    title = ", ".join(a.url) or a.targets
+    unlaunched = ""  # --topology whose launch was not found running: a hint if nothing answers
+    if a.topology is not None and not a.launch:
+        targets, title = running_targets(a.topology)
+    if a.topology is not None and targets is None:
         topo = T.load(a.topology or None)
         if a.replica_kind:
             topo = replace(topo, replica_kind=a.replica_kind)
         targets = targets_for(topo, relays=not a.no_relays)
+        title = topo.source
+        if not a.launch:
+            unlaunched = (f"; no `python -m regions up` of {topo.source} is running (none found in "
+                          f"{running.run_dir()}): start one (make run), or add --launch")
+    elif a.topology is not None:
+        print(f"loadtest: the running launch of {title} (pid {targets.get('pid')}, logs in {targets.get('log_dir')})",
+              file=sys.stderr)
     elif a.targets:
         with open(a.targets) as f:
             targets = json.load(f)
@@ -187,7 +228,10 @@ async def main_async(a) -> int:
                               knobs=replace(knobs, nonce=f"run {a.seed} {full}" if len(modes) * len(levels) > 1
                                             else ""))
                 print(f"loadtest: {full}", file=sys.stderr)
-                result = await Run(cfg, _locations(a, targets)).run()
+                try:
+                    result = await Run(cfg, _locations(a, targets)).run()
+                except ConnectionError as e:
+                    raise ConnectionError(f"{e}{unlaunched}") from None
                 runs.append({"label": full, "routing": mode if a.compare_routing else None, "rate": rate,
                              "concurrency": conc, "result": result})
     except LaunchError as e:
@@ -196,7 +240,7 @@ async def main_async(a) -> int:
     finally:
         if stack is not None:
             await stack.stop()
-    report = {"meta": {"title": topo.source if topo else ", ".join(a.url) or a.targets,
+    report = {"meta": {"title": title,
                        "command": "python -m loadtest " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
                        "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                        "workloads": a.workload, "slos_ms": base.slos, "protocol": a.protocol, "seed": a.seed},

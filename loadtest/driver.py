@@ -11,6 +11,8 @@ unfinished.
 Each arriving user belongs to a client location (round-robin over the
 locations given) and connects to the nearest healthy region of that location,
 found by probing `/healthz` RTTs (edge_proxy.select), falling over in RTT order.
+The built-in topology's locations each sit next to one region (their relay to
+it has the smallest RTT), so every region gets its own location's share of the load.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class Location:
     regions: dict[str, str]
     order: list[str] = field(default_factory=list)
     rtt_ms: dict[str, float] = field(default_factory=dict)
-    declared_rtt_ms: dict[str, float] | None = None  # rank by these (topology without relays)
+    # rank by these, then by measured RTT (a topology without relays; one location per --url REGION=URL)
+    declared_rtt_ms: dict[str, float] | None = None
 
 
 @dataclass
@@ -218,7 +221,7 @@ class Run:
             probes = await probe_regions(loc.regions)
             loc.rtt_ms = {p.region: round(p.rtt_ms, 2) for p in probes if p.healthy}
             loc.order = [p.region for p in rank(probes)]
-            if loc.declared_rtt_ms is not None:  # no emulated latency: the topology says who is near
+            if loc.declared_rtt_ms is not None:  # who is near is said, not measured (stable: RTT order after)
                 loc.order.sort(key=lambda r: loc.declared_rtt_ms.get(r, float("inf")))
             if not loc.order:
                 raise ConnectionError(f"client location {loc.name}: no healthy region "

@@ -11,6 +11,7 @@ from loadtest.driver import Location, Run, RunConfig, interarrivals
 
 from tests.regions.inproc import region
 from tests.regions.ports import free_block, stub_topology
+from tests.regions.processes import cli_up
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -111,6 +112,46 @@ def test_cli_compare_routing(tmp_path, capsys):
     spread = {r["routing"]: r["result"]["totals"]["region:eu"]["replicas"] for r in runs}
     assert abs(spread["round_robin"].get("eu-0", 0) - spread["round_robin"].get("eu-1", 0)) <= 2
     assert "## Routing comparison" in (out / "report.md").read_text()
+
+
+def test_cli_finds_the_running_launch_at_any_port_and_loads_every_region(tmp_path, monkeypatch, capsys):
+    """As the README says after `make run` (which moves the ports with PORT): `--topology` finds
+    the launch `regions up` is serving, and each region's clients reach their own region."""
+    port = free_block(12)
+    monkeypatch.setenv("EDGECHAT_RUN_DIR", str(tmp_path / "run"))
+    with cli_up(tmp_path, "--port", str(port)):
+        for which in (str(tmp_path / "t.toml"), None):  # that file's launch; any one launch
+            out = tmp_path / f"report-{which is None}"
+            args = ["--topology"] + ([which] if which else []) + [
+                "--rate", "10", "--duration", "2", "--think-scale", "0.1", "--out", str(out), "--quiet", "--no-plots"]
+            assert main(args) == 0
+            assert f"the running launch of {tmp_path / 't.toml'} on port {port}" in capsys.readouterr().err
+            r = json.loads((out / "report.json").read_text())["runs"][0]["result"]
+            assert {loc: v["order"][0] for loc, v in r["locations"].items()} == {"eu": "eu", "us": "us"}
+            assert {g["region"] for g in r["groups"]} == {"eu", "us"}
+            assert {k for k in r["totals"] if k.startswith("region:")} == {"region:eu", "region:us"}
+            assert all(r["totals"][f"region:{x}"]["requests"] > 0 for x in ("eu", "us")) and not r["notes"]
+    # Stopped: nothing found, and the error says what to do.
+    assert main(["--topology", "--rate", "1", "--requests", "1", "--out", str(tmp_path / "none"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "no healthy region" in err and "no `python -m regions up` of" in err and "start one (make run)" in err
+
+
+@pytest.mark.anyio
+async def test_named_urls_give_each_region_its_own_clients():
+    """--url eu=... --url us=...: one client location per region, so both regions get load,
+    even though one answers faster (a single location would send everything there)."""
+    async with region("eu", step_s=0.002) as eu, region("us", step_s=0.02) as us:
+        from loadtest.__main__ import _locations, _parser
+
+        a = _parser().parse_args(["--url", f"eu={eu.http}", "--url", f"us={us.http}", "--rate", "1"])
+        locs = _locations(a, None)
+        assert [loc.name for loc in locs] == ["eu", "us"]
+        cfg = RunConfig({"random": 1.0}, rate=50, requests=8, progress=False,
+                        knobs=W.Knobs(input_words=(3, 5), output_tokens=(2, 3)))
+        result = await Run(cfg, locs).run()
+    assert {loc: v["order"] for loc, v in result["locations"].items()} == {"eu": ["eu", "us"], "us": ["us", "eu"]}
+    assert result["totals"]["region:eu"]["requests"] == result["totals"]["region:us"]["requests"] == 4
 
 
 def test_cli_errors(capsys):
