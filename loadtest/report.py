@@ -111,14 +111,31 @@ def _hist(counts: dict):
     return Histogram.from_json(counts)
 
 
-def plots(report: dict, out_dir: Path) -> list[Path]:
+def _ms(v: float, _pos=None) -> str:
+    return f"{v:g}" if v >= 1 else f"{v:.2g}"
+
+
+def _log_axis(axis) -> None:
+    """A log axis labelled at 1-2-5 steps in plain numbers, minor ticks unlabelled:
+    matplotlib's default labels every minor tick of a range under a decade in
+    scientific form, and neighbours run into each other ("3x10^1 4x10^1")."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(_ms))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def figures(report: dict) -> dict:
+    """file name -> matplotlib figure: TTFT and ITL CDFs per region, ITL over time per
+    run, throughput against latency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = report["runs"]
-    paths = []
+    out = {}
     for metric, name in (("ttft", "ttft_cdf.png"), ("itl", "itl_cdf.png")):
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for run in runs:
@@ -134,19 +151,18 @@ def plots(report: dict, out_dir: Path) -> list[Path]:
                     xs, ys = h.cdf_ms()
                     ax.step(xs, ys, where="post", label=f"{region} · {run['label']}")
         ax.set_xscale("log")
+        _log_axis(ax.xaxis)
         ax.set_xlabel(f"{metric.upper()} (ms)")
         ax.set_ylabel("fraction of samples")
         ax.set_title(f"{metric.upper()} CDF per region")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        paths.append(out_dir / name)
+        out[name] = fig
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(7, 2.4 * len(runs) + 0.6), squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
-        by_region: dict = {}
+        by_region = {}
         for t, itl, region in run["result"].get("timeline", []):
             by_region.setdefault(region, ([], []))
             by_region[region][0].append(t)
@@ -154,6 +170,7 @@ def plots(report: dict, out_dir: Path) -> list[Path]:
         for region, (ts, vs) in sorted(by_region.items()):
             ax.scatter(ts, vs, s=2, label=region, alpha=0.5)
         ax.set_yscale("log")
+        _log_axis(ax.yaxis)
         ax.set_ylabel("ITL (ms)")
         ax.set_title(run["label"], fontsize=9)
         ax.grid(True, alpha=0.3)
@@ -161,30 +178,42 @@ def plots(report: dict, out_dir: Path) -> list[Path]:
             ax.legend(fontsize=7, markerscale=4)
     axes[-1, 0].set_xlabel("time since start (s)")
     fig.tight_layout()
-    fig.savefig(out_dir / "itl_over_time.png", dpi=110)
-    plt.close(fig)
-    paths.append(out_dir / "itl_over_time.png")
+    out["itl_over_time.png"] = fig
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     pts = [(run["label"], run["result"]["totals"].get("all")) for run in runs]
     pts = [(lb, g) for lb, g in pts if g is not None]
-    for key, style in (("ttft", "o-"), ("itl", "s--")):
+    one = len(pts) == 1  # a single level is a point with its figures, not a curve
+    for key, marker, line in (("ttft", "o", "-"), ("itl", "s", "--")):
         for q in ("p50", "p99"):
             xs = [g["throughput_tokens_per_s"] or 0 for _, g in pts]
             ys = [g[key][q] if g[key][q] is not None else math.nan for _, g in pts]
-            ax.plot(xs, ys, style, label=f"{key.upper()} {q}")
+            ax.plot(xs, ys, marker=marker, linestyle="none" if one else line, label=f"{key.upper()} {q}")
+            if one and not math.isnan(ys[0]):
+                ax.annotate(f"{_ms(ys[0])} ms", (xs[0], ys[0]), xytext=(6, -3), textcoords="offset points", fontsize=7)
     for lb, g in pts:
-        ax.annotate(lb, (g["throughput_tokens_per_s"] or 0, g["ttft"]["p99"] or 0), fontsize=7)
+        ax.annotate(lb, (g["throughput_tokens_per_s"] or 0, g["ttft"]["p99"] or 0), xytext=(-6, 6),
+                    textcoords="offset points", fontsize=7, ha="right")
     ax.set_yscale("log")
+    _log_axis(ax.yaxis)
     ax.set_xlabel("output tokens/s (all regions)")
     ax.set_ylabel("latency (ms)")
-    ax.set_title("Throughput vs latency, one point per run")
+    ax.set_title("Throughput vs latency: one run" if one else "Throughput vs latency, one point per run")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "throughput_latency.png", dpi=110)
-    plt.close(fig)
-    paths.append(out_dir / "throughput_latency.png")
+    out["throughput_latency.png"] = fig
+    return out
+
+
+def plots(report: dict, out_dir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, fig in figures(report).items():
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / name)
     return paths
 
 
