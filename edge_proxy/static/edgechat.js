@@ -141,7 +141,8 @@ export class EdgeChat extends EventTarget {
     clearTimeout(this._timer);
     this._retire();
     if (this.key && !KEY_CHARS.test(this.key)) {
-      this._fail({code: "bad_key", message: "that API key has characters an API key cannot have (spaces, quotes, non-ASCII...)"});
+      this._fail({code: "bad_key",
+                  message: "that API key has characters an API key cannot have (spaces, quotes, non-ASCII...)"});
       return;
     }
     this._setStatus(status);

@@ -49,7 +49,9 @@ function splitRow(line) {
   const cells = [];
   let cur = "";
   for (let i = 0; i < s.length; i++) {
-    if (s[i] === "\\" && s[i + 1] === "|") { cur += "|"; i++; } else if (s[i] === "|") { cells.push(cur.trim()); cur = ""; } else cur += s[i];
+    if (s[i] === "\\" && s[i + 1] === "|") { cur += "|"; i++; }
+    else if (s[i] === "|") { cells.push(cur.trim()); cur = ""; }
+    else cur += s[i];
   }
   cells.push(cur.trim());
   return cells;
@@ -100,7 +102,7 @@ export function parseBlocks(lines, depth = 0) {
       for (; j < lines.length; j++) {
         const q = QUOTE.exec(lines[j]);
         if (q) inner.push(q[1]);
-        else if (!blank(lines[j]) && !blank(inner.at(-1) ?? "") && !interrupts(lines, j)) inner.push(lines[j]);  // lazy line
+        else if (!blank(lines[j]) && !blank(inner.at(-1) ?? "") && !interrupts(lines, j)) inner.push(lines[j]);  // lazy
         else break;
       }
       push("quote", i, j, {blocks: parseBlocks(inner, depth + 1)});
@@ -151,9 +153,17 @@ function parseList(lines, i, depth, push) {
       if (blank(l)) {
         let k = j;
         while (k < lines.length && blank(lines[k])) k++;
-        if (k < lines.length && indentOf(lines[k]) >= content) { body.push(...lines.slice(j, k).map(() => "")); j = k; loose = true; continue; }
-        if (k < lines.length && ITEM.test(lines[k]) && kindOf(ITEM.exec(lines[k])[2]) === kind && indentOf(lines[k]) >= base
-            && indentOf(lines[k]) <= base + 3) { loose = true; j = k; }
+        if (k < lines.length && indentOf(lines[k]) >= content) {  // the item goes on after the blank lines
+          body.push(...lines.slice(j, k).map(() => ""));
+          j = k;
+          loose = true;
+          continue;
+        }
+        const next = k < lines.length && ITEM.exec(lines[k]);
+        if (next && kindOf(next[2]) === kind && indentOf(lines[k]) >= base && indentOf(lines[k]) <= base + 3) {
+          loose = true;  // the next item of this list, after blank lines
+          j = k;
+        }
         break;
       }
       const ind = indentOf(l);
@@ -218,7 +228,8 @@ export function renderBlock(b) {
         const li = el("li");
         blocks.forEach((c, n) => {
           // A tight item's paragraphs are its text, not <p>s.
-          if (!b.loose && c.kind === "paragraph") { if (n) li.append(el("br")); li.append(...inline(c.text)); } else li.append(renderBlock(c));
+          if (b.loose || c.kind !== "paragraph") li.append(renderBlock(c));
+          else { if (n) li.append(el("br")); li.append(...inline(c.text)); }
         });
         list.append(li);
       }
@@ -245,7 +256,10 @@ const WORD = /[\p{L}\p{N}]/u;
 const SPACE = /\s/;
 const BARE_URL = /https?:\/\/[^\s<>"`]+/iy;
 const AUTOLINK = /<(https?:\/\/[^\s<>]+)>/iy;
-const DEST = /[ \t]*(?:<([^<>\n]*)>|((?:[^\s()\\]|\\.)*(?:\((?:[^\s()\\]|\\.)*\)(?:[^\s()\\]|\\.)*)*))(?:[ \t]+("[^"\n]*"|'[^'\n]*'))?[ \t]*\)/y;
+// A link's (destination "title"): <anything> or no spaces with balanced parentheses (one level).
+const PLAIN = String.raw`(?:[^\s()\\]|\\.)*`;  // destination characters: no space or parenthesis unless escaped
+const DEST = new RegExp(String.raw`[ \t]*(?:<([^<>\n]*)>|(${PLAIN}(?:\(${PLAIN}\)${PLAIN})*))`
+                        + String.raw`(?:[ \t]+("[^"\n]*"|'[^'\n]*'))?[ \t]*\)`, "y");
 
 // Inline markdown of `s` as a list of nodes (strings are text nodes).
 export function inline(s, depth = 0) {
@@ -258,7 +272,13 @@ export function inline(s, depth = 0) {
   while (i < s.length) {
     const c = s[i];
     if (c === "\\" && i + 1 < s.length && PUNCT.test(s[i + 1])) { text += s[i + 1]; i += 2; continue; }
-    if (c === "\n") { text = text.trimEnd(); emit(document.createElement("br")); i++; while (s[i] === " " || s[i] === "\t") i++; continue; }
+    if (c === "\n") {  // a line break; the spaces around it go
+      text = text.trimEnd();
+      emit(document.createElement("br"));
+      i++;
+      while (s[i] === " " || s[i] === "\t") i++;
+      continue;
+    }
     if (c === "`") {
       let n = 1;
       while (s[i + n] === "`") n++;
