@@ -56,6 +56,7 @@ export class Request {
     this.ids = [];
     this.tokens = 0;
     this.sent = false;  // on the current socket
+    this.wentOut = false;  // on any socket: TTFT counts from then, not from a wait for the connection
     this.resumes = 0;
     this.tSend = performance.now();
     this.tFirst = 0;
@@ -250,6 +251,7 @@ export class EdgeChat extends EventTarget {
     delete frame.replaces;
     if (replaces) frame.replaces = replaces;
     if (req.ids.length) { frame.resume = req.ids.slice(); req.resumes += 1; }
+    if (!req.wentOut) { req.wentOut = true; req.tSend = performance.now(); }
     req.sent = true;
     this.send(frame);
     req.onsend?.(req);

@@ -133,10 +133,14 @@ def test_keys_required_says_why_and_a_waiting_message_goes_out_once_with_the_key
 
     # The right key: connected; the waiting message goes out once and its reply arrives.
     page.fill("#key", KEY)
+    t_connect = page.evaluate("() => performance.now()")
     page.click("#connect")
     page.wait_for_selector("#status[data-status=open]", timeout=10_000)
     wait_state(page, i, "done")
+    since_connect = page.evaluate("() => performance.now()") - t_connect
     assert page.evaluate(f"() => window.edgechat.replies[{i}].text") == stub.reply
+    # Its TTFT counts from when it went out, not from when it began waiting for the key.
+    assert 0 < page.evaluate(f"() => window.edgechat.replies[{i}].ttft_ms") <= since_connect
     assert reply(page, i).locator(".note").count() == 0
     assert page.is_hidden("#notice") and page.get_attribute("#key", "aria-invalid") == "false"
     sent = generates(page)
