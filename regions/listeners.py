@@ -93,10 +93,11 @@ def foreign_pids(inodes: set[int]) -> list[int]:
 
 
 def describe(pid: int) -> str:
-    """"pid 123 (python -m replica --port 8101 ...)", shortened."""
+    """"pid 123 (python -m replica --model default --host 127.0.0.1 --port 8101 ...)", shortened."""
     with contextlib.suppress(OSError):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            argv = f.read().decode(errors="replace").split("\0")
+        cmd = " ".join(" ".join([os.path.basename(argv[0])] + argv[1:]).split())
         if cmd:
-            return f"pid {pid} ({cmd[:80]}{'...' if len(cmd) > 80 else ''})"
+            return f"pid {pid} ({cmd[:100]}{' ...' if len(cmd) > 100 else ''})"
     return f"pid {pid}"
