@@ -4,11 +4,12 @@ Under uvicorn's sans-I/O websockets protocol (`ws="websockets-sansio"`, what bot
 servers run) a server frame is a 2-10 byte header and the payload, and the
 websockets state machine behind ASGI `send` (a Frame object, extension hooks, an
 output queue, `writable.wait()` and a task switch per message) costs more than
-the rest of a token's per-hop work. The per-token senders (`edge_proxy.ws`,
-`replica.api.app`) write whole frames themselves from the event loop's thread; pings,
-pongs and the close handshake stay with uvicorn, which also writes whole frames
-from that thread, so the two never interleave inside one. With permessage-deflate
-negotiated an uncompressed message (RSV1 clear) is still valid (RFC 7692 6).
+the rest of a token's per-hop work. The per-token senders (the proxy's client
+sockets, the replica's proxy sockets) write whole frames themselves from the event
+loop's thread, through their one writer (`wire.ws_writer.FrameWriter`); pings, pongs
+and the close handshake stay with uvicorn, which also writes whole frames from that
+thread, so the two never interleave inside one. With permessage-deflate negotiated
+an uncompressed message (RSV1 clear) is still valid (RFC 7692 6).
 """
 
 from __future__ import annotations
