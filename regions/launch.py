@@ -197,8 +197,7 @@ class Stack:
         for peer in t.peers(region.name):  # cross-region failover, through the inter-region link relay
             port = t.relay_ports[("link", region.name, peer)] if self.with_relays else t.region(peer).proxy_port
             argv += ["--peer", f"{peer}=ws://{t.host}:{port}/v1/stream@{t.rtt(region.name, peer):g}"]
-        # the replicas' own tokenizer ("default", a folder, a .gguf, a preset name); a replica refuses a proxy
-        # whose tokenizer differs
+        # the replicas' own tokenizer ("default", a folder, a .gguf, a preset): a proxy refuses replicas of another
         argv += ["--tokenizer", "bytes" if t.replica_kind == "stub" else t.model]
         if self.anonymous:
             argv += ["--allow-anonymous"]
@@ -260,6 +259,7 @@ class Stack:
 
     async def start_proxies(self) -> None:
         t0 = perf_counter()
+        self._say(f"regions: starting {len(self.topo.regions)} proxies (routing {self.routing})")
         comps = []
         for region in self.topo.regions:
             c = Component("proxy", region.name, self.proxy_url(region.name), region.name)
