@@ -109,3 +109,13 @@ def test_shift_ports_moves_everything_together():
     assert s.regions[1].proxy_port == 9100 and s.relay_ports[("link", "eu", "us")] == 8404 - 8100 + 9000
     with pytest.raises(TopologyError, match="out of 1..65535"):
         shift_ports(t, 65400)
+
+
+def test_replica_and_proxy_args_are_arrays_of_strings():
+    t = parse('replica_args = ["--max-num-seqs", "8"]\nproxy_args = ["--allowed-origin", "http://a.test"]\n'
+              '[regions.eu]\nreplicas = [{}]\n', "args.toml")
+    assert t.replica_args == ("--max-num-seqs", "8") and t.proxy_args == ("--allowed-origin", "http://a.test")
+    with pytest.raises(TopologyError, match=r"^bad\.toml:1: proxy_args: expected an array, got str"):
+        parse('proxy_args = "--allowed-origin x"\n[regions.eu]\nreplicas = [{}]\n', "bad.toml")
+    with pytest.raises(TopologyError, match=r"^bad\.toml:1: proxy_args: must be an array of strings"):
+        parse('proxy_args = [1]\n[regions.eu]\nreplicas = [{}]\n', "bad.toml")
