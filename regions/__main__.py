@@ -108,7 +108,13 @@ async def _serve(a, topo: Topology, reg: running.Registration) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    start = loop.create_task(stack.start())
+    def on_up() -> None:  # before the "ready:" line: whoever reads it finds the URLs
+        if a.targets:
+            with open(a.targets, "w") as f:
+                json.dump(stack.targets(), f, indent=1)
+        reg.ready({**stack.targets(), "log_dir": str(stack.log_dir)})
+
+    start = loop.create_task(stack.start(on_up))
     stopped = loop.create_task(stop.wait())
     await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
     if not start.done():  # a signal while starting: start() cleans up after itself
@@ -121,10 +127,6 @@ async def _serve(a, topo: Topology, reg: running.Registration) -> int:
     except LaunchError as e:
         print(f"regions: {e}", file=sys.stderr)
         return 1
-    if a.targets:
-        with open(a.targets, "w") as f:
-            json.dump(stack.targets(), f, indent=1)
-    reg.ready({**stack.targets(), "log_dir": str(stack.log_dir)})
     stack.supervise()
     await stop.wait()
     print("regions: stopping", flush=True)

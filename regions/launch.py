@@ -203,9 +203,10 @@ class Stack:
             argv += ["--allow-anonymous"]
         return argv + list(t.proxy_args)
 
-    async def start(self) -> None:
+    async def start(self, on_up=None) -> None:
         """Bring everything up; on any failure stop what started and raise `LaunchError`
-        (`PortsBusy`, before anything started, when a port is taken)."""
+        (`PortsBusy`, before anything started, when a port is taken). `on_up()` runs once
+        all is up, before the "ready:" line (so whatever it writes is there when that is read)."""
         check_ports(self.topo, self.with_relays)
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix="edgechat-regions-"))
@@ -222,6 +223,8 @@ class Stack:
             await self.start_proxies()
             if self.with_relays:
                 await self._start_relays()
+            if on_up is not None:
+                on_up()
         except BaseException:
             await self.stop()
             raise
