@@ -214,7 +214,7 @@ class Stack:
         n = sum(len(r.replicas) for r in self.topo.regions)
         slow = "" if self.topo.replica_kind == "stub" else \
             " (a first start compiles kernels and loads weights: minutes; each stage is shown as it ends)"
-        self._say(f"regions: logs in {self.log_dir}; starting {n} replicas{slow}")
+        self._say(f"regions: logs in {self.log_dir}; starting {n} replica{'s' if n != 1 else ''}{slow}")
         try:
             if self.discovery == "dns":
                 self.zone = await DnsZone().start(self.topo.host)

@@ -27,7 +27,7 @@ async def test_default_model_region_up_and_down(tmp_path):
     await stack.start()
     try:
         lines = out.getvalue().splitlines()
-        assert lines[0] == f"regions: logs in {tmp_path}; starting 1 replicas (a first start compiles kernels and " \
+        assert lines[0] == f"regions: logs in {tmp_path}; starting 1 replica (a first start compiles kernels and " \
                            "loads weights: minutes; each stage is shown as it ends)"
         # The replica's start-up stages, each once, in order, with its time, before the launcher says it is ready.
         done = [(m.group(1), float(m.group(2))) for ln in lines
