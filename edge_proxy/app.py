@@ -33,9 +33,10 @@ from edge_proxy.auth import ENV_VAR, KeyStore, load_entries
 from edge_proxy.config import ProxyConfig
 from edge_proxy.connections import ConnectionGuard
 from edge_proxy.core import Proxy
-from edge_proxy.openai_api import OpenAIRoutes
+from edge_proxy.openai_api import ProxyBackend
 from edge_proxy.prompt import load_tokenizer
 from edge_proxy.ws import StreamEndpoint
+from wire.openai_routes import OpenAIRoutes
 from wire.openai_stream import http_error
 from wire.ws_frames import WebSocketFront
 
@@ -86,7 +87,7 @@ class EdgeApp(WebSocketFront):
 
 
 def create_app(proxy: Proxy) -> EdgeApp:
-    oa = OpenAIRoutes(proxy)
+    oa = OpenAIRoutes(ProxyBackend(proxy))
     guard = ConnectionGuard(proxy.cfg.connections)
 
     async def healthz(request: Request):
@@ -112,11 +113,7 @@ def create_app(proxy: Proxy) -> EdgeApp:
             await proxy.stop()
 
     app = Starlette(routes=[
-        Route("/v1/chat/completions", oa.chat, methods=["POST"]),
-        Route("/v1/completions", oa.completions, methods=["POST"]),
-        Route("/infill", oa.infill, methods=["POST"]),
-        Route("/v1/models", oa.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
+        *(Route(path, endpoint, methods=methods) for path, endpoint, methods in oa.routes()),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", page, methods=["GET"]),

@@ -1,11 +1,13 @@
-"""OpenAI-compatible HTTP: POST /v1/chat/completions, POST /v1/completions, GET
-/v1/models[/{id}], and llama.cpp's POST /infill, on the schema the replica uses too
-(wire.openai: what is honoured, what is a 400 naming the param).
+"""The proxy behind the OpenAI routes (wire.openai_routes: POST /v1/chat/completions,
+POST /v1/completions, GET /v1/models[/{id}], llama.cpp's POST /infill): `ProxyBackend`
+is what the proxy adds to them.
 
-Each prompt of a request is one proxy stream (routing, failover and exact resume
-as for the WebSocket); its messages feed the shared renderer (wire.openai_render,
-wire.openai_stream), which streams SSE exactly as OpenAI does or answers with one
-JSON body. A client that goes away aborts the replicas' work at once.
+Callers are API keys (`Authorization: Bearer`, the failed-auth throttle); the models
+are the pool's; a prompt is checked against the proxy's limits (edge_proxy.limits)
+and tokenized in its tokenizer threads; each prompt of a request is one proxy stream
+(routing, failover and exact resume as for the WebSocket), whose messages feed the
+routes' shared renderer; a client that goes away cancels them at once. The proxy's
+refusals (auth, rate limit, admission, limits) keep their codes, in OpenAI's shape.
 
 Extensions beyond OpenAI's schema (all optional): body fields `session`,
 `priority`, `deadline_ms`, `cache_salt` and vLLM's sampling extensions; headers
@@ -18,9 +20,9 @@ request to the region that served it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import msgspec
-from starlette.requests import ClientDisconnect, Request
 
 from edge_proxy import protocol as pp
 from edge_proxy.auth import bearer
@@ -28,17 +30,14 @@ from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
 from edge_proxy.prompt import plan_prompt_ids
 from wire import openai as O
-from wire import openai_prompts as OP
 from wire import protocol as rp
-from wire.openai_stream import End, Pump, error_response, json_response, parse, read_body, response
+from wire.openai_routes import PromptSink, Submission
 
 _NAMES = {v: k for k, v in O.PRIORITIES.items()}
 
 
 def openai_error(e: pp.ProtocolError | pp.Error) -> O.OpenAIError:
-    param = e.message.split(" ", 1)[0]
-    return O.OpenAIError(e.message, param if param in O.SAMPLING_FIELDS else None, O.http_status(e.code), e.code,
-                         e.retry_after_s)
+    return O.error_of(e.code, e.message, e.retry_after_s)
 
 
 def _ext(d: pp.Done) -> dict:
@@ -50,33 +49,45 @@ def _ext(d: pp.Done) -> dict:
 
 
 class _Sink:
-    """One prompt's stream -> the request's Pump (the rich sink interface of edge_proxy.stream)."""
+    """One prompt's proxy stream -> its PromptSink (the rich sink interface of edge_proxy.stream)."""
 
-    __slots__ = ("put", "p")
+    __slots__ = ("sink",)
 
-    def __init__(self, pump: Pump, p: int):
-        self.put, self.p = pump.put, p
+    def __init__(self, sink: PromptSink):
+        self.sink = sink
 
     def tokens(self, s, msg) -> None:
-        self.put((self.p, msg))
+        self.sink(msg)
 
     def delta(self, s, text: str, ntok: int) -> None:
         # A request forwarded to a peer region (public protocol: text and a token count). Only
         # the count of ids is used: no logprobs can be asked of a forwarded request.
-        self.put((self.p, rp.Tokens("", [0] * ntok, text)))
+        self.sink(rp.Tokens("", [0] * ntok, text))
 
     def finish(self, s, msg) -> None:
         if type(msg) is pp.Done:
-            self.put(End(self.p, msg.finish_reason, _ext(msg)))
+            self.sink.end(msg.finish_reason, _ext(msg))
         else:
-            self.put(openai_error(msg))
+            self.sink.fail(openai_error(msg))
 
 
-class OpenAIRoutes:
+class ProxyBackend:
+    """wire.openai_routes.OpenAIBackend over a `core.Proxy`."""
+
+    hold = True  # a prompt's Done adds the `edgechat` object to its last chunk
+
     def __init__(self, proxy):
         self.proxy = proxy
 
-    def _auth(self, request: Request):
+    @property
+    def tokenizer(self):
+        return self.proxy.tokenizer
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.proxy.cfg.max_frame_bytes
+
+    def authorize(self, request):
         client = request.client
         try:
             return self.proxy.authenticate(bearer(request.headers.get("authorization")),
@@ -84,75 +95,40 @@ class OpenAIRoutes:
         except pp.ProtocolError as e:  # unauthorized, or rate_limited (failed-auth throttle)
             raise openai_error(e) from None
 
-    def _model(self, name: str | None) -> str:
+    def model_entries(self) -> list[dict]:
+        fim = getattr(self.proxy.tokenizer, "fim", None) is not None  # clients choose prefix+suffix by it
+        return [{"id": m, "object": "model", "created": 0, "owned_by": "edgechat", "edgechat": {"fim": fim}}
+                for m in self.proxy.pool.models()]
+
+    def served_model(self, name: str | None) -> str:
         models = self.proxy.pool.models()
         if name and models and name not in models:
             raise O.not_found_model(name)
         return name or (models[0] if models else "default")
 
-    def _models(self) -> list[dict]:
-        fim = getattr(self.proxy.tokenizer, "fim", None) is not None  # clients choose prefix+suffix by it
-        return [{"id": m, "object": "model", "created": 0, "owned_by": "edgechat", "edgechat": {"fim": fim}}
-                for m in self.proxy.pool.models()]
-
-    async def models(self, request: Request):
+    async def prompt_ids(self, prompt, tools) -> list[int]:
         try:
-            self._auth(request)
-        except O.OpenAIError as e:
-            return error_response(e)
-        return json_response(200, msgspec.json.encode({"object": "list", "data": self._models()}))
+            return await plan_prompt_ids(self.proxy.tokenizers, self.proxy.cfg.limits, prompt, tools)
+        except pp.ProtocolError as e:  # the proxy's limits, or its tokenizer threads all busy
+            raise openai_error(e) from None
 
-    async def model(self, request: Request):
+    async def submit(self, sub: Submission, p: int, sink: PromptSink) -> Callable[[], None]:
+        plan, request, ids = sub.plan, sub.request, sub.ids[p]
+        h, prompt, chat = request.headers, plan.prompts[p], plan.kind == "chat"
+        req = SubmitRequest(
+            cid=sub.rid if len(sub.ids) == 1 else f"{sub.rid}/{p}",
+            messages=prompt if chat else None,
+            prompt=None if chat else prompt if isinstance(prompt, str) else ids, ids=ids,
+            session=plan.session or h.get("x-session-id") or request.query_params.get("session_id"),
+            sampling=sub.sampling, priority=_NAMES.get(plan.priority) or h.get("x-priority"),
+            deadline_ms=plan.deadline_ms or float(h.get("x-deadline-ms") or 0),  # a malformed one: a 400
+            traceparent=h.get("traceparent"), forwarded_by=h.get(FORWARDED_HEADER),
+            cache_salt=plan.cache_salt, rich=True, tools=plan.tools)
         try:
-            self._auth(request)
-            name = request.path_params["model"]
-            found = [m for m in self._models() if m["id"] == name]
-            if not found:
-                raise O.not_found_model(name)
-        except O.OpenAIError as e:
-            return error_response(e)
-        return json_response(200, msgspec.json.encode(found[0]))
+            stream = await self.proxy.submit(sub.caller, req, _Sink(sink))
+        except pp.ProtocolError as e:  # auth's rate limit, admission, lengths, routing
+            raise openai_error(e) from None
+        return lambda: stream.cancel(notify=False)
 
-    async def chat(self, request: Request):
-        return await self._handle(request, "chat")
-
-    async def completions(self, request: Request):
-        return await self._handle(request, "completion")
-
-    async def infill(self, request: Request):
-        return await self._handle(request, "infill")
-
-    async def _handle(self, request: Request, kind: str):
-        proxy, tok = self.proxy, self.proxy.tokenizer
-        pump, streams = None, []
-        try:
-            key = self._auth(request)
-            plan, ireq = parse(kind, await read_body(request, proxy.cfg.max_frame_bytes))
-            model = self._model(plan.model if kind != "infill" else None)
-            ids = [await plan_prompt_ids(proxy.tokenizers, proxy.cfg.limits, p, plan.tools) for p in plan.prompts]
-            sampling = OP.sampling_for(plan, tok)
-            cid = O.response_id(kind)
-            h = request.headers
-            pump = Pump(request.receive, hold=True)
-            pump.abort = lambda: [s.cancel(notify=False) for s in streams]
-            for p, prompt in enumerate(plan.prompts):
-                req = SubmitRequest(
-                    cid=cid if len(ids) == 1 else f"{cid}/{p}",
-                    messages=prompt if kind == "chat" else None,
-                    prompt=None if kind == "chat" else prompt if isinstance(prompt, str) else ids[p], ids=ids[p],
-                    session=plan.session or h.get("x-session-id") or request.query_params.get("session_id"),
-                    sampling=sampling, priority=_NAMES.get(plan.priority) or h.get("x-priority"),
-                    deadline_ms=plan.deadline_ms or float(h.get("x-deadline-ms") or 0),
-                    traceparent=h.get("traceparent"), forwarded_by=h.get(FORWARDED_HEADER),
-                    cache_salt=plan.cache_salt, rich=True, tools=plan.tools)
-                streams.append(await proxy.submit(key, req, _Sink(pump, p)))
-        except (O.OpenAIError, pp.ProtocolError, ValueError, ClientDisconnect) as e:
-            if pump is not None:
-                pump.abort()
-                pump.close()
-            if isinstance(e, ClientDisconnect):
-                return json_response(499, b"")
-            if isinstance(e, ValueError):  # a malformed numeric header
-                e = O.OpenAIError(str(e), None)
-            return error_response(openai_error(e) if isinstance(e, pp.ProtocolError) else e)
-        return await pump.reply(response(kind, plan, ireq, cid, model, tok, ids), plan.stream)
+    def count_error(self, code: str) -> None:
+        pass  # the proxy counts its refusals where it makes them (ProxyMetrics.rejected)

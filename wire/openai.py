@@ -38,8 +38,8 @@ Json = object  # a JSON value the schema only checks for presence
 
 PRIORITIES = {"interactive": P.INTERACTIVE, "batch": P.BATCH}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
-# The HTTP status of every error code the two OpenAI front doors (edge_proxy/openai_api.py,
-# replica/api/openai_http.py) answer with: the internal protocol's codes and the proxy's own
+# The HTTP status of every error code the OpenAI routes (wire/openai_routes.py) answer with,
+# over the proxy's backend or the replica's: the internal protocol's codes and the proxy's own
 # public ones (edge_proxy/protocol.py, named here by value: wire imports nothing above it).
 HTTP_STATUS = {P.BAD_REQUEST: 400, P.PROMPT_TOO_LONG: 400, P.UNAUTHORIZED: 401, "forbidden": 403, P.NOT_FOUND: 404,
                "too_large": 413, "rate_limited": 429, P.OVERLOADED: 503, "unavailable": 503, "shutting_down": 503,
@@ -438,10 +438,11 @@ def fan_out(plan: Plan) -> Plan:
 SAMPLING_FIELDS = frozenset(P.SamplingParams.__struct_fields__)
 
 
-def engine_error(code: str, message: str, status: int) -> OpenAIError:
-    """A replica's Error as an OpenAI error; `param` is the field its message starts with."""
+def error_of(code: str, message: str, retry_after_s: float | None = None) -> OpenAIError:
+    """An error of the internal protocol (a replica's, the engine's) or of the proxy's public one as an
+    OpenAI error: its status from `HTTP_STATUS`, `param` the sampling field its message starts with."""
     first = message.split(" ", 1)[0]
-    return OpenAIError(message, first if first in SAMPLING_FIELDS else None, status, code)
+    return OpenAIError(message, first if first in SAMPLING_FIELDS else None, http_status(code), code, retry_after_s)
 
 
 def not_found_model(name: str) -> OpenAIError:

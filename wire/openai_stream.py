@@ -179,18 +179,29 @@ class _Whole:
             pump.close()
 
 
+class Disconnected(Exception):
+    """The client went away before its request's body was read (answered 499, to nobody)."""
+
+
 async def read_body(request, limit: int) -> bytes:
-    """The request body (a Starlette Request), refused with 413 past `limit` bytes."""
+    """The request body, read from the ASGI `receive` of a Starlette Request; refused with 413
+    past `limit` bytes; `Disconnected` when the client goes away first."""
     too_large = OpenAIError(f"request body over {limit} bytes", None, 413, "too_large")
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected
+        if message["type"] != "http.request":
+            continue
+        body += message.get("body", b"")
         if len(body) > limit:
             raise too_large
-    return bytes(body)
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 async def http_error(request, exc):

@@ -1,91 +1,63 @@
-"""The replica's own OpenAI front door: /v1/chat/completions, /v1/completions,
-/v1/models[/{id}] and llama.cpp's /infill, on the schema the proxy uses too
-(wire.openai, wire.infill, wire.openai_render, wire.openai_stream).
+"""The replica behind its own OpenAI routes (wire.openai_routes: /v1/chat/completions,
+/v1/completions, /v1/models[/{id}], llama.cpp's /infill): `ReplicaBackend` is what
+the replica adds to them.
 
-Each prompt of a request is one engine request `<id>/<p>` (n samples each, see
-replica.api.engine_client); the answer is rendered from their messages as they come.
+The caller needs nothing more (the replica secret is checked before any route:
+replica.api.auth); the one model is the served name (with its context length); a
+prompt is tokenized on the event loop; each prompt of a request is one engine
+request `<id>/<p>` (n samples each, see replica.api.engine_client) whose messages
+feed the routes' shared renderer; every error answered or streamed is counted for
+/metrics.
 """
 
 from __future__ import annotations
 
-
-import msgspec
+from collections.abc import Callable
 
 from wire import openai as O
 from wire import openai_prompts as OP
 from wire import protocol as P
-from wire.openai_stream import Pump, error_response, json_response, parse, read_body, response
+from wire.openai_routes import PromptSink, Submission
 
 MAX_BODY_BYTES = 4 << 20
 
 
-class OpenAIRoutes:
+class ReplicaBackend:
+    """wire.openai_routes.OpenAIBackend over the API process's `EngineClient`."""
+
+    hold = False  # the engine's Finished is the prompt's end
+    max_body_bytes = MAX_BODY_BYTES
+
     def __init__(self, client, tokenizer, model_name: str, metrics, max_model_len):
-        self.client, self.tokenizer, self.model_name, self.metrics = client, tokenizer, model_name, metrics
+        self.client, self.tokenizer, self.model_name, self.metrics = client, tokenizer, model_name, metrics  # client()
         self.max_model_len = max_model_len  # () -> int
 
-    def error(self, e: O.OpenAIError):
-        self.metrics.errors.inc(e.code)
-        return error_response(e)
+    def authorize(self, request) -> None:
+        return None  # replica.api.auth.RequireSecret let it in
 
-    def engine_error(self, err: P.Error) -> O.OpenAIError:
-        self.metrics.errors.inc(err.code)
-        return O.engine_error(err.code, err.message, O.http_status(err.code))
+    def model_entries(self) -> list[dict]:
+        return [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgechat",
+                 "max_model_len": self.max_model_len()}]
 
-    # -- models ----------------------------------------------------------------------------
-    def _model(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgechat",
-                "max_model_len": self.max_model_len()}
+    def served_model(self, name: str | None) -> str:
+        if name is not None and name != self.model_name:
+            raise O.not_found_model(name)
+        return self.model_name
 
-    async def models(self, request):
-        return json_response(200, msgspec.json.encode({"object": "list", "data": [self._model()]}))
+    async def prompt_ids(self, prompt, tools) -> list[int]:
+        return OP.prompt_ids(self.tokenizer, prompt, tools)
 
-    async def model(self, request):
-        name = request.path_params["model"]
-        if name != self.model_name:
-            return self.error(O.not_found_model(name))
-        return json_response(200, msgspec.json.encode(self._model()))
-
-    # -- generation --------------------------------------------------------------------------
-    async def chat(self, request):
-        return await self._generate(request, "chat")
-
-    async def completions(self, request):
-        return await self._generate(request, "completion")
-
-    async def infill(self, request):
-        return await self._generate(request, "infill")
-
-    async def _generate(self, request, kind: str):
-        tok = self.tokenizer
-        try:
-            plan, ireq = parse(kind, await read_body(request, MAX_BODY_BYTES))
-            if plan.model is not None and plan.model != self.model_name and kind != "infill":
-                raise O.not_found_model(plan.model)
-            ids = [OP.prompt_ids(tok, p, plan.tools) for p in plan.prompts]
-            sampling = OP.sampling_for(plan, tok)
-        except O.OpenAIError as e:
-            return self.error(e)
-        rid = O.response_id(kind)
-        pump = Pump(request.receive)
+    async def submit(self, sub: Submission, p: int, sink: PromptSink) -> Callable[[], None]:
+        plan = sub.plan
+        g = P.Generate(id=f"{sub.rid}/{p}", prompt_ids=sub.ids[p], sampling=sub.sampling, cache_salt=plan.cache_salt,
+                       priority=P.INTERACTIVE if plan.priority is None else plan.priority,
+                       deadline_ms=plan.deadline_ms, traceparent=sub.request.headers.get("traceparent", ""))
         c = self.client()
-        gens = [P.Generate(id=f"{rid}/{p}", prompt_ids=ids[p], sampling=sampling, cache_salt=plan.cache_salt,
-                           priority=P.INTERACTIVE if plan.priority is None else plan.priority,
-                           deadline_ms=plan.deadline_ms, traceparent=request.headers.get("traceparent", ""))
-                for p in range(len(ids))]
-        pump.abort = lambda: [c.abort(g.id) for g in gens]
         try:
-            for p, g in enumerate(gens):
-                c.submit(g, self._sink(pump, p))
+            c.submit(g, sink)  # a refusal comes back through the sink
         except ConnectionError as e:
-            pump.abort()
-            pump.close()
-            return self.error(O.OpenAIError(str(e), status=500, code=P.INTERNAL))
-        return await pump.reply(response(kind, plan, ireq, rid, self.model_name, tok, ids), plan.stream)
+            raise O.OpenAIError(str(e), status=500, code=P.INTERNAL) from None
+        return lambda: c.abort(g.id)
 
-    def _sink(self, pump: Pump, p: int):
-        put = pump.put
-
-        def sink(msg) -> None:
-            put(self.engine_error(msg) if type(msg) is P.Error else (p, msg))
-        return sink
+    def count_error(self, code: str) -> None:
+        self.metrics.errors.inc(code)
