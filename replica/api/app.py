@@ -1,7 +1,7 @@
 """The replica's API process: a Starlette app in front of the engine process.
 
   WS   /v1/replica           proxy protocol (wire.protocol), many requests per socket
-  POST /v1/chat/completions  OpenAI-compatible, SSE or JSON (wire.openai_routes, replica.api.openai_http)
+  POST /v1/chat/completions  OpenAI-compatible, SSE or JSON (replica.api.openai_http)
   POST /v1/completions       OpenAI-compatible, SSE or JSON
   POST /infill               llama.cpp's fill-in-the-middle (IDE plugins)
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
@@ -15,7 +15,6 @@ Abort to the engine at once.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -26,20 +25,20 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
 from wire import protocol as P
 from replica.api.auth import RequireSecret
 from replica.config import EngineConfig
 from replica.api.engine_client import EngineClient
 from replica.api.frame_split import split_frame
-from replica.api.openai_http import ReplicaBackend
+from replica.api.openai_http import OpenAIRoutes
 from wire.metrics import ReplicaMetrics
-from wire.openai_routes import OpenAIRoutes
 from wire.openai_stream import http_error
 from replica.tokenizer import Tokenizer
 from replica.validation import MAX_ID_CHARS
-from wire.ws_frames import WebSocketFront, binary_frame, direct_protocol, gone
+from wire.ws_frames import BINARY, WebSocketFront
+from wire.ws_writer import Batch, FrameWriter
 
 log = logging.getLogger("replica.api.app")
 
@@ -50,27 +49,26 @@ ENGINE_RESTARTING = 1013  # WebSocket close code "try again later"
 class ReplicaConnection:
     """One proxy's WebSocket. Each message of a frame is decoded and handled on its own,
     so a malformed or failing message fails its request only; every message produced in
-    one event-loop turn goes out in one frame. Request ids are the proxy's, unique among
-    this connection's live requests; each Generate gets an engine id never used before
-    (`c<connection>/<n>`), so a reused id is a new request that no late message of its
-    predecessor can reach."""
+    one event-loop turn goes out in one frame (`wire.ws_writer`: a `Batch` written into
+    uvicorn's transport at the end of the turn; while the transport is over its high-water
+    mark, messages queue behind one task waiting for it to drain). Request ids are the
+    proxy's, unique among this connection's live requests; each Generate gets an engine
+    id never used before (`c<connection>/<n>`), so a reused id is a new request that no
+    late message of its predecessor can reach."""
 
     _ids = itertools.count()
 
-    def __init__(self, ws: WebSocket, client: EngineClient, send):
-        self.ws, self.client = ws, client
-        # uvicorn's protocol behind the raw ASGI `send`: frames go straight to its transport
-        self._proto = direct_protocol(send)
+    def __init__(self, client: EngineClient, send):
+        self.client = client
         self.prefix = f"c{next(self._ids)}/"
         self._seq = itertools.count()
         self.live: dict[str, str] = {}  # this connection's requests in flight: proxy id -> engine id
         self.names: dict[str, str] = {}  # engine id -> proxy id
-        self.pending: list = []
         self.codec = P.Codec()
+        self.out = Batch(self.codec.encode)
+        self.writer = FrameWriter(send, self.out, BINARY)  # `send`: the raw ASGI send (uvicorn's own)
         self._frame = msgspec.msgpack.Decoder(list[msgspec.Raw])
         self._message = msgspec.msgpack.Decoder(P.Message)
-        self._sending: asyncio.Future | None = None
-        self.closed = False
 
     def sink(self, msg) -> None:
         engine_id = getattr(msg, "id", None)
@@ -80,49 +78,13 @@ class ReplicaConnection:
                 del self.names[engine_id]  # its last sample finished
                 if self.live.get(msg.id) == engine_id:
                     del self.live[msg.id]
-        if not self.pending:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self.pending.append(msg)
-
-    def _flush(self) -> None:
-        """End of the loop turn that queued messages: one frame for all of them, written
-        to the transport at once (`wire.ws_frames`), or, when it is over its high-water
-        mark, by one task that waits for it to drain (messages queue behind it in order)."""
-        if self.closed or not self.pending:
-            return
-        proto = self._proto
-        if proto is None:
-            frame, self.pending = self.codec.encode(self.pending), []
-            self._sending = asyncio.ensure_future(self._send(frame))
-        elif self._sending is None or self._sending.done():
-            if gone(proto):
-                self.pending = []  # the proxy is gone; close() aborts its requests
-            elif proto.writable.is_set():
-                frame, self.pending = self.codec.encode(self.pending), []
-                proto.transport.write(binary_frame(frame))
-            else:
-                self._sending = asyncio.ensure_future(self._drain(proto))
-
-    async def _drain(self, proto) -> None:
-        await proto.writable.wait()
-        self._flush()
-
-    async def _send(self, frame: bytes) -> None:
-        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-            await self.ws.send_bytes(frame)
+        self.out.append(msg)
+        self.writer.wake()
 
     def shut(self) -> None:
         """The engine was lost: after the errors already queued, close the socket, so the
         proxy counts this replica out until it reconnects to a restarted engine."""
-        asyncio.ensure_future(self._shut())
-
-    async def _shut(self) -> None:
-        self._flush()
-        if self._sending is not None:
-            await self._sending
-        self.closed = True
-        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-            await self.ws.close(code=ENGINE_RESTARTING, reason="engine process restarting")
+        self.writer.close(ENGINE_RESTARTING, "engine process restarting", drain=True)
 
     def handle(self, data: bytes) -> None:
         try:
@@ -189,7 +151,8 @@ class ReplicaConnection:
         return rid if ok else None
 
     def close(self) -> None:
-        self.closed = True
+        """The proxy's socket is gone: write nothing more, abort its requests."""
+        self.writer.stop()
         for engine_id in self.live.values():
             self.client.abort(engine_id)
         self.live.clear()
@@ -224,7 +187,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         if not c.ready.is_set():  # no Hello without an engine: the proxy retries the connection
             await ws.close(code=ENGINE_RESTARTING, reason="engine process restarting")
             return
-        conn = ReplicaConnection(ws, c, send)
+        conn = ReplicaConnection(c, send)
         # The served name (not the spec), and the fingerprint of the tokenizer the proxy must use.
         conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=fingerprint))
         conn.sink(P.KvEvents(stored=list(c.cached_blocks), cleared=True))
@@ -254,7 +217,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         h = client().hello
         return h.max_model_len if h else 2048
 
-    oa = OpenAIRoutes(ReplicaBackend(client, tokenizer, model_name, metrics, c_max_len))
+    oa = OpenAIRoutes(client, tokenizer, model_name, metrics, c_max_len)
 
     async def healthz(request: Request):
         c = client_box.get("c")
@@ -268,7 +231,11 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes = [
-        *(Route(path, endpoint, methods=methods) for path, endpoint, methods in oa.routes()),
+        Route("/v1/chat/completions", oa.chat, methods=["POST"]),
+        Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/infill", oa.infill, methods=["POST"]),
+        Route("/v1/models", oa.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
         Route("/healthz", healthz),
         Route("/health", healthz),  # what routers built for vLLM/SGLang workers probe
         Route("/metrics", metrics_endpoint),
