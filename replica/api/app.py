@@ -1,7 +1,7 @@
 """The replica's API process: a Starlette app in front of the engine process.
 
   WS   /v1/replica           proxy protocol (wire.protocol), many requests per socket
-  POST /v1/chat/completions  OpenAI-compatible, SSE or JSON (replica.api.openai_http)
+  POST /v1/chat/completions  OpenAI-compatible, SSE or JSON (wire.openai_routes, replica.api.openai_http)
   POST /v1/completions       OpenAI-compatible, SSE or JSON
   POST /infill               llama.cpp's fill-in-the-middle (IDE plugins)
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
@@ -32,8 +32,9 @@ from replica.api.auth import RequireSecret
 from replica.config import EngineConfig
 from replica.api.engine_client import EngineClient
 from replica.api.frame_split import split_frame
-from replica.api.openai_http import OpenAIRoutes
+from replica.api.openai_http import ReplicaBackend
 from wire.metrics import ReplicaMetrics
+from wire.openai_routes import OpenAIRoutes
 from wire.openai_stream import http_error
 from replica.tokenizer import Tokenizer
 from replica.validation import MAX_ID_CHARS
@@ -217,7 +218,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         h = client().hello
         return h.max_model_len if h else 2048
 
-    oa = OpenAIRoutes(client, tokenizer, model_name, metrics, c_max_len)
+    oa = OpenAIRoutes(ReplicaBackend(client, tokenizer, model_name, metrics, c_max_len))
 
     async def healthz(request: Request):
         c = client_box.get("c")
@@ -231,11 +232,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes = [
-        Route("/v1/chat/completions", oa.chat, methods=["POST"]),
-        Route("/v1/completions", oa.completions, methods=["POST"]),
-        Route("/infill", oa.infill, methods=["POST"]),
-        Route("/v1/models", oa.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", oa.model, methods=["GET"]),
+        *(Route(path, endpoint, methods=methods) for path, endpoint, methods in oa.routes()),
         Route("/healthz", healthz),
         Route("/health", healthz),  # what routers built for vLLM/SGLang workers probe
         Route("/metrics", metrics_endpoint),
