@@ -34,7 +34,7 @@ import msgspec
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
 from edge_proxy.discovery import DnsDiscovery
-from edge_proxy.limits import check_prompt
+from edge_proxy.limits import check_prompt, check_prompt_tokens, check_session_id
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
@@ -198,15 +198,14 @@ class Proxy:
             priority = self._priority(key, req.priority)
             session = None
             if req.session is not None:
-                if not req.session or len(req.session) > pp.MAX_SESSION_CHARS:
-                    raise pp.ProtocolError(pp.BAD_REQUEST, f"session ids are 1..{pp.MAX_SESSION_CHARS} characters")
+                check_session_id(req.session)
                 session = self.sessions.get(req.session, key.key_id, time.monotonic())
                 if session is None:
                     raise pp.ProtocolError(pp.FORBIDDEN, "this session belongs to another API key")
             if self._forwardable(req, sampling):
                 return self._forward(key, req, sampling, priority, sink, t0)
             ids = req.ids if req.ids is not None else await self._tokenize(req.messages, req.prompt, req.tools)
-            self._check_lengths(len(ids), sampling.max_tokens)
+            check_prompt_tokens(len(ids), sampling.max_tokens, self.cfg.max_prompt_tokens, self.pool.max_model_len)
             self._check_open()  # draining may have begun while tokenizing
             bs = self.pool.block_size
             if not bs:
@@ -280,17 +279,6 @@ class Proxy:
         self.forwarding.discard(f)
         if not self.streams and not self.forwarding:
             self._idle.set()
-
-    def _check_lengths(self, n: int, max_tokens: int) -> None:
-        if n == 0:
-            raise pp.ProtocolError(pp.BAD_REQUEST, "the prompt is empty")
-        if self.cfg.max_prompt_tokens and n > self.cfg.max_prompt_tokens:
-            raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"prompt has {n} tokens; this proxy accepts at most "
-                                                       f"{self.cfg.max_prompt_tokens}")
-        L = self.pool.max_model_len
-        if L and n + max_tokens > L:
-            raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
-                                                       f"the model's context of {L} tokens")
 
     # -- routing ---------------------------------------------------------------
 

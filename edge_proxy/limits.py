@@ -1,14 +1,21 @@
 """Limits before work: what a request may cost, checked before it is rendered,
-tokenized or queued, for every front end (`core.Proxy.submit` calls these).
+tokenized or queued, for every front end. Every limit is checked here and only
+here; the front ends and `core.Proxy.submit` call these.
 
 The WebSocket schema (`protocol.py`) bounds each field while decoding, and
 `wire.protocol.SamplingParams.validate` checks every request's sampling (both
-front ends) before anything is queued; this module bounds the prompt.
+front ends) before anything is queued; this module bounds the prompt, the
+session id, a WebSocket frame and the requests open on one connection.
 
 Sizes are counted without doing the work they would cost: the prompt's UTF-8
 bytes (roles and contents), the number of messages, the length of each role.
-A prompt within them is tokenized off the event loop (`tokenize.TokenizerPool`);
-its token count is then checked against the context (`Proxy._check_lengths`).
+A prompt within them is tokenized off the event loop (`prompt.TokenizerPool`);
+its token count is then checked against the context (`check_prompt_tokens`).
+
+Shapes: the OpenAI API passes messages as dicts (`check_prompt`,
+`check_plan_prompt`); the WebSocket checks its count of `protocol.Message`
+structs as soon as the frame is decoded (`check_message_count`, the one
+definition of that limit), then its messages go through `check_prompt` as dicts.
 """
 
 from __future__ import annotations
@@ -39,15 +46,19 @@ def utf8_len(s: str) -> int:
     return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
 
 
+def check_message_count(n: int, lim: Limits) -> None:
+    """Refuse a chat of more than `max_messages` messages (`prompt_too_long`)."""
+    if n > lim.max_messages:
+        raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{n} messages; at most {lim.max_messages} are accepted")
+
+
 def check_prompt(messages: list[dict] | None, prompt: str | list[int] | None, lim: Limits) -> None:
     """Refuse a prompt over the size limits (`prompt_too_long`) or malformed (`bad_request`),
     in time linear in the number of messages, without rendering or tokenizing it."""
     if (messages is None) == (prompt is None):
         raise pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages and prompt")
     if messages is not None:
-        if len(messages) > lim.max_messages:
-            raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{len(messages)} messages; at most {lim.max_messages} "
-                                                       "are accepted")
+        check_message_count(len(messages), lim)
         size = 0
         for i, m in enumerate(messages):
             role, content = m["role"], m["content"]
@@ -86,3 +97,38 @@ def check_plan_prompt(prompt, lim: Limits) -> None:
         size += sum(utf8_len(name) + utf8_len(text) for name, text in prompt.extra)
         if size > lim.max_prompt_bytes:
             raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"the prompt is over {lim.max_prompt_bytes} bytes")
+
+
+def check_prompt_tokens(n: int, max_tokens: int, max_prompt_tokens: int, max_model_len: int) -> None:
+    """After tokenizing: refuse an empty prompt, one over the proxy's `max_prompt_tokens`
+    (0: no limit of its own) or one whose reply (`max_tokens`) would not fit the model's
+    context (`max_model_len`, 0 while unknown)."""
+    if n == 0:
+        raise pp.ProtocolError(pp.BAD_REQUEST, "the prompt is empty")
+    if max_prompt_tokens and n > max_prompt_tokens:
+        raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"prompt has {n} tokens; this proxy accepts at most "
+                                                   f"{max_prompt_tokens}")
+    if max_model_len and n + max_tokens > max_model_len:
+        raise pp.ProtocolError(pp.PROMPT_TOO_LONG, f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                                                   f"the model's context of {max_model_len} tokens")
+
+
+def check_session_id(session: str) -> None:
+    """Session ids are 1..`protocol.MAX_SESSION_CHARS` characters (the WebSocket schema
+    bounds them while decoding; the OpenAI API's come from a body field, header or query)."""
+    if not session or len(session) > pp.MAX_SESSION_CHARS:
+        raise pp.ProtocolError(pp.BAD_REQUEST, f"session ids are 1..{pp.MAX_SESSION_CHARS} characters")
+
+
+def check_frame_size(n: int, max_bytes: int) -> None:
+    """A public WebSocket message of `n` bytes (`too_large` past `max_frame_bytes`; uvicorn's
+    `ws_max_size` already refuses larger ones: this guards bytes against characters)."""
+    if n > max_bytes:
+        raise pp.ProtocolError(pp.TOO_LARGE, f"frame over {max_bytes} bytes")
+
+
+def check_open_requests(n: int, max_open: int) -> None:
+    """A connection with `n` requests open may open another while under `max_open_per_connection`."""
+    if n >= max_open:
+        raise pp.ProtocolError(pp.RATE_LIMITED, f"{n} requests are open on this connection; wait for one to end",
+                               1.0)

@@ -55,6 +55,7 @@ from starlette.websockets import WebSocket
 from edge_proxy import protocol as pp
 from edge_proxy.auth import TokenBucket, bearer
 from edge_proxy.core import SubmitRequest
+from edge_proxy.limits import check_frame_size, check_message_count, check_open_requests
 from edge_proxy.peering import FORWARDED_HEADER
 from edge_proxy.prompt import plan_prompt_ids
 from edge_proxy.structured import ToolSink, messages, structured
@@ -357,8 +358,10 @@ class ClientConnection:
                 data = msg.get("text")
                 if data is None:
                     data = msg.get("bytes") or b""
-                if len(data) > max_bytes:  # uvicorn already enforces ws_max_size; this guards bytes vs chars
-                    self._error(None, pp.ProtocolError(pp.TOO_LARGE, f"frame over {max_bytes} bytes"))
+                try:
+                    check_frame_size(len(data), max_bytes)  # (bytes or characters)
+                except pp.ProtocolError as e:
+                    self._error(None, e)
                     continue
                 try:
                     m = self.codec.decode(data)
@@ -377,9 +380,10 @@ class ClientConnection:
                 t.cancel()
 
     def _generate(self, m: pp.Generate) -> None:
-        err = self._check(m)
-        if err is not None:
-            self._error(m.id, err)
+        try:
+            self._check(m)
+        except pp.ProtocolError as e:
+            self._error(m.id, e)
             return
         sampling, tools, sink = m.sampling, None, self
         if m.response_format is not None or m.structured_outputs is not None or m.tools:  # edge_proxy.structured
@@ -407,36 +411,31 @@ class ClientConnection:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _check(self, m: pp.Generate) -> pp.ProtocolError | None:
-        """What refuses a generate before any work (and before it replaces anything)."""
+    def _check(self, m: pp.Generate) -> None:
+        """Raises what refuses a generate before any work (and before it replaces anything)."""
         if m.id in self.active and m.id != m.replaces:
-            return pp.ProtocolError(pp.BAD_REQUEST, f"request id {m.id!r} is already in flight")
-        open_ = len(self.active) - (m.replaces in self.active)
-        if open_ >= self.max_open:
-            return pp.ProtocolError(pp.RATE_LIMITED, f"{open_} requests are open on this connection; wait for one "
-                                                     "to end", 1.0)
+            raise pp.ProtocolError(pp.BAD_REQUEST, f"request id {m.id!r} is already in flight")
+        check_open_requests(len(self.active) - (m.replaces in self.active), self.max_open)
         if (m.messages is not None) + (m.prompt is not None) + (m.prefix is not None) != 1:
-            return pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages, prompt and prefix (+ suffix)")
+            raise pp.ProtocolError(pp.BAD_REQUEST, "give exactly one of messages, prompt and prefix (+ suffix)")
         if m.suffix is not None and m.prefix is None:
-            return pp.ProtocolError(pp.BAD_REQUEST, "suffix goes with prefix (fill-in-the-middle)")
+            raise pp.ProtocolError(pp.BAD_REQUEST, "suffix goes with prefix (fill-in-the-middle)")
         if m.prefix is not None and getattr(self.proxy.tokenizer, "fim", None) is None:
-            return pp.ProtocolError(pp.BAD_REQUEST, "fill-in-the-middle (prefix, suffix) needs a model whose "
-                                                    "tokenizer has FIM tokens; this model's has none: send a prompt")
-        if m.messages is not None and len(m.messages) > self.proxy.cfg.limits.max_messages:
-            return pp.ProtocolError(pp.PROMPT_TOO_LONG, f"{len(m.messages)} messages; at most "
-                                                        f"{self.proxy.cfg.limits.max_messages} are accepted")
+            raise pp.ProtocolError(pp.BAD_REQUEST, "fill-in-the-middle (prefix, suffix) needs a model whose "
+                                                   "tokenizer has FIM tokens; this model's has none: send a prompt")
+        if m.messages is not None:  # counted before `messages(m)` converts them (the rest: core.Proxy.submit)
+            check_message_count(len(m.messages), self.proxy.cfg.limits)
         if m.resumable and m.tools:
-            return pp.ProtocolError(pp.BAD_REQUEST, "resumable does not go with tools (deltas then carry the "
-                                                    "content only, not every token)")
+            raise pp.ProtocolError(pp.BAD_REQUEST, "resumable does not go with tools (deltas then carry the "
+                                                   "content only, not every token)")
         if m.resume is not None:
             sp = m.sampling
             if len(m.resume) > sp.max_tokens:
-                return pp.ProtocolError(pp.BAD_REQUEST, f"resume has {len(m.resume)} ids, over max_tokens "
-                                                        f"({sp.max_tokens})")
+                raise pp.ProtocolError(pp.BAD_REQUEST, f"resume has {len(m.resume)} ids, over max_tokens "
+                                                       f"({sp.max_tokens})")
             if sp.seed is None and sp.temperature > 0:
-                return pp.ProtocolError(pp.BAD_REQUEST, "resume with temperature > 0 needs the request's "
-                                                        "sampling.seed (set one when sending it first)")
-        return None
+                raise pp.ProtocolError(pp.BAD_REQUEST, "resume with temperature > 0 needs the request's "
+                                                       "sampling.seed (set one when sending it first)")
 
     def _replace(self, cid: str) -> str | None:
         """Abort open request `cid` (answered done/abort) for a generate that replaces it; the
