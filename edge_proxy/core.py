@@ -10,6 +10,10 @@ the decisions themselves are the pure functions of `routing` and `admission`.
             (deadline, from the replica's Load) -> Generate
     no replica ready here (and the request was not itself forwarded): forward it to the
             nearest peer region's proxy (`peering.PeerLink`), whose done names both regions
+    follow it: the replica pool hands every message about a request here (`on_tokens`,
+            `on_finished`, `on_replica_error`, `on_lost`: `pool.RequestEvents`), and
+            the client's cancel comes here (`cancel`); the request itself
+            (`stream.ProxiedRequest`) is state and its sink, and never calls back
     replica lost / dropped / overloaded: resume on another replica with the tokens
             so far (`failover`), or park the stream until one is ready again
     poison pill: a request a replica rejected as malformed (bad_request) or names as the
@@ -42,10 +46,11 @@ from edge_proxy.prefix_index import reply_hashes
 from edge_proxy.prompt import TokenizerPool
 from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
-from edge_proxy.stream import Stream
+from edge_proxy.sinks import DeltaSink, TokenSink
+from edge_proxy.stream import ProxiedRequest
 from edge_proxy.throttle import FailedAuthThrottle
 from edge_proxy.tracing import console_processor, make_tracer, otlp_processor, start_request_span, traceparent_of
-from wire import protocol as rp
+from wire import protocol as P
 from wire.hashing import block_hashes
 from wire.openai import Fim
 
@@ -54,7 +59,7 @@ log = logging.getLogger("edge_proxy")
 MAX_REPLICA_FAULTS = 2  # replicas a request may be on when they fail before it is failed, never spread further
 LOSS_GRACE_S = 0.02  # wait after losing a replica before moving its streams (see _on_lost)
 REPLACES = "replaces"  # routing reason: the replica of the request a `generate` replaces
-_REPLICA_CODES = {rp.BAD_REQUEST, rp.PROMPT_TOO_LONG, rp.OVERLOADED, rp.INTERNAL, rp.NOT_FOUND}
+_REPLICA_CODES = {P.BAD_REQUEST, P.PROMPT_TOO_LONG, P.OVERLOADED, P.INTERNAL, P.NOT_FOUND}
 _PRIORITY_NAMES = {v: k for k, v in pp.PRIORITIES.items()}
 
 
@@ -66,7 +71,7 @@ class SubmitRequest:
     messages: list[dict] | None = None
     prompt: str | list[int] | Fim | None = None  # text, token ids (OpenAI API) or fill-in-the-middle
     session: str | None = None
-    sampling: pp.Sampling | rp.SamplingParams | None = None  # the public protocol's, or the OpenAI API's
+    sampling: pp.Sampling | P.SamplingParams | None = None  # the public protocol's, or the OpenAI API's
     priority: str | None = None
     deadline_ms: float = 0.0
     traceparent: str | None = None
@@ -74,7 +79,6 @@ class SubmitRequest:
     tenant: str | None = None  # set by a peer region's proxy (peer keys only): run as this tenant
     ids: list[int] | None = None  # the prompt already tokenized (OpenAI API); messages/prompt kept for forwarding
     cache_salt: str = ""  # the client's own salt, within its tenant's (OpenAI `cache_salt`)
-    rich: bool = False  # the sink takes every Tokens/Finished message (OpenAI API: n, logprobs, index)
     tools: object = None  # wire.tools.Tools rendered into the prompt (messages), or None
     resume: list[int] | None = None  # token ids the client already has: continue after them (exact, as failover)
     resumable: bool = False  # the client wants token ids in its deltas (kept when forwarded to a peer)
@@ -93,15 +97,15 @@ class Proxy:
         self.sessions = SessionTable(per_key=cfg.sessions_per_key)
         self.tokenizers = TokenizerPool(tokenizer, cfg.limits.tokenizer_threads, cfg.limits.max_tokenizing)
         self.auth_throttle = FailedAuthThrottle(cfg.auth_failures_per_s, cfg.auth_failure_burst)
-        self.pool = ReplicaPool(cfg.replicas, cfg.pool, self._on_lost, getattr(tokenizer, "fingerprint", ""))
+        self.pool = ReplicaPool(cfg.replicas, cfg.pool, self, getattr(tokenizer, "fingerprint", ""))
         self.pool.state_listeners.append(self._on_pool_change)
         self.discovery = DnsDiscovery(cfg.discovery, self.pool, self.metrics) if cfg.discovery else None
-        self.streams: set[Stream] = set()
+        self.streams: set[ProxiedRequest] = set()
         self.forwarding: set[Forwarded] = set()  # requests relayed to a peer region, until their end
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self._parked: dict[Stream, tuple[str, asyncio.TimerHandle]] = {}
+        self._parked: dict[ProxiedRequest, tuple[str, asyncio.TimerHandle]] = {}
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.peers = PeerLink(cfg.region, list(cfg.peers), cfg.peer_key or None) if cfg.peers else None
 
@@ -113,7 +117,7 @@ class Proxy:
     def fail_all(self, code: str, message: str) -> None:
         """End every open request with an error frame (streams and requests forwarded to peers)."""
         for s in list(self.streams):
-            self.fail(s, code, message)
+            self._fail(s, code, message)
         for f in list(self.forwarding):
             if not f.done:
                 f.cancel(notify=False)  # stops it at the peer too
@@ -159,8 +163,8 @@ class Proxy:
             raise pp.ProtocolError(pp.OVERLOADED, f"proxy at its limit of {self.cfg.admission.max_inflight} "
                                                   "requests in flight", 1.0)
 
-    def _sampling(self, s: pp.Sampling | rp.SamplingParams) -> rp.SamplingParams:
-        sp = msgspec.structs.replace(s) if isinstance(s, rp.SamplingParams) else s.params()  # our own copy
+    def _sampling(self, s: pp.Sampling | P.SamplingParams) -> P.SamplingParams:
+        sp = msgspec.structs.replace(s) if isinstance(s, P.SamplingParams) else s.params()  # our own copy
         err = sp.validate(self.cfg.max_tokens_limit)
         if err is not None:
             raise pp.ProtocolError(pp.BAD_REQUEST, err)
@@ -177,7 +181,7 @@ class Proxy:
             raise pp.ProtocolError(pp.BAD_REQUEST, f"priority must be one of {sorted(pp.PRIORITIES)}, got {requested!r}")
         return max(p, key.priority)  # a key never gets above its tier
 
-    async def submit(self, key, req: SubmitRequest, sink) -> Stream | Forwarded:
+    async def submit(self, key, req: SubmitRequest, sink: DeltaSink | TokenSink) -> ProxiedRequest | Forwarded:
         """Admit, route and start a request (or forward it to a peer region); raises
         `ProtocolError` when refused."""
         t0 = perf_counter()
@@ -217,8 +221,8 @@ class Proxy:
         hashes = block_hashes(ids, bs, salt)
         span = start_request_span(self.tracer, req.traceparent, {
             "edgechat.tenant": key.tenant, "edgechat.prompt_tokens": len(ids), "edgechat.priority": priority})
-        gen = rp.Generate("", ids, sampling, salt, priority, 0.0, [], traceparent_of(span))
-        s = Stream(self, req.cid, key, sink, gen, hashes, session, t0, span, req.rich)
+        gen = P.Generate("", ids, sampling, salt, priority, 0.0, [], traceparent_of(span))
+        s = ProxiedRequest(req.cid, key, sink, gen, hashes, session, t0, span)
         s.messages = req.messages
         if session is not None:
             s.placement = placement_key(key.key_id, req.session)
@@ -227,7 +231,7 @@ class Proxy:
             ended = s.settle(self._eos)
             if ended:  # nothing left to generate (the client missed only the done)
                 self.streams.add(s)
-                self.finish(s, ended, rp.Usage())
+                self._finish(s, ended, P.Usage())
                 return s
         try:
             self._place_new(s, req.deadline_ms, req.prefer)
@@ -249,13 +253,13 @@ class Proxy:
         except ValueError as e:  # replica.tokenizer.ChatTemplateError, or a tokenizer refusing the text
             raise pp.ProtocolError(pp.BAD_REQUEST, f"cannot render or tokenize the prompt: {e}") from None
 
-    def _forwardable(self, req: SubmitRequest, sp: rp.SamplingParams) -> bool:
+    def _forwardable(self, req: SubmitRequest, sp: P.SamplingParams) -> bool:
         return (self.peers is not None and not req.forwarded_by and not self.pool.ready()
                 and not isinstance(req.prompt, list)  # token ids are this model's; the public protocol takes text
                 and not req.cache_salt and sp.n == 1 and sp.logprobs is None and sp.prompt_logprobs is None
                 and not sp.grammar and req.tools is None)  # the public protocol's sampling carries no grammar
 
-    def _forward(self, key, req: SubmitRequest, sampling: rp.SamplingParams, priority: int, sink,
+    def _forward(self, key, req: SubmitRequest, sampling: P.SamplingParams, priority: int, sink,
                  t0: float) -> Forwarded:
         kw = {f: getattr(sampling, f) for f in pp.Sampling.__struct_fields__}  # the public protocol's sampling
         kw.update(messages=req.messages, prompt=req.prompt, session=req.session,
@@ -282,7 +286,7 @@ class Proxy:
 
     # -- routing ---------------------------------------------------------------
 
-    def _candidates(self, s: Stream, conns) -> list[Candidate]:
+    def _candidates(self, s: ProxiedRequest, conns) -> list[Candidate]:
         now = perf_counter()
         rates = {c.id: c.load.tokens_per_s for c in conns if c.load is not None and c.load.tokens_per_s > 0}
         mean = sum(rates.values()) / len(rates) if rates else 0.0
@@ -290,7 +294,7 @@ class Proxy:
                           len(c.prefilling), rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share,
                           len(c.index)) for c in conns]
 
-    def _place_new(self, s: Stream, deadline_ms: float, prefer: str | None = None) -> None:
+    def _place_new(self, s: ProxiedRequest, deadline_ms: float, prefer: str | None = None) -> None:
         conns = self.pool.ready()
         if not conns:
             raise pp.ProtocolError(pp.UNAVAILABLE, "no replica is ready", 1.0)
@@ -303,12 +307,12 @@ class Proxy:
                                   session_key=s.placement,
                                   session_current=s.session.replica if s.session is not None else None)
         conn = by_id[d.replica]
-        if deadline_ms > 0 or s.gen.priority >= rp.BATCH:
+        if deadline_ms > 0 or s.gen.priority >= P.BATCH:
             conn, d = self._admit(s, cands, by_id, d, deadline_ms)
         remaining = max(deadline_ms - (perf_counter() - s.t0) * 1e3, 1.0) if deadline_ms > 0 else 0.0
         self._attach(s, conn, d, remaining)
 
-    def _admit(self, s: Stream, cands, by_id, d: Decision, deadline_ms: float):
+    def _admit(self, s: ProxiedRequest, cands, by_id, d: Decision, deadline_ms: float):
         cfg, bs, n = self.cfg.admission, self.pool.block_size, len(s.gen.prompt_ids)
 
         def predict(c: Candidate) -> float:
@@ -324,7 +328,7 @@ class Proxy:
             raise pp.ProtocolError(pp.OVERLOADED, v.reason, v2.retry_after_s)
         return by_id[best.id], Decision(best.id, LOAD, best.cached_blocks)
 
-    def _attach(self, s: Stream, conn, d: Decision, deadline_ms: float) -> None:
+    def _attach(self, s: ProxiedRequest, conn, d: Decision, deadline_ms: float) -> None:
         s.conn = conn
         s.tried.add(conn.id)
         s.rid = conn.start(s, s.next_generate(deadline_ms),
@@ -339,9 +343,68 @@ class Proxy:
         s.span.add_event("route", {"replica": conn.id, "reason": d.reason, "cached_blocks": d.cached_blocks,
                                    "resume_tokens": len(s.ids)})
 
+    # -- what the replicas say about a request (pool.RequestEvents; the hot path) --
+
+    def on_tokens(self, s: ProxiedRequest, msg: P.Tokens | P.Finished, now: float) -> None:
+        """A Tokens message, or the last tokens of a Finished one."""
+        m = self.metrics
+        if s.t_last:
+            m.itl.observe(now - s.t_last)
+        else:
+            m.ttft.observe(now - s.t0)
+        m.tokens.inc(by=len(msg.ids))
+        s.add_tokens(msg, now)
+
+    def on_finished(self, s: ProxiedRequest, msg: P.Finished, now: float) -> None:
+        if msg.finish_reason == P.FINISH_ABORT:
+            # We did not ask for it (we forget a request before aborting it): the replica
+            # dropped the request, e.g. while shutting down. Resume it elsewhere.
+            if msg.ids or msg.text:  # the tokens count; the finish does not
+                self.on_tokens(s, P.Tokens(msg.id, msg.ids, msg.text, msg.index, msg.logprobs), now)
+            self._replica_dropped(s, "abort")
+            return
+        if msg.ids or msg.text or s.token_sink is not None:  # a token sink sees every Finished
+            self.on_tokens(s, msg, now)
+        if not s.sample_finished(msg.index):
+            return  # other samples still running
+        s.replica_ttft_ms = msg.ttft_ms
+        self._finish(s, msg.finish_reason, msg.usage)
+
+    def on_replica_error(self, s: ProxiedRequest, err: P.Error) -> None:
+        """Internal (the replica's engine died under it): like losing that replica. Overloaded:
+        try another. Anything else (bad_request, engine_fault...) is the request's own: fail it."""
+        if err.code == P.INTERNAL:
+            failed = s.conn.id
+            s.conn.release(s.rid, abort=False)
+            s.conn = None
+            s.faults += 1
+            self._resume(s, "replica_internal", avoid=failed)
+            return
+        retry = (err.code == P.OVERLOADED and s.failovers < self.cfg.failover_attempts
+                 and any(c.id not in s.tried for c in self.pool.ready()))
+        if retry:
+            s.conn.release(s.rid, abort=False)
+            s.conn = None
+            self._resume(s, f"replica_{err.code}")
+            return
+        self._fail(s, err.code if err.code in _REPLICA_CODES else pp.INTERNAL, f"replica: {err.message}")
+
+    # -- what the client says --------------------------------------------------
+
+    def cancel(self, s: ProxiedRequest | Forwarded, notify: bool) -> None:
+        """Client cancel (`notify`: answer with done/abort) or disconnect (nothing to answer)."""
+        if type(s) is Forwarded:
+            s.cancel(notify)
+        elif s.done:
+            return
+        elif notify:
+            self._finish(s, P.FINISH_ABORT, P.Usage())
+        else:
+            self._end(s, "disconnect")
+
     # -- failover --------------------------------------------------------------
 
-    def _on_lost(self, conn, streams: list[Stream], cause: str) -> None:
+    def on_lost(self, conn, streams: list[ProxiedRequest], cause: str) -> None:
         for s in streams:
             s.conn = None
             s.faults += 1
@@ -350,51 +413,32 @@ class Proxy:
         # choice, so none is sent to a dying replica and blamed for failing there too.
         asyncio.get_running_loop().call_later(LOSS_GRACE_S, self._resume_all, streams, cause)
 
-    def _resume_all(self, streams: list[Stream], cause: str) -> None:
+    def _resume_all(self, streams: list[ProxiedRequest], cause: str) -> None:
         for s in streams:
             self._resume(s, cause)
 
-    def replica_dropped(self, s: Stream, cause: str) -> None:
-        """The replica ended a stream we did not end (unsolicited abort): move it."""
+    def _replica_dropped(self, s: ProxiedRequest, cause: str) -> None:
+        """The replica ended a request we did not end (unsolicited abort): move it."""
         if s.conn is not None:
             s.conn.release(s.rid, abort=False)
             s.conn = None
         self._resume(s, cause)
 
-    def replica_error(self, s: Stream, err: rp.Error) -> None:
-        """Internal (the replica's engine died under it): like losing that replica. Overloaded:
-        try another. Anything else (bad_request, engine_fault...) is the request's own: fail it."""
-        if err.code == rp.INTERNAL:
-            failed = s.conn.id
-            s.conn.release(s.rid, abort=False)
-            s.conn = None
-            s.faults += 1
-            self._resume(s, "replica_internal", avoid=failed)
-            return
-        retry = (err.code == rp.OVERLOADED and s.failovers < self.cfg.failover_attempts
-                 and any(c.id not in s.tried for c in self.pool.ready()))
-        if retry:
-            s.conn.release(s.rid, abort=False)
-            s.conn = None
-            self._resume(s, f"replica_{err.code}")
-            return
-        self.fail(s, err.code if err.code in _REPLICA_CODES else pp.INTERNAL, f"replica: {err.message}")
-
-    def _resume(self, s: Stream, cause: str, avoid: str = "") -> None:
+    def _resume(self, s: ProxiedRequest, cause: str, avoid: str = "") -> None:
         """Move a stream to another replica (`avoid`: one that just failed it, even if it still
         looks ready), or park it until one is ready."""
         if s.done:
             return
         ended = s.settle(self._eos)  # everything was delivered but the Finished
         if ended:
-            self.finish(s, ended, rp.Usage())
+            self._finish(s, ended, P.Usage())
             return
         if s.faults >= MAX_REPLICA_FAULTS:
-            self.fail(s, pp.INTERNAL, f"the request was on {s.faults} replicas when they failed (last: {cause}); "
+            self._fail(s, pp.INTERNAL, f"the request was on {s.faults} replicas when they failed (last: {cause}); "
                                       "not retried on another, in case it is what makes them fail")
             return
         if s.failovers >= self.cfg.failover_attempts:
-            self.fail(s, pp.UNAVAILABLE, f"stream lost its replica {s.failovers + 1} times; giving up")
+            self._fail(s, pp.UNAVAILABLE, f"stream lost its replica {s.failovers + 1} times; giving up")
             return
         conns = self.pool.ready(exclude=s.tried) or self.pool.ready(exclude={avoid})
         if not conns:
@@ -407,13 +451,13 @@ class Proxy:
         s.span.add_event("failover", {"cause": cause, "resume_tokens": len(s.ids)})
         self._attach(s, next(c for c in conns if c.id == d.replica), d, 0.0)
 
-    def _park(self, s: Stream, cause: str) -> None:
+    def _park(self, s: ProxiedRequest, cause: str) -> None:
         h = asyncio.get_running_loop().call_later(self.cfg.failover_wait_s, self._park_expired, s)
         self._parked[s] = (cause, h)
 
-    def _park_expired(self, s: Stream) -> None:
+    def _park_expired(self, s: ProxiedRequest) -> None:
         if self._parked.pop(s, None) is not None:
-            self.fail(s, pp.UNAVAILABLE, f"no replica came back within {self.cfg.failover_wait_s:g} s")
+            self._fail(s, pp.UNAVAILABLE, f"no replica came back within {self.cfg.failover_wait_s:g} s")
 
     def _on_pool_change(self) -> None:
         if self._parked and self.pool.ready():
@@ -424,7 +468,7 @@ class Proxy:
 
     # -- endings ---------------------------------------------------------------
 
-    def _release(self, s: Stream, abort: bool) -> None:
+    def _release(self, s: ProxiedRequest, abort: bool) -> None:
         s.done = True
         if s.conn is not None:
             s.conn.release(s.rid, abort)
@@ -438,12 +482,12 @@ class Proxy:
         if not self.streams and not self.forwarding:
             self._idle.set()
 
-    def finish(self, s: Stream, finish_reason: str, usage: rp.Usage) -> None:
+    def _finish(self, s: ProxiedRequest, finish_reason: str, usage: P.Usage) -> None:
         if s.done:
             return
         now = perf_counter()
-        self._release(s, abort=finish_reason == rp.FINISH_ABORT)
-        msg = s.done_message(finish_reason, usage, now)
+        self._release(s, abort=finish_reason == P.FINISH_ABORT)
+        msg = s.done_message(finish_reason, usage, now, self.cfg.region)
         self.metrics.requests.inc(finish_reason)
         self.metrics.cached_tokens.inc(by=usage.cached_tokens)
         span = s.span
@@ -454,10 +498,10 @@ class Proxy:
         span.set_attribute("edgechat.ttft_ms", msg.timing.ttft_ms)
         span.end()
         s.sink.finish(s, msg)
-        if s.messages is not None and len(s.ids) > 1 and finish_reason != rp.FINISH_ABORT:
+        if s.messages is not None and len(s.ids) > 1 and finish_reason != P.FINISH_ABORT:
             self.tokenizers.reply_ids(s.messages, s.ids, lambda again: self._check_reply(s, again))
 
-    def _check_reply(self, s: Stream, again: list[int]) -> None:
+    def _check_reply(self, s: ProxiedRequest, again: list[int]) -> None:
         """Does the chat template render this reply, in the next turn, into the ids the
         replica generated (`again` vs prompt + ids)? Where it does not, the next turn's
         cache match, on any replica, ends at the first differing block: counted and
@@ -471,7 +515,7 @@ class Proxy:
                       "match ends at block %d instead of %d", n, len(held), len(s.gen.prompt_ids), n // bs,
                       len(held) // bs)
 
-    def fail(self, s: Stream, code: str, message: str) -> None:
+    def _fail(self, s: ProxiedRequest, code: str, message: str) -> None:
         if s.done:
             return
         self._release(s, abort=True)
@@ -480,7 +524,7 @@ class Proxy:
         s.span.end()
         s.sink.finish(s, pp.Error(code, message, s.cid))
 
-    def end(self, s: Stream, outcome: str) -> None:
+    def _end(self, s: ProxiedRequest, outcome: str) -> None:
         """The client went away: stop the replica's work, answer nothing."""
         if s.done:
             return

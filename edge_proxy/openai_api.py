@@ -30,7 +30,7 @@ from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
 from edge_proxy.prompt import plan_prompt_ids
 from wire import openai as O
-from wire import protocol as rp
+from wire import protocol as P
 from wire.openai_routes import PromptSink, Submission
 
 _NAMES = {v: k for k, v in O.PRIORITIES.items()}
@@ -49,7 +49,7 @@ def _ext(d: pp.Done) -> dict:
 
 
 class _Sink:
-    """One prompt's proxy stream -> its PromptSink (the rich sink interface of edge_proxy.stream)."""
+    """One prompt's proxy stream -> its PromptSink (a `sinks.TokenSink`)."""
 
     __slots__ = ("sink",)
 
@@ -62,7 +62,7 @@ class _Sink:
     def delta(self, s, text: str, ntok: int) -> None:
         # A request forwarded to a peer region (public protocol: text and a token count). Only
         # the count of ids is used: no logprobs can be asked of a forwarded request.
-        self.sink(rp.Tokens("", [0] * ntok, text))
+        self.sink(P.Tokens("", [0] * ntok, text))
 
     def finish(self, s, msg) -> None:
         if type(msg) is pp.Done:
@@ -123,12 +123,12 @@ class ProxyBackend:
             sampling=sub.sampling, priority=_NAMES.get(plan.priority) or h.get("x-priority"),
             deadline_ms=plan.deadline_ms or float(h.get("x-deadline-ms") or 0),  # a malformed one: a 400
             traceparent=h.get("traceparent"), forwarded_by=h.get(FORWARDED_HEADER),
-            cache_salt=plan.cache_salt, rich=True, tools=plan.tools)
+            cache_salt=plan.cache_salt, tools=plan.tools)
         try:
             stream = await self.proxy.submit(sub.caller, req, _Sink(sink))
         except pp.ProtocolError as e:  # auth's rate limit, admission, lengths, routing
             raise openai_error(e) from None
-        return lambda: stream.cancel(notify=False)
+        return lambda: self.proxy.cancel(stream, notify=False)
 
     def count_error(self, code: str) -> None:
         pass  # the proxy counts its refusals where it makes them (ProxyMetrics.rejected)

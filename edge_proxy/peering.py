@@ -8,7 +8,8 @@ Socket part: `PeerLink`,
 which keeps one multiplexed public-protocol WebSocket per peer proxy (through
 the inter-region relay, so the forwarded request really pays the RTT between
 regions) and relays a forwarded request's deltas and end to a sink with the
-proxy's own sink interface (`delta(stream, text, ntokens)`, `finish(stream, msg)`).
+proxy's own sink interface (`sinks.DeltaSink`: `delta(request, text, ntokens)`,
+`finish(request, msg)`).
 
 Rules that keep forwarding safe:
 - a forwarded request is never forwarded again (the link announces itself with
@@ -74,9 +75,9 @@ def next_peer(peers: list[Peer], down_until: dict[str, float], tried: set[str], 
     return None
 
 
-@dataclass(eq=False)  # hashable by identity, like Stream: sinks key their outboxes by it
+@dataclass(eq=False)  # hashable by identity, like ProxiedRequest: sinks key their outboxes by it
 class Forwarded:
-    """A forwarded request, duck-typed like `edge_proxy.stream.Stream` for the sink."""
+    """A forwarded request; its sink sees it as a `sinks.Served`, like a `stream.ProxiedRequest`."""
 
     cid: str
     own_region: str
@@ -89,7 +90,7 @@ class Forwarded:
     task: asyncio.Task | None = None
     t0: float = field(default_factory=perf_counter)  # arrival here: timings include the trip to the peer
     t_first: float = 0.0
-    ids: list = field(default_factory=list)  # token ids the peer sent (requests with `resumable`), like Stream.ids
+    ids: list = field(default_factory=list)  # token ids the peer sent (requests with `resumable`)
 
     def cancel(self, notify: bool) -> None:
         """Client cancel (`notify`: answer done/abort) or disconnect (answer nothing)."""

@@ -11,7 +11,7 @@ same loop turn (other tenants' Generates, Aborts) still leaves in that frame.
 
 A replica is *ready* when its socket is open, it said `Hello` with the pool's block
 size, and its `/healthz` passes. It is *lost* (its streams handed to
-`on_lost(conn, streams, cause)` for failover) when:
+`events.on_lost(conn, streams, cause)` for failover) when:
 
 - the socket closes or errors (`disconnect`), including keepalive pings going
   unanswered for `ping_interval_s + ping_timeout_s`;
@@ -26,7 +26,8 @@ Replicas join and leave while serving (`add`, `remove`: `discovery.DnsDiscovery`
 one that leaves has its streams handed to `on_lost` at once (cause `removed`).
 
 The reader is the per-token hot path: decode a frame, look each message's id up
-in one dict, hand it to its stream. Nothing on it awaits a client.
+in one dict, hand the message and its request to the pool's `events` (the
+`RequestEvents` of the proxy that owns the requests). Nothing on it awaits a client.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import secrets
 import ssl
 from dataclasses import dataclass
 from time import perf_counter
+from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -46,7 +48,7 @@ from edge_proxy.admission import LoadView
 from edge_proxy.prefix_index import BlockIndex
 from edge_proxy.replica_link import LinkClosed, LinkRefused, ReplicaLink
 from edge_proxy.routing import compute_groups, effective_load
-from wire.protocol import BAD_REQUEST, Abort, Codec, Error, Finished, Generate, Hello, KvEvents, Load, Tokens
+from wire import protocol as P
 
 log = logging.getLogger("edge_proxy.pool")
 
@@ -68,6 +70,16 @@ class PoolConfig:
     backoff_min_s: float = 0.05
     backoff_max_s: float = 2.0
     max_frame_bytes: int = 64 << 20  # replica -> proxy frames (a step's tokens, KV events)
+
+
+class RequestEvents(Protocol):
+    """What the pool tells the owner of its requests (`core.Proxy`) about a request `s` it was
+    given with `ReplicaConn.start`; `on_lost`: `conn` is lost, its `streams` registered nowhere."""
+
+    def on_tokens(self, s, msg: P.Tokens, now: float) -> None: ...
+    def on_finished(self, s, msg: P.Finished, now: float) -> None: ...
+    def on_replica_error(self, s, err: P.Error) -> None: ...
+    def on_lost(self, conn: ReplicaConn, streams: list, cause: str) -> None: ...
 
 
 def array_header(n: int) -> bytes:
@@ -106,7 +118,7 @@ class ReplicaConn:
         self.pool = pool
         self.cfg = pool.cfg
         self.id = url  # replaced by Hello.replica_id
-        self.hello: Hello | None = None
+        self.hello: P.Hello | None = None
         self.group = ""  # its compute group among the connected replicas (`routing.compute_groups`) ...
         self.share = 1.0  # ... and the fraction of that group's compute it uses at once
         self.link: ReplicaLink | None = None
@@ -114,9 +126,9 @@ class ReplicaConn:
         self.healthy = True  # /healthz verdict
         self.refused = False  # the replica refused our secret (4401)
         self.mismatch = ""  # why its last Hello was refused (tokenizer, block size); "" once accepted
-        self.streams: dict[str, object] = {}  # internal id -> Stream
+        self.streams: dict[str, object] = {}  # internal id -> the request (stream.ProxiedRequest)
         self.index = BlockIndex()
-        self.load: Load | None = None
+        self.load: P.Load | None = None
         self.load_event = asyncio.Event()  # set on every Load report (watchers clear it)
         self.own_inflight = 0  # this proxy's requests on it
         self.own_at_report = 0
@@ -126,7 +138,7 @@ class ReplicaConn:
         self.last_rx = 0.0
         self.busy_since = 0.0  # when the first of the current streams was sent
         self.last_tokens_rx = 0.0
-        self._codec = Codec()
+        self._codec = P.Codec()
         self._encode = msgspec.msgpack.Encoder().encode  # one message at a time (`frame_of`)
         self._out: list = []
         self._seq = 0
@@ -176,7 +188,7 @@ class ReplicaConn:
 
     # -- outgoing --------------------------------------------------------------
 
-    def start(self, stream, gen, uncached: int | None = None) -> str:
+    def start(self, stream, gen: P.Generate, uncached: int | None = None) -> str:
         """Register `stream` under a fresh internal id and queue its Generate; `uncached`:
         the prompt tokens the replica is expected to prefill (default: all of them)."""
         self._seq += 1
@@ -198,7 +210,7 @@ class ReplicaConn:
             self.own_inflight -= 1
             self._prefilled(rid)
             if abort and self.connected:
-                self._send(Abort(rid))
+                self._send(P.Abort(rid))
 
     def _send(self, msg) -> None:
         """Queue a message; everything queued in one loop iteration leaves as one frame."""
@@ -216,10 +228,11 @@ class ReplicaConn:
     def _unsendable(self, msg, exc: Exception) -> None:
         """`msg` cannot be encoded (the edge's bounds should have caught it): fail its request only."""
         log.error("replica %s: cannot encode %s %r: %s", self.id, type(msg).__name__, getattr(msg, "id", None), exc)
-        s = self.streams.get(msg.id) if type(msg) is Generate else None
+        s = self.streams.get(msg.id) if type(msg) is P.Generate else None
         if s is not None:
             self.release(msg.id, abort=False)  # the replica never saw it
-            s.on_replica_error(Error(BAD_REQUEST, f"the request cannot be encoded for the replica: {exc}", msg.id))
+            self.pool.events.on_replica_error(
+                s, P.Error(P.BAD_REQUEST, f"the request cannot be encoded for the replica: {exc}", msg.id))
 
     # -- incoming (the hot path: runs inside the link's data_received) ----------
 
@@ -234,31 +247,31 @@ class ReplicaConn:
         self._dispatch(msgs, now)
 
     def _dispatch(self, msgs: list, now: float) -> None:
-        streams = self.streams
+        streams, events = self.streams, self.pool.events
         for m in msgs:
             t = type(m)
-            if t is Tokens:
+            if t is P.Tokens:
                 self.last_tokens_rx = now
                 if self.prefilling:
                     self._prefilled(m.id)
                 s = streams.get(m.id)
                 if s is not None:
-                    s.on_tokens(m, now)
-            elif t is Finished:
+                    events.on_tokens(s, m, now)
+            elif t is P.Finished:
                 s = streams.get(m.id)
                 if s is not None:
-                    s.on_finished(m, now)
-            elif t is Load:
+                    events.on_finished(s, m, now)
+            elif t is P.Load:
                 self.load = m
                 self.own_at_report = self.own_inflight
                 self.pending_tokens = 0
                 self.load_event.set()
-            elif t is KvEvents:
+            elif t is P.KvEvents:
                 self.index.apply(m)
-            elif t is Error:
+            elif t is P.Error:
                 s = streams.get(m.id) if m.id is not None else None
                 if s is not None:
-                    s.on_replica_error(m)
+                    events.on_replica_error(s, m)
                 else:
                     log.warning("replica %s: %s: %s", self.id, m.code, m.message)
             else:
@@ -277,7 +290,7 @@ class ReplicaConn:
             msgs = self._codec.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             msgs = []
-        if not msgs or type(msgs[0]) is not Hello:
+        if not msgs or type(msgs[0]) is not P.Hello:
             log.error("replica %s did not start with Hello", self.url)
             self.link.abort()
             return
@@ -314,7 +327,7 @@ class ReplicaConn:
             self.pool.on_state_change()
         if lost:
             log.warning("replica %s lost (%s) with %d streams in flight", self.id, cause, len(lost))
-        self.pool.on_lost(self, lost, cause)
+        self.pool.events.on_lost(self, lost, cause)
         if self.link is not None:
             self.link.abort()  # no closing handshake with a peer we no longer trust
 
@@ -411,10 +424,10 @@ class ReplicaConn:
 
 
 class ReplicaPool:
-    def __init__(self, urls: list[str], cfg: PoolConfig, on_lost, tokenizer: str = ""):
+    def __init__(self, urls: list[str], cfg: PoolConfig, events: RequestEvents, tokenizer: str = ""):
         self.cfg = cfg
         self.tokenizer = tokenizer  # our tokenizer's fingerprint; a replica announcing another is refused
-        self.on_lost = on_lost  # (conn, streams, cause) -> None
+        self.events = events  # told about every request it carries
         self.conns = [ReplicaConn(u, self) for u in urls]
         self.block_size = 0
         self.max_model_len = 0
@@ -432,7 +445,7 @@ class ReplicaPool:
     def models(self) -> list[str]:
         return sorted({c.hello.model for c in self.conns if c.hello is not None})
 
-    def accept_hello(self, conn: ReplicaConn, hello: Hello) -> bool:
+    def accept_hello(self, conn: ReplicaConn, hello: P.Hello) -> bool:
         if any(c is not conn and c.connected and c.id == hello.replica_id for c in self.conns):
             log.error("replica at %s claims id %r, already used by another connected replica", conn.url,
                       hello.replica_id)

@@ -1,6 +1,6 @@
-"""One request's life at the proxy: relay, bookkeeping, and exact resume.
+"""One request at the proxy: what it has received, its sink, and what an attempt sends.
 
-A `Stream` is registered on one replica connection at a time. It keeps every
+A `ProxiedRequest` is registered on one replica connection at a time. It keeps every
 token id received so far (`ids`): on failover the next replica gets the same
 prompt ids, sampling and seed plus `resume_ids = ids`, and continues at the
 absolute position `len(ids)`, so seeded and greedy streams continue exactly, and
@@ -8,33 +8,40 @@ the client, which has seen exactly the text of `ids`, sees neither a gap nor a
 repeat. Tokens that the lost replica may have produced but never delivered are
 simply produced again.
 
-Sinks (the client side) are duck-typed: `delta(stream, text, ntokens)` on the hot
-path and `finish(stream, msg)` with a public `Done` or `Error` once. A `rich` sink
-(the OpenAI API) gets `tokens(stream, msg)` with every Tokens and Finished message
-instead of `delta` (sample index, logprobs).
+It is per-request state and its sink, nothing more: the replica pool hands every
+message about the request to the proxy (`core.Proxy.on_tokens`, `on_finished`,
+`on_replica_error`, `on_lost`), which records it here (`add_tokens`) and decides
+whether the request finished, failed or moves to another replica; a client's cancel
+goes to the proxy too (`Proxy.cancel`). Nothing here calls the proxy.
+
+Sinks (`sinks`): every sink takes `delta(request, text, ntokens)` on the hot path and
+`finish(request, msg)` with a public `Done` or `Error` once; a `sinks.TokenSink` (the
+OpenAI API) gets `tokens(request, msg)` with every Tokens and Finished message instead
+of `delta` (sample index, logprobs). Which one is fixed by the sink's type, here.
 
 n > 1 samples: each sample's tokens are kept (`samples`, sample 0's list is `ids`);
-the stream ends once every sample finished, and a failover resends the samples
+the request ends once every sample finished, and a failover resends the samples
 still running with their tokens (`Generate.sample_ids`, `sample_resume`).
 """
 
 from __future__ import annotations
 
-from wire import protocol as rp
 from edge_proxy import protocol as pp
+from edge_proxy.sinks import DeltaSink, TokenSink
+from wire import protocol as P
 
 
-class Stream:
-    __slots__ = ("proxy", "cid", "key", "sink", "gen", "hashes", "session", "t0", "t_first", "t_last", "ids",
+class ProxiedRequest:
+    __slots__ = ("cid", "key", "sink", "token_sink", "gen", "hashes", "session", "t0", "t_first", "t_last", "ids",
                  "conn", "rid", "tried", "failovers", "faults", "done", "span", "replica_ttft_ms", "placement",
-                 "messages", "rich", "samples", "running", "cached_tokens")
+                 "messages", "samples", "running", "cached_tokens")
 
-    def __init__(self, proxy, cid: str, key, sink, gen: rp.Generate, hashes: list[int], session, t0: float, span,
-                 rich: bool = False):
-        self.proxy = proxy
+    def __init__(self, cid: str, key, sink: DeltaSink | TokenSink, gen: P.Generate, hashes: list[int], session,
+                 t0: float, span):
         self.cid = cid  # client's id (public protocol) or the HTTP response id
         self.key = key  # ApiKey
         self.sink = sink
+        self.token_sink = sink if isinstance(sink, TokenSink) else None  # gets `tokens` instead of `delta`
         self.gen = gen  # template for every attempt: prompt ids, sampling (with seed), salt, priority
         self.hashes = hashes  # chained block hashes of the prompt
         self.session = session  # sessions.Session or None
@@ -53,64 +60,33 @@ class Stream:
         self.span = span
         self.replica_ttft_ms = 0.0
         self.cached_tokens = 0  # what the replica's first Tokens said its cache served (a cancel's done reports it)
-        self.rich = rich
         n = gen.sampling.n
         self.samples = [self.ids] + [[] for _ in range(n - 1)] if n > 1 else None
         self.running = set(range(n))  # samples not finished
 
-    # -- from the replica (hot path) -------------------------------------------
+    # -- what the replica sent (recorded by the proxy) -------------------------
 
-    def on_tokens(self, msg, now: float) -> None:
-        """A Tokens message, or the last tokens of a Finished one."""
+    def add_tokens(self, msg: P.Tokens | P.Finished, now: float) -> None:
+        """A Tokens message, or the last tokens of a Finished one: kept, and relayed to the sink (hot path)."""
         ids = msg.ids
-        if type(msg) is rp.Tokens and msg.cached_tokens:  # (a Finished carries its usage instead)
+        if type(msg) is P.Tokens and msg.cached_tokens:  # (a Finished carries its usage instead)
             self.cached_tokens = msg.cached_tokens
         if self.samples is None:
             self.ids += ids
         else:
             self.samples[msg.index] += ids
-        m = self.proxy.metrics
-        if self.t_last:
-            m.itl.observe(now - self.t_last)
-        else:
+        if not self.t_last:
             self.t_first = now
-            m.ttft.observe(now - self.t0)
         self.t_last = now
-        m.tokens.inc(by=len(ids))
-        if self.rich:
-            self.sink.tokens(self, msg)
+        if self.token_sink is not None:
+            self.token_sink.tokens(self, msg)
         else:
             self.sink.delta(self, msg.text, len(ids))
 
-    def on_finished(self, msg: rp.Finished, now: float) -> None:
-        if msg.finish_reason == rp.FINISH_ABORT:
-            # We did not ask for it (we forget a stream before aborting it): the replica
-            # dropped the request, e.g. while shutting down. Resume it elsewhere.
-            if msg.ids or msg.text:  # the tokens count; the finish does not
-                self.on_tokens(rp.Tokens(msg.id, msg.ids, msg.text, msg.index, msg.logprobs), now)
-            self.proxy.replica_dropped(self, "abort")
-            return
-        if msg.ids or msg.text or self.rich:
-            self.on_tokens(msg, now)
-        self.running.discard(msg.index)
-        if self.running:
-            return  # other samples still running
-        self.replica_ttft_ms = msg.ttft_ms
-        self.proxy.finish(self, msg.finish_reason, msg.usage)
-
-    def on_replica_error(self, err: rp.Error) -> None:
-        self.proxy.replica_error(self, err)
-
-    # -- from the client -------------------------------------------------------
-
-    def cancel(self, notify: bool) -> None:
-        """Client cancel (`notify`: answer with done/abort) or disconnect (nothing to answer)."""
-        if self.done:
-            return
-        if notify:
-            self.proxy.finish(self, rp.FINISH_ABORT, rp.Usage())
-        else:
-            self.proxy.end(self, "disconnect")
+    def sample_finished(self, index: int) -> bool:
+        """Sample `index` finished; True once no sample is left running."""
+        self.running.discard(index)
+        return not self.running
 
     # -- attempts --------------------------------------------------------------
 
@@ -119,15 +95,15 @@ class Stream:
         conversation or system prompt draws alike on every proxy worker)."""
         return str(self.hashes[0]) if self.hashes else self.cid
 
-    def next_generate(self, deadline_ms: float) -> rp.Generate:
+    def next_generate(self, deadline_ms: float) -> P.Generate:
         """The Generate for the next attempt (the connection fills in the id)."""
         g = self.gen
         if self.samples is None or not self.t_first:
-            return rp.Generate("", g.prompt_ids, g.sampling, g.cache_salt, g.priority, deadline_ms,
-                               list(self.ids), g.traceparent)
+            return P.Generate("", g.prompt_ids, g.sampling, g.cache_salt, g.priority, deadline_ms,
+                          list(self.ids), g.traceparent)
         run = sorted(self.running)
-        return rp.Generate("", g.prompt_ids, g.sampling, g.cache_salt, g.priority, deadline_ms, [], g.traceparent,
-                           sample_ids=run, sample_resume=[list(self.samples[i]) for i in run])
+        return P.Generate("", g.prompt_ids, g.sampling, g.cache_salt, g.priority, deadline_ms, [], g.traceparent,
+                          sample_ids=run, sample_resume=[list(self.samples[i]) for i in run])
 
     def settle(self, eos: frozenset) -> str:
         """Before a resume: mark the samples whose tokens show they ended (max_tokens, EOS);
@@ -137,20 +113,20 @@ class Stream:
         for i in sorted(self.running):
             ids = self.ids if self.samples is None else self.samples[i]
             if len(ids) >= sp.max_tokens:
-                reason = rp.FINISH_LENGTH
+                reason = P.FINISH_LENGTH
             elif ids and ids[-1] in eos and not sp.ignore_eos:
-                reason = rp.FINISH_STOP
+                reason = P.FINISH_STOP
             else:
                 continue
             self.running.discard(i)
         return "" if self.running else reason
 
-    def done_message(self, finish_reason: str, usage: rp.Usage, now: float) -> pp.Done:
+    def done_message(self, finish_reason: str, usage: P.Usage, now: float, region: str) -> pp.Done:
         return pp.Done(
             id=self.cid, finish_reason=finish_reason,
             usage=pp.Usage(len(self.gen.prompt_ids), sum(map(len, self.samples)) if self.samples else len(self.ids),
                            usage.cached_tokens or self.cached_tokens, usage.accepted_draft_tokens),
             timing=pp.Timing(round((self.t_first - self.t0) * 1e3, 3) if self.t_first else 0.0,
                              round((now - self.t0) * 1e3, 3), round(self.replica_ttft_ms, 3)),
-            region=self.proxy.cfg.region, replica=self.conn.id if self.conn is not None else "",
+            region=region, replica=self.conn.id if self.conn is not None else "",
             failovers=self.failovers)

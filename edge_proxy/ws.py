@@ -169,7 +169,7 @@ class StreamEndpoint:
 
 
 class ClientConnection:
-    """Sink for the streams of one client socket, and its reader."""
+    """Sink (`sinks.DeltaSink`) for the requests of one client socket, and its reader."""
 
     def __init__(self, receive, send, proxy, key, forwarded_by: str | None = None, flusher: Flusher | None = None):
         self.receive, self.send = receive, send  # raw ASGI
@@ -446,8 +446,8 @@ class ClientConnection:
         if type(s) is SubmitRequest:  # still being admitted: `_start` drops it
             self._answer(pp.Done(cid, "abort", pp.Usage(), pp.Timing(), self.proxy.cfg.region, ""))
             return None
-        conn = getattr(s, "conn", None)  # a Stream on a replica (a request forwarded to a peer has none)
-        s.cancel(notify=True)
+        conn = getattr(s, "conn", None)  # on a replica (a request forwarded to a peer has none)
+        self.proxy.cancel(s, notify=True)
         return conn.id if conn is not None else None
 
     async def _start(self, req: SubmitRequest, sink=None) -> None:
@@ -467,7 +467,7 @@ class ClientConnection:
                 self._error(req.cid, pp.ProtocolError(pp.INTERNAL, "the proxy failed to admit this request"))
             return
         if self.active.get(req.cid) is not req or self._closing:  # cancelled or disconnected while admitting
-            s.cancel(notify=False)
+            self.proxy.cancel(s, notify=False)
         elif s.done:  # answered already (finish came before the stream was registered here)
             del self.active[req.cid]
         else:
@@ -500,10 +500,10 @@ class ClientConnection:
         elif type(s) is SubmitRequest:  # still being admitted: `_start` drops it; answer now
             self._answer(pp.Done(cid, "abort", pp.Usage(), pp.Timing(), self.proxy.cfg.region, ""))
         else:
-            s.cancel(notify=True)
+            self.proxy.cancel(s, notify=True)
 
     def _cancel_all(self) -> None:
         active, self.active = self.active, {}
         for s in active.values():
             if type(s) is not SubmitRequest:
-                s.cancel(notify=False)
+                self.proxy.cancel(s, notify=False)

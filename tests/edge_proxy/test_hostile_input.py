@@ -14,7 +14,7 @@ import pytest
 
 from edge_proxy import protocol as pp
 from stub_replica.server import expected_tokens
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import KEYS, proxy_for, stubs, want
 from rawclient import RawClient, generate
@@ -109,38 +109,46 @@ class Counting:
         return self.inner.encode_chat(messages)
 
 
-class _Sink:
-    """Stands in for a Stream on a replica connection (ReplicaConn only calls these)."""
+class _Request:
+    """Stands in for a ProxiedRequest on a replica connection (what ReplicaConn reads of it)."""
 
     samples = None  # one sample
 
     def __init__(self, conn, gen):
         self.conn, self.gen, self.ids, self.done, self.error = conn, gen, [], asyncio.Event(), None
 
-    def on_tokens(self, msg, now):
-        self.ids += msg.ids
 
-    def on_finished(self, msg, now):
-        self.ids += msg.ids
-        self.conn.release(self.gen.id, abort=False)  # as the proxy does
-        self.done.set()
+class _Events:
+    """Stands in for the proxy as the pool's RequestEvents (what the pool tells about each request)."""
 
-    def on_replica_error(self, err):
-        self.error = err
-        self.done.set()
+    def on_tokens(self, s, msg, now):
+        s.ids += msg.ids
+
+    def on_finished(self, s, msg, now):
+        s.ids += msg.ids
+        s.conn.release(s.gen.id, abort=False)  # as the proxy does
+        s.done.set()
+
+    def on_replica_error(self, s, err):
+        s.error = err
+        s.done.set()
+
+    def on_lost(self, conn, streams, cause):
+        pass
 
 
 async def test_an_unencodable_message_fails_alone():
     """Item 12: Generates and an Abort queued in the same loop turn as a message that
     cannot be encoded (ints past msgpack's range) all reach the replica."""
     async with stubs("a", step_s=0.005) as reps, proxy_for(reps) as p:
+        p.proxy.pool.events = _Events()
         conn = p.proxy.pool.conns[0]
-        victim = _Sink(conn, rp.Generate("", [1, 2, 3], rp.SamplingParams(max_tokens=1000, temperature=0.0)))
+        victim = _Request(conn, P.Generate("", [1, 2, 3], P.SamplingParams(max_tokens=1000, temperature=0.0)))
         conn.start(victim, victim.gen)
         await asyncio.wait_for(reps[0].token_event.wait(), 5)
-        a = _Sink(conn, rp.Generate("", [5, 6], rp.SamplingParams(max_tokens=5, temperature=0.0)))
-        bad = _Sink(conn, rp.Generate("", [7, 2**64], rp.SamplingParams(max_tokens=5)))
-        b = _Sink(conn, rp.Generate("", [8, 9], rp.SamplingParams(max_tokens=5, temperature=0.0)))
+        a = _Request(conn, P.Generate("", [5, 6], P.SamplingParams(max_tokens=5, temperature=0.0)))
+        bad = _Request(conn, P.Generate("", [7, 2**64], P.SamplingParams(max_tokens=5)))
+        b = _Request(conn, P.Generate("", [8, 9], P.SamplingParams(max_tokens=5, temperature=0.0)))
         conn.start(a, a.gen)  # all four in one loop turn, so one frame
         rid_bad = conn.start(bad, bad.gen)
         conn.start(b, b.gen)
@@ -148,7 +156,7 @@ async def test_an_unencodable_message_fails_alone():
         await asyncio.wait_for(asyncio.gather(a.done.wait(), b.done.wait(), bad.done.wait()), 5)
         await asyncio.wait_for(reps[0].abort_event.wait(), 5)
         assert a.ids == expected_tokens([5, 6], a.gen.sampling, 5) and b.ids == expected_tokens([8, 9], b.gen.sampling, 5)
-        assert bad.error.code == rp.BAD_REQUEST and "encode" in bad.error.message and bad.error.id == rid_bad
+        assert bad.error.code == P.BAD_REQUEST and "encode" in bad.error.message and bad.error.id == rid_bad
         assert rid_bad not in conn.streams and conn.own_inflight == 0
         assert [g.id for g in reps[0].generates] == [victim.gen.id, a.gen.id, b.gen.id]
         assert reps[0].aborts[0][0] == victim.gen.id

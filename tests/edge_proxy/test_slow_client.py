@@ -40,7 +40,7 @@ class FakeStream:
 
 def conn(ws, max_pending=1 << 20):
     cfg = SimpleNamespace(max_pending_bytes=max_pending, region="t", max_open_per_connection=16, cancel_rate_per_s=10.0)
-    proxy = SimpleNamespace(cfg=cfg, metrics=ProxyMetrics())
+    proxy = SimpleNamespace(cfg=cfg, metrics=ProxyMetrics(), cancel=lambda s, notify: s.cancel(notify))
     return ClientConnection(None, ws, proxy, key=None)
 
 
