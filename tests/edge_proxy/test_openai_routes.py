@@ -45,6 +45,7 @@ REFUSED = [
     ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url", '
                                      b'"image_url": {"url": "x"}}]}]}'),
     ("POST", "/v1/chat/completions", b'{"model": "gpt-9", "messages": ' + HI + b'}'),
+    ("POST", "/v1/chat/completions", b'{"messages": ' + HI + b', "logit_bias": {"\\u00b2": 1}}'),  # a ValueError: 400
     ("POST", "/v1/completions", b'{"prompt": "def f(", "suffix": ")", "max_tokens": 3}'),
     ("POST", "/v1/completions", b'{"prompt": [], "max_tokens": 3}'),
     ("POST", "/v1/completions", b'{"prompt": "a", "suffix": "b", "echo": true}'),
