@@ -35,7 +35,7 @@ from edge_proxy.connections import ConnectionGuard
 from edge_proxy.core import Proxy
 from edge_proxy.openai_api import ProxyBackend
 from edge_proxy.prompt import load_tokenizer
-from edge_proxy.ws import StreamEndpoint
+from edge_proxy.ws_handshake import StreamEndpoint
 from wire.openai_routes import OpenAIRoutes
 from wire.openai_stream import http_error
 from wire.ws_frames import WebSocketFront

@@ -8,7 +8,7 @@ import pytest
 
 from edge_proxy import protocol as pp
 from edge_proxy.metrics import ProxyMetrics
-from edge_proxy.ws import ClientConnection
+from edge_proxy.ws_requests import ClientConnection
 
 pytestmark = pytest.mark.anyio
 
@@ -47,7 +47,6 @@ def conn(ws, max_pending=1 << 20):
 async def test_tokens_merge_while_the_client_is_behind():
     ws = BlockingSocket()
     c = conn(ws)
-    writer = asyncio.create_task(c._write_loop())
     a, b = FakeStream("a"), FakeStream("b")
     c.delta(a, "x", 1)
     await asyncio.sleep(0)  # the writer sends "x" and blocks
@@ -58,7 +57,7 @@ async def test_tokens_merge_while_the_client_is_behind():
     ws.gate.set()
     while len(ws.frames) < 4:
         await asyncio.sleep(0)
-    writer.cancel()
+    c.writer.stop()
     assert [f["type"] for f in ws.frames] == ["delta", "delta", "done", "delta"]
     assert ws.frames[1] == {"type": "delta", "id": "a", "text": "0123456789" * 10, "tokens": 100}
     assert ws.frames[3] == {"type": "delta", "id": "b", "text": "y" * 100, "tokens": 100}
@@ -69,12 +68,11 @@ async def blocked(max_pending: int):
     """A connection whose writer sent one delta of stream "a" and is blocked on the socket."""
     ws = BlockingSocket()
     c = conn(ws, max_pending=max_pending)
-    writer = asyncio.create_task(c._write_loop())
     s = FakeStream("a")
     c.active["a"] = s
     c.delta(s, "x", 1)
     await asyncio.sleep(0)  # the writer sends "x" and blocks
-    return ws, c, s, writer
+    return ws, c, s, c.writer
 
 
 async def test_a_client_too_far_behind_is_cut_off():
@@ -83,8 +81,8 @@ async def test_a_client_too_far_behind_is_cut_off():
         c.delta(s, "0123456789", 1)
     await asyncio.sleep(0)
     assert s.cancelled and ws.closed_with == (1008, pp.TOO_SLOW)
-    assert c._pending_bytes == 0 and not c._pending
-    writer.cancel()
+    assert c.out.pending_bytes == 0 and not c.out.entries
+    writer.stop()
 
 
 async def test_direct_frames_merge_while_the_transport_is_full():
@@ -101,15 +99,15 @@ async def test_direct_frames_merge_while_the_transport_is_full():
                 break
             (stream,) = p.proxy.streams
             conn = stream.sink
-            assert conn._proto is not None  # frames bypass ASGI send
-            conn._proto.pause_writing()
+            assert conn.writer.proto is not None  # frames bypass ASGI send
+            conn.writer.proto.pause_writing()
             n = len(stream.ids)
             while len(stream.ids) < n + 10:  # the replica keeps producing; nothing reaches the client
                 reps[0].token_event.clear()
                 await asyncio.wait_for(reps[0].token_event.wait(), 5)
             frames = req.frames
-            assert conn._pending[stream][1] >= 10  # ten tokens or more merged into one entry
-            conn._proto.resume_writing()
+            assert conn.out.entries[stream][1] >= 10  # ten tokens or more merged into one entry
+            conn.writer.proto.resume_writing()
             text, done = await req.result()
     assert done.finish_reason == "length" and req.tokens == 60 == done.usage.completion_tokens
     assert req.frames < frames + 60 - n  # the paused tokens arrived merged
@@ -122,22 +120,21 @@ async def test_error_frames_and_cancels_share_the_outbox_budget():
     ws, c, s, writer = await blocked(4000)
     for i in range(15):  # within the cancel burst (2 x 10/s)
         c._cancel(f"unknown-{i}")
-    assert ws.closed_with is None and c._pending_bytes > 15 * 40
+    assert ws.closed_with is None and c.out.pending_bytes > 15 * 40
     for _ in range(100):
         c._error(None, pp.ProtocolError(pp.BAD_REQUEST, "invalid message: " + "x" * 60))
         if c._closing:
             break
     await asyncio.sleep(0)
     assert ws.closed_with == (1008, pp.TOO_SLOW) and s.cancelled
-    assert c._pending_bytes == 0 and not c._loose and not c._pending
-    writer.cancel()
+    assert c.out.pending_bytes == 0 and not c.out.loose and not c.out.entries
+    writer.stop()
 
 
 async def test_cancels_are_rate_limited_and_open_requests_capped():
     ws = BlockingSocket()
     ws.gate.set()
     c = conn(ws)  # 10 cancels/s, burst 20; 16 open requests
-    writer = asyncio.create_task(c._write_loop())
     for i in range(25):
         c._cancel(f"r{i}")
     while len(ws.frames) < 25:
@@ -151,7 +148,7 @@ async def test_cancels_are_rate_limited_and_open_requests_capped():
     while len(ws.frames) < 26:
         await asyncio.sleep(0)
     assert ws.frames[-1]["code"] == pp.RATE_LIMITED and ws.frames[-1]["id"] == "one-more"
-    writer.cancel()
+    c.writer.stop()
 
 
 async def test_memory_is_bounded_per_connection_and_returned_when_it_goes():
@@ -184,13 +181,13 @@ async def test_memory_is_bounded_per_connection_and_returned_when_it_goes():
         await reps[0].token_event.wait()
         conns = {s.sink for s in p.proxy.streams}
         for sink in conns:  # small kernel buffers on the proxy's side too (no autotuning): the proxy feels it soon
-            sink._proto.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            sink.writer.proto.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         refs = [weakref.ref(c) for c in conns]
         high = 0
         while p.proxy.streams:  # until every slow client has been cut off
             reps[0].token_event.clear()
             await asyncio.wait_for(reps[0].token_event.wait(), 5)
-            high = max([high] + [x._pending_bytes for x in conns])
+            high = max([high] + [x.out.pending_bytes for x in conns])
             assert high <= budget + 512  # one frame's worth over, at most, before the cut
         cut = p.proxy.metrics.requests.get("disconnect")
         assert cut >= 25, cut  # most were cut off (too_slow); the rest ran to their end

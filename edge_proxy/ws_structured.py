@@ -4,11 +4,11 @@ A `generate` may carry OpenAI's `response_format` (or vLLM's `structured_outputs
 regex, choice, grammar) and `tools` / `tool_choice` / `parallel_tool_calls`, with
 the same meaning and checks as the OpenAI API (wire.structured, wire.tools): the
 grammar travels in the request's SamplingParams, the tools are rendered into the
-prompt in the model's format. With tools shown, `ToolSink` sits between the stream
-and the connection: deltas carry the content only (tool-call markup is held back
-and parsed by wire.tool_calls) and `done` carries the calls in `tool_calls`, its
-finish_reason "tool_calls" where it would say "stop" (a named tool_choice keeps
-"stop", as OpenAI does).
+prompt in the model's format. With tools shown, `ToolSink` (a `sinks.DeltaSink`)
+sits between the request and the connection: deltas carry the content only
+(tool-call markup is held back and parsed by wire.tool_calls) and `done` carries
+the calls in `tool_calls`, its finish_reason "tool_calls" where it would say "stop"
+(a named tool_choice keeps "stop", as OpenAI does).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from edge_proxy import protocol as pp
+from edge_proxy.sinks import DeltaSink, Served
 from wire import openai_prompts as OP
 from wire import structured as S
 from wire import tools as T
@@ -57,21 +58,21 @@ def messages(m: pp.Generate) -> list[dict] | None:
 
 
 class ToolSink:
-    """A stream's sink that parses tool calls out of its text (then hands on to `inner`)."""
+    """A request's sink that parses tool calls out of its text (then hands on to `inner`)."""
 
     __slots__ = ("inner", "parser", "named")
 
-    def __init__(self, inner, tokenizer, tools: T.Tools):
+    def __init__(self, inner: DeltaSink, tokenizer, tools: T.Tools):
         self.inner = inner
         self.parser = ToolCallStream(OP.tool_format(tokenizer).name)
         self.named = tools.choice == "function"
 
-    def delta(self, s, text: str, ntok: int) -> None:
+    def delta(self, s: Served, text: str, ntok: int) -> None:
         content = "".join(e for e in self.parser.feed(text) if isinstance(e, str))
         if content:
             self.inner.delta(s, content, ntok)
 
-    def finish(self, s, msg) -> None:
+    def finish(self, s: Served, msg: pp.Done | pp.Error) -> None:
         if type(msg) is pp.Done:
             rest = "".join(e for e in self.parser.finish() if isinstance(e, str))
             if rest:
