@@ -35,7 +35,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from wire import protocol as rp
+from wire import protocol as P
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def admit(predicted_ms: float, deadline_ms: float, priority: int, cfg: Admission
     if deadline_ms > 0 and predicted_ms > deadline_ms:
         return Verdict(False, predicted_ms, _retry_after(predicted_ms - deadline_ms),
                        f"predicted time to first token {predicted_ms:.0f} ms exceeds the deadline of {deadline_ms:.0f} ms")
-    if priority >= rp.BATCH and predicted_ms > cfg.batch_max_wait_ms:
+    if priority >= P.BATCH and predicted_ms > cfg.batch_max_wait_ms:
         return Verdict(False, predicted_ms, _retry_after(predicted_ms - cfg.batch_max_wait_ms),
                        f"batch tier shed: predicted wait {predicted_ms:.0f} ms > {cfg.batch_max_wait_ms:.0f} ms")
     return Verdict(True, predicted_ms)

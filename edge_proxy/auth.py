@@ -27,10 +27,10 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from wire import protocol as rp
+from wire import protocol as P
 
 ENV_VAR = "EDGECHAT_API_KEYS"
-TIERS = {"interactive": rp.INTERACTIVE, "batch": rp.BATCH, "peer": rp.INTERACTIVE}
+TIERS = {"interactive": P.INTERACTIVE, "batch": P.BATCH, "peer": P.INTERACTIVE}
 
 
 class TokenBucket:
@@ -59,7 +59,7 @@ class TokenBucket:
 class ApiKey:
     key_id: str  # short digest prefix: safe for logs, sessions and metrics
     tenant: str
-    priority: int = rp.INTERACTIVE  # best priority this key may ask for
+    priority: int = P.INTERACTIVE  # best priority this key may ask for
     cache_salt: str = ""
     bucket: TokenBucket | None = field(default=None, repr=False)
     peer: bool = False  # another region's proxy: may run requests for the tenant they name
@@ -92,7 +92,7 @@ class KeyStore:
             rate, burst = float(e.get("rate_per_s", default_rate)), float(e.get("burst", default_burst))
             self._by_digest[d] = (d, ApiKey(d.hex()[:12], tenant, TIERS[tier], cache_salt(tenant, salt_secret),
                                             TokenBucket(rate, burst), peer=tier == "peer"))
-        self.anonymous = (ApiKey("anonymous", "anonymous", rp.INTERACTIVE, cache_salt("anonymous", salt_secret),
+        self.anonymous = (ApiKey("anonymous", "anonymous", P.INTERACTIVE, cache_salt("anonymous", salt_secret),
                                  TokenBucket(default_rate, default_burst)) if anonymous else None)
         if not self._by_digest and not anonymous:
             raise ValueError(f"no API keys configured: set {ENV_VAR}, pass --api-keys FILE, or --allow-anonymous")

@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from wire import protocol as P
 from wire.hashing import block_hashes
-from wire.protocol import KvEvents
 
 
 def reply_hashes(prompt_ids: Sequence[int], prompt_hashes: list[int], out_ids: Sequence[int], block_size: int,
@@ -66,7 +66,7 @@ class BlockIndex:
         self.confirmed = None
         self.expected.clear()
 
-    def apply(self, ev: KvEvents) -> None:
+    def apply(self, ev: P.KvEvents) -> None:
         if self.confirmed is None or ev.cleared:
             self.confirmed = set()
         exp = self.expected

@@ -7,7 +7,7 @@ connection's open requests).
   client -> proxy   generate, cancel
   proxy  -> client  delta (text + token count), done (finish, usage, timing), error
 
-Structured output and tools (edge_proxy.structured): a generate may carry
+Structured output and tools (edge_proxy.ws_structured): a generate may carry
 `response_format`, vLLM's `structured_outputs`, `tools`, `tool_choice` and
 `parallel_tool_calls` as the OpenAI API takes them; messages may carry assistant
 `tool_calls` and `tool` results; `done` then carries the calls made in `tool_calls`.
@@ -31,17 +31,17 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from wire import protocol as rp
+from wire import protocol as P
 from wire.structured import StructuredOutputs
 from wire.tools import MAX_TOOLS, ToolCall
 
 # Stable error codes. The first six are shared with the internal protocol.
-BAD_REQUEST = rp.BAD_REQUEST  # malformed frame or field; fix the request
-PROMPT_TOO_LONG = rp.PROMPT_TOO_LONG  # prompt + max_tokens exceed the model's context or the proxy's limit
-OVERLOADED = rp.OVERLOADED  # cannot start within its deadline; retry after `retry_after_s`
-UNAUTHORIZED = rp.UNAUTHORIZED  # missing or unknown API key
-NOT_FOUND = rp.NOT_FOUND  # unknown request id (cancel) or route
-INTERNAL = rp.INTERNAL
+BAD_REQUEST = P.BAD_REQUEST  # malformed frame or field; fix the request
+PROMPT_TOO_LONG = P.PROMPT_TOO_LONG  # prompt + max_tokens exceed the model's context or the proxy's limit
+OVERLOADED = P.OVERLOADED  # cannot start within its deadline; retry after `retry_after_s`
+UNAUTHORIZED = P.UNAUTHORIZED  # missing or unknown API key
+NOT_FOUND = P.NOT_FOUND  # unknown request id (cancel) or route
+INTERNAL = P.INTERNAL
 FORBIDDEN = "forbidden"  # e.g. a session created by another API key
 RATE_LIMITED = "rate_limited"  # the key's token bucket is empty; retry after `retry_after_s`
 UNAVAILABLE = "unavailable"  # no healthy replica (even after failover)
@@ -56,7 +56,7 @@ TOO_MANY_CONNECTIONS = "too_many_connections"  # connection cap of the proxy or 
 # range); every list and string is bounded, so a frame costs at most what it says.
 MAX_ID_CHARS = 128  # request ids, tenants: echoed in every frame of the request, never longer
 MAX_SESSION_CHARS = 256
-MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, rp.MAX_STOP_TOKEN_IDS
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, P.MAX_STOP_TOKEN_IDS
 MAX_DEADLINE_MS = 3_600_000.0
 MAX_RESUME_IDS = 1 << 16  # ids a `resume` may carry (it must also stay below the request's max_tokens)
 INT32_MAX, SEED_MAX = 2**31 - 1, 2**63 - 1
@@ -64,7 +64,7 @@ INT32_MAX, SEED_MAX = 2**31 - 1, 2**63 - 1
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 
-PRIORITIES = {"interactive": rp.INTERACTIVE, "batch": rp.BATCH}
+PRIORITIES = {"interactive": P.INTERACTIVE, "batch": P.BATCH}
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -72,7 +72,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     n and logprobs are the OpenAI HTTP API's: a delta carries text, not tokens). Bounded while
     decoding; `SamplingParams.validate` checks the ranges again for both front ends."""
 
-    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = rp.DEFAULT_MAX_TOKENS  # <= the proxy's max_tokens_limit
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = P.DEFAULT_MAX_TOKENS  # <= the proxy's max_tokens_limit
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0  # 0 -> greedy
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0  # 0 -> off
@@ -85,13 +85,13 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]],
-                          Meta(max_length=rp.MAX_LOGIT_BIAS)] = {}
+                          Meta(max_length=P.MAX_LOGIT_BIAS)] = {}
     min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
 
-    def params(self) -> rp.SamplingParams:
-        return rp.SamplingParams(**msgspec.structs.asdict(self))
+    def params(self) -> P.SamplingParams:
+        return P.SamplingParams(**msgspec.structs.asdict(self))
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):

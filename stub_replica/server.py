@@ -51,7 +51,7 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from wire import protocol as rp
+from wire import protocol as P
 from wire.hashing import block_hashes
 
 ALPHABET = b" abcdefghijklmnopqrstuvwxyz"
@@ -67,15 +67,15 @@ def prompt_key(prompt_ids: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(array("I", prompt_ids).tobytes())
 
 
-def expected_tokens(prompt_ids: list[int], sampling: rp.SamplingParams, n: int, start: int = 0,
+def expected_tokens(prompt_ids: list[int], sampling: P.SamplingParams, n: int, start: int = 0,
                     index: int = 0) -> list[int]:
     """What the stub generates for this prompt (sample `index`): positions start..n-1."""
     k, seed = prompt_key(prompt_ids), _seed(sampling, index)
     return [token_at(k, seed, p) for p in range(start, n)]
 
 
-def _seed(sp: rp.SamplingParams, index: int = 0) -> int:
-    return 0 if sp.temperature == 0 or sp.seed is None else rp.sample_seed(sp.seed, index)
+def _seed(sp: P.SamplingParams, index: int = 0) -> int:
+    return 0 if sp.temperature == 0 or sp.seed is None else P.sample_seed(sp.seed, index)
 
 
 @dataclass
@@ -103,7 +103,7 @@ class StubConfig:
 class _Req:
     __slots__ = ("conn", "gen", "key", "seed", "pos", "due", "cached", "t_arrival", "ttft_ms", "index", "rid")
 
-    def __init__(self, conn, gen: rp.Generate, due: float, cached: int, index: int = 0, start: int = 0):
+    def __init__(self, conn, gen: P.Generate, due: float, cached: int, index: int = 0, start: int = 0):
         self.conn, self.gen, self.due, self.cached, self.index = conn, gen, due, cached, index
         self.key, self.seed = prompt_key(gen.prompt_ids), _seed(gen.sampling, index)
         self.pos = start
@@ -128,11 +128,11 @@ class StubReplica:
         self.refuse_http = False  # refuse before the upgrade (HTTP 403, as Starlette does) instead of close 4401
         self.healthy = True  # /healthz 200 or 503
         self.frozen = False  # see freeze()
-        self.generates: list[rp.Generate] = []
+        self.generates: list[P.Generate] = []
         self.aborts: list[tuple[str, int]] = []  # (request id, tokens it had produced when the Abort came)
         self.tokens_sent = 0
         self.conns: set[_Conn] = set()
-        self._codec = rp.Codec()
+        self._codec = P.Codec()
         self._cache: OrderedDict[int, None] = OrderedDict()
         self._heap: list = []  # (due, seq, _Req)
         self._seq = 0
@@ -231,19 +231,19 @@ class StubReplica:
         c = _Conn(ws)
         cfg = self.cfg
         # Like the replica: Hello, then the whole cache state, in the first frame.
-        first = [rp.Hello(cfg.replica_id, cfg.model, cfg.block_size, cfg.max_model_len, tokenizer=cfg.tokenizer,
-                          compute=list(cfg.compute), uses=cfg.uses)]
+        first = [P.Hello(cfg.replica_id, cfg.model, cfg.block_size, cfg.max_model_len, tokenizer=cfg.tokenizer,
+                         compute=list(cfg.compute), uses=cfg.uses)]
         if cfg.kv_events:
-            first.append(rp.KvEvents(stored=list(self._cache), cleared=True))
+            first.append(P.KvEvents(stored=list(self._cache), cleared=True))
         await ws.send(self._codec.encode(first))
         self.conns.add(c)
         self.connected_event.set()
         try:
             async for data in ws:
                 for m in self._codec.decode(data):
-                    if type(m) is rp.Generate:
+                    if type(m) is P.Generate:
                         self._admit(c, m)
-                    elif type(m) is rp.Abort:
+                    elif type(m) is P.Abort:
                         for rid in [m.id] + [k for k in c.reqs if k.startswith(m.id + "#")]:
                             r = c.reqs.pop(rid, None)
                             if r is not None:
@@ -270,21 +270,21 @@ class StubReplica:
         if w is not None and not w.done():
             w.set_result(None)
 
-    def _admit(self, c: _Conn, g: rp.Generate) -> None:
+    def _admit(self, c: _Conn, g: P.Generate) -> None:
         self.generates.append(g)
         if self.cfg.poison_token in g.prompt_ids:
             if self.cfg.poison_action == "fault":
-                self._queue(c, rp.Error(rp.ENGINE_FAULT, "this request made the engine fail (stub poison)", g.id))
+                self._queue(c, P.Error(P.ENGINE_FAULT, "this request made the engine fail (stub poison)", g.id))
             else:
                 self._crashing = asyncio.get_running_loop().create_task(self.crash())
             return
         sp = g.sampling
         samples = g.samples()
         if any(resume and resume != expected_tokens(g.prompt_ids, sp, len(resume), index=i) for i, resume in samples):
-            self._queue(c, rp.Error(rp.BAD_REQUEST, "resume_ids differ from this request's stream", g.id))
+            self._queue(c, P.Error(P.BAD_REQUEST, "resume_ids differ from this request's stream", g.id))
             return
         if len(g.prompt_ids) + sp.max_tokens > self.cfg.max_model_len:
-            self._queue(c, rp.Error(rp.PROMPT_TOO_LONG, "prompt + max_tokens over max_model_len", g.id))
+            self._queue(c, P.Error(P.PROMPT_TOO_LONG, "prompt + max_tokens over max_model_len", g.id))
             return
         cached = self._cache_prompt(g)
         for i, resume in samples:
@@ -314,7 +314,7 @@ class StubReplica:
             if w.conn.reqs.get(w.rid) is w and w.conn in self.conns:
                 self._run(w)
 
-    def _cache_prompt(self, g: rp.Generate) -> int:
+    def _cache_prompt(self, g: P.Generate) -> int:
         hashes = block_hashes(g.prompt_ids, self.cfg.block_size, g.cache_salt)
         cache, cached, stored, removed = self._cache, 0, [], []
         for i, h in enumerate(hashes):
@@ -328,7 +328,7 @@ class StubReplica:
         while len(cache) > self.cfg.total_blocks:
             removed.append(cache.popitem(last=False)[0])
         if (stored or removed) and self.cfg.kv_events:
-            ev = rp.KvEvents(stored, removed)
+            ev = P.KvEvents(stored, removed)
             for c in self.conns:
                 self._queue(c, ev)
         return cached * self.cfg.block_size
@@ -374,12 +374,12 @@ class StubReplica:
             r.ttft_ms = (now - r.t_arrival) * 1e3
         c = r.conn
         k = g.sampling.logprobs
-        lps = [] if k is None else [rp.TokenLogprob(-1.0, [tok, *ALPHABET[:k]][:k], [-1.0] * k)]
-        c.out.append(rp.Tokens(g.id, [tok], "" if self.cfg.stamp else chr(tok), r.index, lps))  # stamped in _flush
+        lps = [] if k is None else [P.TokenLogprob(-1.0, [tok, *ALPHABET[:k]][:k], [-1.0] * k)]
+        c.out.append(P.Tokens(g.id, [tok], "" if self.cfg.stamp else chr(tok), r.index, lps))  # stamped in _flush
         self._dirty.add(c)
         if r.pos >= g.sampling.max_tokens:
-            c.out.append(rp.Finished(g.id, rp.FINISH_LENGTH, rp.Usage(len(g.prompt_ids), r.pos, r.cached), r.ttft_ms,
-                                     index=r.index))
+            c.out.append(P.Finished(g.id, P.FINISH_LENGTH, P.Usage(len(g.prompt_ids), r.pos, r.cached), r.ttft_ms,
+                                    index=r.index))
             del c.reqs[r.rid]
             self._free(r)
 
@@ -392,7 +392,7 @@ class StubReplica:
             if self.cfg.stamp:
                 stamp = f"{time.perf_counter_ns()};"
                 for m in out:
-                    if type(m) is rp.Tokens:
+                    if type(m) is P.Tokens:
                         m.text = stamp
             # Straight through the sans-I/O protocol to the transport: the asyncio
             # `send()` costs several times more, and the bench's direct baseline sends
@@ -414,7 +414,7 @@ class StubReplica:
                           total_blocks=cfg.total_blocks, step_ms=cfg.step_s * 1e3,
                           tokens_per_s=running / cfg.step_s, max_running=cfg.max_running)
             fields.update(cfg.load_override)
-            load = rp.Load(**fields)
+            load = P.Load(**fields)
             for c in self.conns:
                 self._queue(c, load)
 

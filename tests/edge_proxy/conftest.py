@@ -19,7 +19,7 @@ from edge_proxy.pool import PoolConfig
 from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.server import DrainingServer, bind, uvicorn_config
 from stub_replica.server import StubConfig, StubReplica, expected_tokens
-from wire import protocol as rp
+from wire import protocol as P
 
 SECRET = "replica-secret"
 KEYS = [
@@ -52,7 +52,7 @@ async def stubs(*ids: str, **kw):
 
 def want(prompt: str, n: int) -> str:
     """The stub's greedy text for a raw prompt under the byte tokenizer."""
-    return "".join(map(chr, expected_tokens(list(prompt.encode()), rp.SamplingParams(temperature=0.0), n)))
+    return "".join(map(chr, expected_tokens(list(prompt.encode()), P.SamplingParams(temperature=0.0), n)))
 
 
 async def until_load(conn, pred) -> None:

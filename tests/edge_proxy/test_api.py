@@ -10,7 +10,7 @@ from websockets.asyncio.client import connect
 from edge_proxy import protocol as pp
 from edge_proxy.client import EdgeClient, EdgeError
 from stub_replica.server import expected_tokens
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import proxy_for, stubs
 
@@ -19,7 +19,7 @@ AUTH = {"Authorization": "Bearer sk-alice"}
 HI = [{"role": "user", "content": "hello there"}]
 
 
-def stub_text(g: rp.Generate, n: int) -> str:
+def stub_text(g: P.Generate, n: int) -> str:
     return bytes(expected_tokens(g.prompt_ids, g.sampling, n)).decode()
 
 

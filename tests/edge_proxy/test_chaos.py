@@ -25,7 +25,7 @@ from edge_proxy.client import EdgeClient
 from edge_proxy.prompt import ByteTokenizer
 from stub_replica.server import expected_tokens
 from tests.replica.server import free_port_range
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import FAST_POOL, SECRET, proxy_for
 
@@ -66,7 +66,7 @@ class StubProcess:
 
 
 def expected_text(prompt: str, max_tokens: int, seed: int) -> str:
-    sp = rp.SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed)
+    sp = P.SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed)
     return "".join(map(chr, expected_tokens(ByteTokenizer().encode(prompt), sp, max_tokens)))
 
 

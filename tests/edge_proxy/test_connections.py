@@ -17,7 +17,7 @@ from edge_proxy.client import EdgeClient
 from edge_proxy.connections import ConnectionLimits
 from stub_replica.server import expected_tokens
 from tests.replica.server import free_port
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import SECRET, proxy_for, stubs, until_line
 
@@ -174,7 +174,7 @@ async def test_slowloris_and_descriptor_pressure_keep_healthz_and_bystanders_ser
                 stop.set()
                 await asyncio.gather(*attack)
             assert [s for s, _ in checks] == [200] * len(checks) and max(t for _, t in checks) < 1.0, checks
-            want = "".join(map(chr, expected_tokens(list(b"bystander"), rp.SamplingParams(temperature=0.0), 150)))
+            want = "".join(map(chr, expected_tokens(list(b"bystander"), P.SamplingParams(temperature=0.0), 150)))
             assert done.finish_reason == "length" and text == want
             print(stats, f"healthz max {max(t for _, t in checks) * 1e3:.0f} ms over {len(checks)} checks")
             assert stats["opened"] > 300 and stats["dropped"] > 100, stats  # the attack really ran (and churned)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from stub_replica.server import expected_tokens
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import KEYS, proxy_for, stubs
 from jsonpaths import paths, set_at
@@ -114,7 +114,7 @@ async def test_fuzz_public_websocket_protocol():
                     assert c.ended[rid]["type"] == "done", c.ended[rid]
                     texts.append(c.text(rid))
             want = ["".join(map(chr, expected_tokens(list(f"bystander {i}".encode()),
-                                                     rp.SamplingParams(temperature=0.0), 60))) for i in range(15)]
+                                                     P.SamplingParams(temperature=0.0), 60))) for i in range(15)]
             assert texts == want
 
         by = asyncio.create_task(bystander())

@@ -17,7 +17,7 @@ import pytest
 from edge_proxy.client import EdgeClient
 from stub_replica.server import expected_tokens
 from tests.edge_proxy.openai_bodies import BASES, MSG, check_answer, mutate
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import KEYS, proxy_for, stubs
 
@@ -32,7 +32,7 @@ async def bystander(url: str, i: int, rounds: int) -> int:
         for r in range(rounds):
             prompt = f"bystander {i} round {r}"
             text, d = await c.complete(prompt=prompt, max_tokens=12, seed=100 + i, temperature=0.9)
-            sp = rp.SamplingParams(max_tokens=12, temperature=0.9, seed=100 + i)
+            sp = P.SamplingParams(max_tokens=12, temperature=0.9, seed=100 + i)
             assert text == bytes(expected_tokens(list(prompt.encode()), sp, 12)).decode() and d.finish_reason == "length"
             done += 1
     return done

@@ -9,7 +9,7 @@ from edge_proxy.metrics import ProxyMetrics
 from wire.metrics import Histogram
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.tracing import make_tracer, start_request_span, traceparent_of
-from wire import protocol as rp
+from wire import protocol as P
 
 ACFG = AdmissionConfig(default_tokens_per_s=4000.0, default_step_ms=20.0, batch_max_wait_ms=5000.0)
 
@@ -22,14 +22,14 @@ def test_predicted_ttft_from_the_queue():
 
 
 def test_admit_against_deadline_and_tier():
-    assert admit(120.0, 0.0, rp.INTERACTIVE, ACFG).ok  # no deadline
-    assert admit(120.0, 200.0, rp.INTERACTIVE, ACFG).ok
-    v = admit(2630.0, 500.0, rp.INTERACTIVE, ACFG)
+    assert admit(120.0, 0.0, P.INTERACTIVE, ACFG).ok  # no deadline
+    assert admit(120.0, 200.0, P.INTERACTIVE, ACFG).ok
+    v = admit(2630.0, 500.0, P.INTERACTIVE, ACFG)
     assert not v.ok and v.retry_after_s == 3.0 and "deadline" in v.reason
-    assert admit(4000.0, 0.0, rp.BATCH, ACFG).ok
-    v = admit(9000.0, 0.0, rp.BATCH, ACFG)
+    assert admit(4000.0, 0.0, P.BATCH, ACFG).ok
+    v = admit(9000.0, 0.0, P.BATCH, ACFG)
     assert not v.ok and v.retry_after_s == 4.0 and "batch" in v.reason
-    assert admit(9000.0, 0.0, rp.INTERACTIVE, ACFG).ok  # interactive waits where batch is shed
+    assert admit(9000.0, 0.0, P.INTERACTIVE, ACFG).ok  # interactive waits where batch is shed
 
 
 def test_token_bucket():
@@ -42,8 +42,8 @@ def test_token_bucket():
 def test_keystore_checks_digests_and_tiers():
     ks = KeyStore(parse_env("sk-a=acme,sk-b=beta:batch:5:10"), salt_secret="s")
     a, b = ks.check("sk-a"), ks.check("sk-b")
-    assert a.tenant == "acme" and a.priority == rp.INTERACTIVE
-    assert b.tenant == "beta" and b.priority == rp.BATCH and b.bucket.rate == 5.0 and b.bucket.burst == 10.0
+    assert a.tenant == "acme" and a.priority == P.INTERACTIVE
+    assert b.tenant == "beta" and b.priority == P.BATCH and b.bucket.rate == 5.0 and b.bucket.burst == 10.0
     assert ks.check("sk-c") is None and ks.check("") is None and ks.check(None) is None
     assert "sk-a" not in repr(a)  # only digests are kept
     assert a.cache_salt == cache_salt("acme", "s") != b.cache_salt

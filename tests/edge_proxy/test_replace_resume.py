@@ -14,7 +14,7 @@ from edge_proxy.client import EdgeClient
 from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.routing import RouterConfig
 from stub_replica.server import expected_tokens
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import proxy_for, stubs
 from rawclient import RawClient
@@ -26,7 +26,7 @@ SAMPLING = {"max_tokens": 40, "temperature": 0.8, "seed": 11}
 
 def stream_of(prompt: str, n: int, seed: int = 11, temperature: float = 0.8) -> list[int]:
     """The stub's token ids for a raw prompt through the byte tokenizer."""
-    return expected_tokens(ByteTokenizer().encode(prompt), rp.SamplingParams(seed=seed, temperature=temperature), n)
+    return expected_tokens(ByteTokenizer().encode(prompt), P.SamplingParams(seed=seed, temperature=temperature), n)
 
 
 async def test_replaces_aborts_the_old_request_and_stays_on_its_replica():

@@ -14,7 +14,7 @@ from edge_proxy.routing import rendezvous_order
 from edge_proxy.sessions import placement_key
 from edge_proxy.tracing import make_tracer
 from stub_replica.server import expected_tokens
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import proxy_for, stubs, until_load
 
@@ -80,7 +80,7 @@ class TrimmingTokenizer(ByteTokenizer):
 
 
 async def test_replies_the_template_renders_into_other_ids_are_counted():
-    tok, sp = TrimmingTokenizer(), rp.SamplingParams(max_tokens=4, temperature=0)
+    tok, sp = TrimmingTokenizer(), P.SamplingParams(max_tokens=4, temperature=0)
     spaced, plain = [], []  # chats whose stub reply starts with a space (the template drops it) or not
     for i in range(500):
         msgs = [{"role": "user", "content": f"question {i}"}]

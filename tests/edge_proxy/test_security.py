@@ -12,7 +12,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from edge_proxy import protocol as pp
 from edge_proxy.client import EdgeClient, EdgeError
 from edge_proxy.pool import PoolConfig
-from wire import protocol as rp
+from wire import protocol as P
 
 from conftest import FAST_POOL, KEYS, proxy_for, stubs
 
@@ -161,7 +161,7 @@ async def test_priority_tier_comes_from_the_key():
         async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
             await c.complete(prompt="x", max_tokens=1)
             await c.complete(prompt="x", max_tokens=1, priority="batch")
-        assert [g.priority for g in reps[0].generates] == [rp.BATCH, rp.INTERACTIVE, rp.BATCH]
+        assert [g.priority for g in reps[0].generates] == [P.BATCH, P.INTERACTIVE, P.BATCH]
 
 
 async def test_a_subprotocol_offer_must_include_edgechat_v1():
