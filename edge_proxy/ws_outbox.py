@@ -58,7 +58,7 @@ class ClientOutbox:
             self.pending_bytes += IDS_BYTES * ntok
 
     def final(self, s, msg: pp.Done | pp.Error) -> None:
-        """Stream `s`'s last frame, after its deltas."""
+        """Request `s`'s last frame, after its deltas."""
         e = self.entries.get(s)
         if e is None:
             self.entries[s] = ["", 0, 0, msg, 0]
