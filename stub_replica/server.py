@@ -101,7 +101,7 @@ class StubConfig:
 
 
 class _Req:
-    __slots__ = ("conn", "gen", "key", "seed", "pos", "due", "cached", "t_arrival", "ttft_ms", "index", "rid")
+    __slots__ = ("conn", "gen", "key", "seed", "pos", "due", "cached", "t_arrival", "ttft_ms", "index", "rid", "last")
 
     def __init__(self, conn, gen: P.Generate, due: float, cached: int, index: int = 0, start: int = 0):
         self.conn, self.gen, self.due, self.cached, self.index = conn, gen, due, cached, index
@@ -110,6 +110,7 @@ class _Req:
         self.rid = gen.id if gen.sampling.n == 1 else f"{gen.id}#{index}"  # key in _Conn.reqs
         self.t_arrival = time.perf_counter()
         self.ttft_ms = 0.0
+        self.last = 0.0  # when its previous token went out
 
 
 class _Conn:
@@ -135,6 +136,9 @@ class StubReplica:
         self._codec = P.Codec()
         self._cache: OrderedDict[int, None] = OrderedDict()
         self._heap: list = []  # (due, seq, _Req)
+        # The step as it runs, not as configured: a starved host stretches it, and Load says
+        # so as a real replica's measured step does (the proxy's admission plans with it).
+        self._step_s = self.cfg.step_s
         self._seq = 0
         self._server = None
         self._tasks: list[asyncio.Task] = []
@@ -355,6 +359,9 @@ class StubReplica:
                 _, _, r = heapq.heappop(heap)
                 if r.conn.reqs.get(r.rid) is not r:
                     continue  # aborted or connection gone
+                if r.last:  # a pause (lag, freeze) counts as ten steps at most
+                    self._step_s += 0.05 * (min(now - r.last, 10 * step) - self._step_s)
+                r.last = now
                 self._emit(r, now)
                 if r.conn.reqs.get(r.rid) is r:
                     r.due = max(r.due + step, now)  # an overloaded host falls behind instead of bursting
@@ -411,8 +418,8 @@ class StubReplica:
             held = self.active
             running = len(self._running) if cfg.max_running else held
             fields = dict(running=running, waiting=held - running, free_blocks=cfg.total_blocks - len(self._cache),
-                          total_blocks=cfg.total_blocks, step_ms=cfg.step_s * 1e3,
-                          tokens_per_s=running / cfg.step_s, max_running=cfg.max_running)
+                          total_blocks=cfg.total_blocks, step_ms=max(cfg.step_s, self._step_s) * 1e3,
+                          tokens_per_s=running / max(cfg.step_s, self._step_s), max_running=cfg.max_running)
             fields.update(cfg.load_override)
             load = P.Load(**fields)
             for c in self.conns:
