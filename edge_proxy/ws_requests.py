@@ -54,7 +54,7 @@ class ClientConnection:
 
     def __init__(self, receive, send, proxy, key, forwarded_by: str | None = None,
                  flusher: TurnFlusher | None = None):
-        self.receive, self.send = receive, send  # raw ASGI
+        self.receive = receive  # raw ASGI (`send` is the writer's)
         self.proxy = proxy
         self.key = key
         self.forwarded_by = forwarded_by  # a peer region's proxy: its requests are never forwarded again
