@@ -176,7 +176,7 @@ class Recorder:
 async def run_clients(a) -> dict:
     import msgspec
 
-    from wire import protocol as rp
+    from wire import protocol as P
 
     loop = asyncio.get_running_loop()
     now = time.perf_counter_ns()
@@ -200,11 +200,11 @@ async def run_clients(a) -> dict:
         gen = msgspec.json.encode({"type": "generate", "id": "s", "prompt": "benchmark prompt",
                                    "sampling": {"max_tokens": max_tokens, "temperature": 0}})
     else:
-        codec = rp.Codec()
+        codec = P.Codec()
 
         def on_message(data, t, codec=codec, rec=rec):
             for m in codec.decode(data):
-                if type(m) is rp.Tokens:
+                if type(m) is P.Tokens:
                     rec.stamps(m.text, t)
 
     headers = {"Authorization": f"Bearer {BENCH_KEY}"} if a.path == "proxy" else None
@@ -215,7 +215,7 @@ async def run_clients(a) -> dict:
         if a.path == "proxy":
             c.send_text(gen)
         else:
-            c.send_binary(codec.encode([rp.Generate(f"s{i}", PROMPT, rp.SamplingParams(max_tokens=max_tokens,
+            c.send_binary(codec.encode([P.Generate(f"s{i}", PROMPT, P.SamplingParams(max_tokens=max_tokens,
                                                                                          temperature=0))]))
         clients.append(c)
         # Spread connection set-up over the ramp.
