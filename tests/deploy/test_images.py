@@ -78,9 +78,10 @@ def test_the_image_copies_every_package_and_the_cmds_parse():
     assert copied == set(pyproject["tool"]["setuptools"]["packages"]) | {"pyproject.toml"}
     assert proxy_args(st["proxy"].exec_form("CMD")).discovery.name == "edgechat-replica"
     for target in ("replica-cpu", "replica-cuda"):
-        assert json.loads(inherited(st, target, "ENTRYPOINT")) == ["python", "-m", "replica"]
+        assert json.loads(inherited(st, target, "ENTRYPOINT")) == ["edgechat-replica"]  # deploy/replica-entrypoint.sh
         a = replica_args(st[target].exec_form("CMD"))
         assert (a.host, a.port, a.model) == ("0.0.0.0", 8000, "default")
+    assert 'exec python -m replica "$@"' in (ROOT / "deploy" / "replica-entrypoint.sh").read_text().splitlines()
 
 
 def closure(dist: str, extras: set[str]) -> set[str]:
