@@ -1,0 +1,242 @@
+"""The images and the manifests as an operator runs them on one machine, with podman: the
+proxy and CPU replica images built from deploy/Dockerfile (deploy/images.py, cached layers
+reused), the cpu-demo overlay played (deploy/podman_kube.py: a proxy and two replicas, the
+replicas found through DNS), the official openai SDK streaming through the proxy, every
+replica replaced one at a time under continuous streaming load with no stream lost or
+changed, and nothing left behind.
+
+Minutes, so marked `podman` and left out of a plain run (tests/deploy/conftest.py):
+    .venv/bin/python -m pytest -q -m podman tests/deploy/test_podman.py     (or deploy/podman-e2e.sh)
+Skipped, saying why, where podman, runc or mmdebstrap is missing or cannot start a container.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.deploy.dockerfile import ROOT
+
+pytestmark = [pytest.mark.podman, pytest.mark.timeout(5400)]
+
+images = pytest.importorskip("deploy.images")
+podman_kube = pytest.importorskip("deploy.podman_kube")
+
+PROMPTS = ["What is the capital of France?", "Name three colours.", "Count from one to ten.",
+           "Say hello in Spanish.", "What is two plus two?", "Name a large animal."]
+MAX_TOKENS = 40
+STREAMS_AT_ONCE = 4
+
+
+def _why_not() -> str:
+    missing = images.missing_tools()
+    if missing:
+        return f"missing {' '.join(missing)} (Debian: {images.APT})"
+    if not shutil.which("kubectl"):
+        return "kubectl renders the overlay and is not installed"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def built():
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    base = images.base_image()
+    r = images.podman("run", "--rm", "--network", "none", "--entrypoint", "true", base, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"podman cannot start a container here: {r.stderr.strip()[-300:]}")
+    return {t: images.build(t, base) for t in ("proxy", "replica-cpu")}
+
+
+@pytest.fixture(scope="module")
+def region(built, tmp_path_factory):
+    """The cpu-demo overlay played, from a copy of deploy/k8s with a fresh replica secret."""
+    tree = tmp_path_factory.mktemp("k8s") / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", tree, ignore=shutil.ignore_patterns("secrets.env"))
+    secret = "e2e-" + time.strftime("%H%M%S")
+    (tree / "overlays" / "cpu-demo" / "secrets.env").write_text(f"replica-secret={secret}\n")
+    before = _leftovers()
+    podman_kube.down()
+    r = podman_kube.Region(podman_kube.render(tree / "overlays" / "cpu-demo"), host_port=0)
+    r.secret = secret
+    r.before = before
+    try:
+        r.started = r.up()
+        yield r
+    finally:
+        podman_kube.down()
+
+
+def _leftovers() -> dict[str, set[str]]:
+    """What podman holds now: containers, pods, volumes, secrets, networks (by name)."""
+    p = images.podman
+    return {"containers": set(p("ps", "-a", "--format", "{{.Names}}").stdout.split()),
+            "pods": set(p("pod", "ps", "--format", "{{.Name}}").stdout.split()),
+            "volumes": set(p("volume", "ls", "--format", "{{.Name}}").stdout.split()),
+            "secrets": set(p("secret", "ls", "--format", "{{.Name}}").stdout.split()),
+            "networks": set(p("network", "ls", "--format", "{{.Name}}").stdout.split())}
+
+
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(edgechat_proxy_[^ ]+) (\S+)$", text, re.M)}
+
+
+def _replica_loads(url: str) -> dict[str, float]:
+    return {m.group(1): v for k, v in _metrics(url).items()
+            if (m := re.fullmatch(r'edgechat_proxy_replica_load\{replica="([^"]+)"\}', k))}
+
+
+def _failovers(url: str) -> dict[str, float]:
+    return {m.group(1): v for k, v in _metrics(url).items()
+            if (m := re.fullmatch(r'edgechat_proxy_failovers_total\{cause="([^"]+)"\}', k))}
+
+
+def test_images_sizes_no_torch_in_the_proxy_kernels_built_in(built):
+    proxy, replica = built["proxy"], built["replica-cpu"]
+    print(f"\nproxy {proxy.size_mb:.0f} MB ({proxy.seconds:.0f} s), replica-cpu {replica.size_mb:.0f} MB "
+          f"({replica.seconds:.0f} s)")
+    assert not images.has_torch(proxy.tag) and images.has_torch(replica.tag)
+    assert proxy.size_mb < replica.size_mb
+    start = images.time_replica_start(replica.tag)
+    print(f"replica container start to ready {start.seconds:.1f} s: {start.stages}")
+    assert "did not build" not in start.log, start.log  # every C++ kernel loaded from the image
+    kernels = [s for s in start.stages if s.startswith("stage: building kernels ") and s.endswith(" s")]
+    assert kernels and all(float(s.split()[-2]) < 15 for s in kernels), start.stages  # loaded, not compiled
+    assert any(s.startswith("stage: ready ") for s in start.stages)
+
+
+def test_the_region_plays_with_probes_secret_resources_and_dns_discovery(region):
+    pods = region.pods()
+    assert sorted(p.component for p in pods) == ["proxy", "replica", "replica"]
+    replicas = [p for p in pods if p.component == "replica"]
+    url = region.proxy_url()
+    for p in pods:  # readiness (polled by up()) and liveness answer; the liveness as podman's healthcheck
+        for probe in ("readinessProbe", "livenessProbe"):
+            with urllib.request.urlopen(region.probe_url(p, probe), timeout=5) as r:
+                assert r.status == 200, (p.name, probe)
+        container = f"{p.name}-{p.component}"
+        assert images.podman("healthcheck", "run", container, check=False).returncode == 0, container
+        c = json.loads(images.podman("inspect", container).stdout)[0]
+        env = dict(e.split("=", 1) for e in c["Config"]["Env"])
+        assert env["EDGECHAT_REPLICA_SECRET"] == region.secret  # from the Secret, through secretKeyRef
+        assert env["POD_NAME"] == p.name
+        limit = region.deployment(p.component)["spec"]["template"]["spec"]["containers"][0]["resources"]
+        assert limit["requests"]["cpu"] and limit["requests"]["memory"]  # requests stay in what was played
+        assert c["HostConfig"]["Memory"] == _bytes(limit["limits"]["memory"])
+        assert c["HostConfig"]["ReadonlyRootfs"] and c["Config"]["User"] == "10001:10001"
+    # the proxy found both replicas by resolving the headless Service's name (the network alias)
+    m = _metrics(url)
+    assert m["edgechat_proxy_replicas_ready"] == 2
+    assert m['edgechat_proxy_dns_refreshes_total{outcome="ok"}'] > 0
+    assert set(_replica_loads(url)) == {p.name for p in replicas}  # --replica-id=$(POD_NAME)
+    print(f"\nplayed: {region.started}")
+
+
+def _bytes(q: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+
+def _client(region) -> openai.AsyncOpenAI:  # async with: its connections closed
+    return openai.AsyncOpenAI(base_url=region.proxy_url() + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
+
+
+async def _stream(client, model: str, prompt: str) -> dict:
+    """One chat completion streamed: its text, tokens, and the longest wait between chunks."""
+    t0 = time.monotonic()
+    last, gaps, text, usage = None, [], [], None
+    stream = await client.chat.completions.create(
+        model=model, stream=True, max_tokens=MAX_TOKENS, temperature=0, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": prompt}])
+    async for chunk in stream:
+        now = time.monotonic()
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return {"prompt": prompt, "text": "".join(text), "tokens": usage, "max_gap_s": max(gaps, default=0.0),
+            "started": t0, "ended": time.monotonic()}
+
+
+@pytest.mark.anyio
+async def test_the_openai_sdk_streams_through_the_proxy(region):
+    async with _client(region) as client:
+        model = (await client.models.list()).data[0].id
+        out = await _stream(client, model, PROMPTS[0])
+        assert "Paris" in out["text"] and 0 < out["tokens"] <= MAX_TOKENS
+        region.model = model
+        region.expected = {p: (await _stream(client, model, p)) for p in PROMPTS}  # one at a time: the references
+
+
+@pytest.mark.anyio
+async def test_rolling_replacement_under_streaming_load_loses_no_stream(region):
+    url, model = region.proxy_url(), region.model
+    failovers_before = _failovers(url)
+    done, errors, stop = [], [], asyncio.Event()
+
+    async def streamer(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            i += STREAMS_AT_ONCE
+            try:
+                done.append(await _stream(client, model, prompt))
+            except openai.OpenAIError as e:  # a stream the roll broke: the test's failure
+                errors.append(f"{prompt}: {e!r}")
+
+    def busy(old) -> None:
+        """The old replica holds streams when it is stopped, so some have to move."""
+        deadline = time.monotonic() + 60
+        while _replica_loads(url).get(old.name, 0) < 1:
+            assert time.monotonic() < deadline, f"{old.name} never had a stream"
+            time.sleep(0.05)  # another process's gauge: nothing to await
+
+    async def roll() -> list[dict]:
+        await asyncio.sleep(1)  # load is flowing
+        try:
+            return await asyncio.to_thread(region.roll, "replica", busy)
+        finally:
+            stop.set()
+
+    old = {p.name for p in region.pods("replica")}
+    t0 = time.monotonic()
+    async with _client(region) as client:
+        steps, *_ = await asyncio.gather(roll(), *(streamer(k) for k in range(STREAMS_AT_ONCE)))
+    seconds = time.monotonic() - t0
+    failovers = {c: v - failovers_before.get(c, 0) for c, v in _failovers(url).items()}
+    expected = {p: (e["text"], e["tokens"]) for p, e in region.expected.items()}
+    wrong = [(d["prompt"], d["text"], expected[d["prompt"]]) for d in done
+             if (d["text"], d["tokens"]) != expected[d["prompt"]]]
+    max_gap = max(d["max_gap_s"] for d in done)
+    region.roll_figures = {"streams": len(done), "failovers": failovers, "max_gap_ms": round(max_gap * 1000),
+                           "seconds": round(seconds), "steps": steps}
+    print(f"\nrolling replacement: {json.dumps(region.roll_figures)}")
+    assert not errors, errors
+    assert not wrong, wrong  # token-exact: every stream as it streams with no replica replaced
+    assert len(done) >= 2 * STREAMS_AT_ONCE
+    assert sum(failovers.values()) >= 1  # streams did move: the old replicas were stopped holding streams
+    now = {p.name for p in region.pods("replica")}
+    assert len(now) == 2 and not now & old  # both replaced
+    assert _metrics(url)["edgechat_proxy_replicas_ready"] == 2 and now <= set(_replica_loads(url))
+
+
+def test_teardown_leaves_no_container_pod_volume_or_secret(region):
+    podman_kube.down()
+    after = _leftovers()
+    for what, names in after.items():
+        assert not {n for n in names - region.before[what] if n.startswith("edgechat")}, (what, names)
+    assert after["volumes"] <= region.before["volumes"] and after["containers"] <= region.before["containers"]
+    assert after["pods"] <= region.before["pods"]
