@@ -214,15 +214,21 @@ def time_replica_start(tag: str, log=print) -> Start:
     t0 = time.monotonic()
     try:
         ip = podman("inspect", "--format", "{{.NetworkSettings.IPAddress}}", name).stdout.strip()
-        seconds = wait_healthz(f"http://{ip}:8000/healthz", READY_TIMEOUT_S,
-                               alive=lambda: podman("container", "exists", name, check=False).returncode == 0
-                               and "running" in podman("inspect", "--format", "{{.State.Status}}", name).stdout)
-        seconds = seconds - t0
-        text = podman("logs", name, check=False, stderr=subprocess.STDOUT, capture=False,
-                      stdout=subprocess.PIPE).stdout
+        try:
+            seconds = wait_healthz(f"http://{ip}:8000/healthz", READY_TIMEOUT_S, alive=lambda: "running" in podman(
+                "inspect", "--format", "{{.State.Status}}", name, check=False).stdout) - t0
+        except (RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"{e}; its log ends:\n{logs(name)[-3000:]}") from None
+        text = logs(name)
     finally:
         podman("rm", "-f", "-v", "-t", "5", name, check=False)
     return Start(seconds, [ln for ln in text.splitlines() if ln.startswith("stage: ")], text)
+
+
+def logs(container: str) -> str:
+    """A container's output, stdout and stderr as they came."""
+    return podman("logs", container, check=False, capture=False, stdout=subprocess.PIPE,
+                  stderr=subprocess.STDOUT).stdout
 
 
 def wait_healthz(url: str, timeout_s: float, alive=lambda: True) -> float:
@@ -265,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     replica = next((b for b in built if b.target == "replica-cpu"), None)
     if replica and not a.no_start:
         s = time_replica_start(replica.tag, log)
-        print(f"{replica.tag}: container start to ready {s.seconds:.1f} s ({'; '.join(x[7:] for x in s.stages)})")
+        ended = "; ".join(x.removeprefix("stage: ") for x in s.stages if x.endswith(" s"))  # not the "..." ones
+        print(f"{replica.tag}: container start to ready {s.seconds:.1f} s ({ended})")
         if "did not build" in s.log:
             print("warning: a C++ kernel did not load from the image (its log above says which)", file=sys.stderr)
             log(s.log)

@@ -226,7 +226,11 @@ class Region:
     def wait_ready(self, pod: Pod, timeout_s: float = READY_TIMEOUT_S) -> float:
         """Seconds until the pod's readiness probe answers 200 (the pod's containers must keep running)."""
         t0 = time.monotonic()
-        images.wait_healthz(self.probe_url(pod), timeout_s, alive=lambda: self.running(pod.name))
+        try:
+            images.wait_healthz(self.probe_url(pod), timeout_s, alive=lambda: self.running(pod.name))
+        except (RuntimeError, TimeoutError) as e:
+            log = images.logs(f"{pod.name}-{pod.component}")[-3000:]
+            raise RuntimeError(f"{pod.name}: {e}; its log ends:\n{log}") from None
         return time.monotonic() - t0
 
     def running(self, pod: str) -> bool:
