@@ -13,7 +13,7 @@ a block's dot product is integer work for VNNI's `vpdpwssd`:
     y[m, n] = sum_b  d[n, b] dx[m, b] * sum_i u[n, 32 b + i] q[m, 32 b + i]  +  m[n, b] sx[m, b]
 
 int16 rather than llama.cpp's int8 activations: int8 moved SmolLM2's logits by ~3
-and changed its greedy answer, int16 by ~0.01 (tests/replica/test_quant.py).
+and changed its greedy answer, int16 by ~0.01 (tests/replica/model/test_quant.py).
 
 Packed layout (`pack`), what makes the kernel fast. A 512-bit register holds one
 int32 lane per output row, so 16 rows (a *tile*) are computed together: for each

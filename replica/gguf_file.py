@@ -6,7 +6,7 @@ length -- first, ggml type, offset); padding to `general.alignment`; the data.
 
 The container is parsed here with `struct` over a read-only mmap: GGUFReader
 builds a numpy view per array element, about 2.5 s for this 49k-token
-vocabulary against 0.07 s here (tests/replica/test_loader.py checks both agree).
+vocabulary against 0.07 s here (tests/replica/model/test_loader.py checks both agree).
 Block formats (Q4_1, Q8_0, K-quants ...) are left to `gguf.quants.dequantize`.
 Torch-free: the tokenizer reads its vocabulary from here.
 """

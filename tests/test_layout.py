@@ -14,7 +14,7 @@ ROOT = TESTS.parent
 
 
 def _dotted(path: Path) -> str:
-    """tests/replica/test_engine.py -> tests.replica.test_engine."""
+    """tests/replica/engine/test_engine.py -> tests.replica.test_engine."""
     return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 

@@ -209,7 +209,7 @@ def quantize_model(model: nn.Module, mode: str, weights: dict[str, torch.Tensor]
                 if isinstance(lin, nn.Linear):
                     names = [f"model.layers.{i}.{part}.{p}.weight" for p in _FUSED.get(name, (name,))]
                     setattr(parent, name, linear(names, lin.bias))
-    # The head stays 8-bit: int4 logits moved SmolLM2's greedy answer (tests/replica/test_quant.py).
+    # The head stays 8-bit: int4 logits moved SmolLM2's greedy answer (tests/replica/model/test_quant.py).
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
     model.lm_head = linear([head], None, quantize_int8)
     return model

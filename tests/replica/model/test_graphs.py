@@ -21,7 +21,7 @@ from replica.model.runner import build_model
 from tests.replica.tiny import tiny_config, tiny_weights
 
 BS = 16
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def decode_plan(tables, starts, ids=None):
