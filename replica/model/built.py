@@ -31,9 +31,11 @@ import torch
 from torch import nn
 
 from replica.config import EngineConfig, ModelConfig
+from replica.hf_checkpoint import resolve_model
 from replica.model.cpu_model import CpuModel
 from replica.model.llama import LlamaModel
 from replica.model.quant import QLinear
+from replica.presets import PRESETS
 
 log = logging.getLogger("replica.model.built")
 KEEP = 4  # the newest builds kept; older ones are removed
@@ -54,9 +56,6 @@ def key(cfg: EngineConfig, ops) -> str | None:
     """The file name for this build, or None where builds are not kept."""
     if cfg.device != "cpu" or cfg.quantization == "none" or cfg.random_weights or cfg.tp != 1 or folder() is None:
         return None
-    from replica.hf_checkpoint import resolve_model
-    from replica.presets import PRESETS
-
     if cfg.model in PRESETS:
         return None
     path = Path(resolve_model(cfg.model))

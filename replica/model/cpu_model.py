@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import cpu_forward, qgemm_cpu
 from replica.model.llama import Context, LlamaModel
 from replica.model.quant import QLinear
 
@@ -32,8 +33,6 @@ def supports(model: nn.Module, dtype: torch.dtype) -> bool:
 class CpuModel(nn.Module):
     def __init__(self, model: LlamaModel, threads: int):
         super().__init__()
-        from kernels import cpu_forward, qgemm_cpu
-
         self.model = model
         c = model.cfg
         order = cpu_forward.interleave_gate_up(c.intermediate_size)

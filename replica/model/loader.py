@@ -29,6 +29,7 @@ import torch
 from replica.config import EngineConfig, ModelConfig
 from replica.gguf_file import GGUFFile
 from replica.hf_checkpoint import ModelNotFoundError, config_from_hf, model_config, resolve_model, safetensors_files
+from replica.model.quant import GGUF_TYPES, QWeight, from_gguf
 from replica.presets import PRESETS
 from replica.tokenizer import Tokenizer
 
@@ -163,8 +164,6 @@ def _load_gguf(gf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[st
 def load_gguf_quantized(path: str, config: ModelConfig) -> dict:
     """The file's Q4_0 / Q4_1 / Q8_0 matrices as `replica.model.quant.QWeight`s by Hugging
     Face name, exactly as stored (Q/K rows un-permuted like the dense weights)."""
-    from replica.model.quant import GGUF_TYPES, QWeight, from_gguf
-
     gf = GGUFFile(path)
     out = {}
     for gname, info in gf.tensors.items():

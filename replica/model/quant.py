@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from kernels import qgemm_cpu
+
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 BLOCK = 32  # input columns per scale and offset, GGUF's block
 
@@ -48,9 +50,7 @@ class QWeight:
         return QWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")), parts[0].bits)
 
     def dequantize(self) -> torch.Tensor:
-        from kernels.qgemm_cpu import unpack_codes
-
-        u = unpack_codes(self.qs, self.bits).float()
+        u = qgemm_cpu.unpack_codes(self.qs, self.bits).float()
         rep = lambda t: t.repeat_interleave(BLOCK, dim=1)  # noqa: E731
         return u * rep(self.d) + rep(self.m)
 
@@ -119,8 +119,6 @@ class QLinear(nn.Module):
 
     def __init__(self, w: QWeight, bias: torch.Tensor | None, packed: bool):
         super().__init__()
-        from kernels import qgemm_cpu
-
         self.out_features = w.qs.shape[0]
         self.in_features = w.qs.shape[1] * 8 // w.bits
         self.bits = w.bits
@@ -149,8 +147,6 @@ class QLinear(nn.Module):
         return QWeight(self.qs, self.d, self.m, self.bits)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels import qgemm_cpu
-
         if self.packed is not None:
             return qgemm_cpu.qgemm_cpu(x, self.packed, self.out_features, self.bits)
         return qgemm_cpu.qgemm_ref(x, self.qs, self.d, self.m, self.bits)

@@ -31,9 +31,11 @@ import kernels
 from replica.model import sampler
 from replica.config import EngineConfig, ModelConfig
 from replica.model.graphs import DecodeGraphs, resolve_placeholders
-from replica.model.loader import random_weights
+from replica.model import cpu_model
+from replica.model.loader import load_gguf_quantized, random_weights, resolve_model
 from replica.model.llama import Context, LlamaModel
 from replica.model.plan import StepPlan, slot
+from replica.model.quant import quantize_model
 from replica.model.tp import TensorParallel, local_config, shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -315,8 +317,6 @@ def build_model(model_cfg: ModelConfig, cfg: EngineConfig, weights: dict | None,
     if weights is not None:
         model.load_weights(weights)  # copy_ rounds each fp32 tensor to the parameter's dtype
     if cfg.quantization != "none":
-        from replica.model.quant import quantize_model
-
         quantize_model(model, cfg.quantization, weights, gguf_stored(cfg, model_cfg))
     return for_device(model.eval(), cfg)
 
@@ -325,7 +325,6 @@ def for_device(model: LlamaModel, cfg: EngineConfig) -> torch.nn.Module:
     """What serves a built model: on CPU with the C++ step (the model's kernel set says),
     a packed fp32 model as one C++ call per step (the CPU's "graph"); else the model."""
     if model.ops.cpu_step and cfg.graph_mode == "auto":
-        from replica.model import cpu_model
         if cpu_model.supports(model, DTYPES[cfg.dtype]):
             return cpu_model.CpuModel(model, cfg.engine_threads()).eval()
     return model
@@ -335,7 +334,5 @@ def gguf_stored(cfg: EngineConfig, model_cfg: ModelConfig) -> dict | None:
     """The GGUF file's own quantized tensors when serving them as-is (--quantization gguf)."""
     if cfg.quantization != "gguf" or cfg.random_weights:
         return None
-    from replica.model.loader import load_gguf_quantized, resolve_model
-
     path = resolve_model(cfg.model)
     return load_gguf_quantized(path, model_cfg) if path.endswith(".gguf") else None
