@@ -185,7 +185,7 @@ def build(target: str, base: str, log=print) -> Built:
         r = podman(*args, "-t", tag, str(ROOT), check=False, capture=False,
                    stdout=sys.stderr)  # the build's own output goes to stderr; the figures to stdout
     if r.returncode != 0:
-        raise SystemExit(f"{target}: podman build failed ({r.returncode}); its output is above")
+        raise RuntimeError(f"{target}: podman build failed ({r.returncode}); its output is above")
     return Built(target, tag, time.monotonic() - t0, size_mb(tag))
 
 
@@ -204,7 +204,7 @@ class Start:
     log: str
 
 
-def time_replica_start(tag: str, log=print) -> Start:
+def time_replica_start(tag: str) -> Start:
     """Start the replica image alone as the manifests do (read-only root, fresh volumes at ~/.cache
     and /tmp, a secret from the environment), time it to /healthz 200, remove it and its volumes."""
     name = f"edgechat-start-{os.getpid()}"
@@ -262,20 +262,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.monotonic()
-    base = base_image(log)
-    built = [build(t, base, log) for t in (a.target or ["proxy", "replica-cpu"])]
+    try:
+        base = base_image(log)
+        built = [build(t, base, log) for t in (a.target or ["proxy", "replica-cpu"])]
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        print(e, file=sys.stderr)
+        return 1
     print(f"base {base}")
     for b in built:
         torch = "with torch" if has_torch(b.tag) else "no torch"
         print(f"{b.tag:<40} {b.size_mb:7.0f} MB  built in {b.seconds:5.0f} s  ({torch})")
     replica = next((b for b in built if b.target == "replica-cpu"), None)
     if replica and not a.no_start:
-        s = time_replica_start(replica.tag, log)
+        try:
+            s = time_replica_start(replica.tag)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
         ended = "; ".join(x.removeprefix("stage: ") for x in s.stages if x.endswith(" s"))  # not the "..." ones
         print(f"{replica.tag}: container start to ready {s.seconds:.1f} s ({ended})")
-        if "did not build" in s.log:
-            print("warning: a C++ kernel did not load from the image (its log above says which)", file=sys.stderr)
-            log(s.log)
+        if "did not build" in s.log:  # kernels.cpu_build.builds: a kernel compiled (and failed) at start
+            log(f"a C++ kernel did not load from the image; the replica's log:\n{s.log}")
             return 1
     print(f"total {time.monotonic() - t0:.0f} s")
     return 0
