@@ -144,6 +144,7 @@ class ReplicaConn:
         self._seq = 0
         self._prefix = secrets.token_hex(4) + "-"
         self._healthz_fail = 0
+        self.connected_at = 0.0  # when its current connection said Hello
 
     def __repr__(self):
         return f"ReplicaConn({self.id!r}, ready={self.ready})"
@@ -305,6 +306,8 @@ class ReplicaConn:
         self.own_at_report = 0
         self.last_rx = now
         self.connected = True
+        self.connected_at = now
+        self._healthz_fail = 0  # a replica that just said Hello is up: probes that failed before do not count
         self.refused = False
         log.info("replica %s ready at %s (model %s)", self.id, self.url, hello.model)
         self._dispatch(msgs[1:], now)  # the replica sends its KV state and Load along with Hello
@@ -402,11 +405,14 @@ class ReplicaConn:
         self.refused = True
 
     async def healthz(self, client: httpx.AsyncClient) -> None:
+        started = perf_counter()
         try:
             r = await client.get(self.http_url)
             ok = r.status_code == 200
         except httpx.HTTPError:
             ok = False
+        if not ok and started < self.connected_at:
+            return  # sent before the replica (re)connected: a restarted replica is not failing for it
         if ok:
             self._healthz_fail = 0
             if not self.healthy:

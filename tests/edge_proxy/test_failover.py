@@ -175,3 +175,26 @@ async def test_n_samples_resume_each_exactly_over_openai_sse():
         resumed = next(rep for rep in reps if rep is not victim).generates[-1]
         assert resumed.sample_ids == [0, 1, 2] and all(5 <= len(ids) < 30 for ids in resumed.sample_resume)
         assert resumed.sampling.n == 3 and resumed.sampling.seed == 77
+
+
+async def test_health_probes_that_failed_before_a_reconnect_do_not_count_after_it():
+    """A replica restarted on its port fails /healthz while it is down; once it says Hello
+    again those failures are behind it, so one slow probe right after the reconnect does not
+    take it (and the streams just moved onto it) away: a CI run's chaos test lost a stream that
+    way, blamed on two replicas as a poison pill."""
+    pool = replace(FAST_POOL, healthz_failures=3, healthz_interval_s=0)  # probes by hand
+    async with stubs("a", "b") as reps, proxy_for(reps, pool=pool) as p:
+        conn, port = p.conn("a"), reps[0].port
+        hello_before = conn.connected_at
+        await reps[0].crash()
+        for _ in range(2):  # down: two failed probes, one short of the limit
+            await conn.healthz(p.proxy.pool._http)
+        assert conn.healthy
+        await reps[0].start(port=port)
+        assert await p.proxy.pool.wait_for(lambda: conn.connected and conn.connected_at > hello_before, timeout=10)
+        reps[0].healthy = False  # one failed probe after the reconnect
+        await conn.healthz(p.proxy.pool._http)
+        assert conn.connected and conn.healthy
+        for _ in range(2):  # ... but three in a row still take it out
+            await conn.healthz(p.proxy.pool._http)
+        assert not conn.healthy and not conn.connected
