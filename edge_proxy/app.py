@@ -8,7 +8,7 @@
     GET  /v1/models[/{id}]
     anything else                a JSON 404 / 405 in OpenAI's error shape
     GET  /healthz                200 while serving; 503 when draining or no replica is ready
-    GET  /metrics                Prometheus text
+    GET  /metrics                Prometheus text, every worker's together (edge_proxy.metrics)
 
 CORS: with `--allowed-origin`, the HTTP API answers preflights and cross-origin requests
 from those origins (Starlette's CORSMiddleware); the page at `/` needs none (same origin).
@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -36,6 +36,7 @@ from edge_proxy.core import Proxy
 from edge_proxy.openai_api import ProxyBackend
 from edge_proxy.prompt import load_tokenizer
 from edge_proxy.ws_handshake import StreamEndpoint
+from wire.metrics import CONTENT_TYPE
 from wire.openai_routes import OpenAIRoutes
 from wire.openai_stream import http_error
 from wire.ws_frames import WebSocketFront
@@ -99,7 +100,7 @@ def create_app(proxy: Proxy) -> EdgeApp:
                             status_code=200 if ok else 503)
 
     async def metrics(request: Request):
-        return PlainTextResponse(proxy.render_metrics(), media_type="text/plain; version=0.0.4")
+        return Response(proxy.render_metrics(), media_type=CONTENT_TYPE)
 
     async def page(request: Request):
         return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)

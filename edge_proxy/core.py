@@ -231,6 +231,7 @@ class Proxy:
             ended = s.settle(self._eos)
             if ended:  # nothing left to generate (the client missed only the done)
                 self.streams.add(s)
+                self._count_inflight()
                 self._finish(s, ended, P.Usage())
                 return s
         try:
@@ -244,6 +245,8 @@ class Proxy:
             span.end()
             raise
         self.streams.add(s)
+        self._count_inflight()
+        self.metrics.prompt_tokens.inc(by=len(ids))
         self._idle.clear()
         return s
 
@@ -275,12 +278,14 @@ class Proxy:
         f = self.peers.forward(req.cid, sink, kw)
         f.t0 = t0
         self.forwarding.add(f)  # in flight here too: counted against max_inflight, waited for by drain
+        self._count_inflight()
         self._idle.clear()
         f.task.add_done_callback(lambda _: self._forward_ended(f))
         return f
 
     def _forward_ended(self, f: Forwarded) -> None:
         self.forwarding.discard(f)
+        self._count_inflight()
         if not self.streams and not self.forwarding:
             self._idle.set()
 
@@ -352,7 +357,7 @@ class Proxy:
             m.itl.observe(now - s.t_last)
         else:
             m.ttft.observe(now - s.t0)
-        m.tokens.inc(by=len(msg.ids))
+        m.generation_tokens.inc(len(msg.ids))
         s.add_tokens(msg, now)
 
     def on_finished(self, s: ProxiedRequest, msg: P.Finished, now: float) -> None:
@@ -479,6 +484,7 @@ class Proxy:
         if parked is not None:
             parked[1].cancel()
         self.streams.discard(s)
+        self._count_inflight()
         if not self.streams and not self.forwarding:
             self._idle.set()
 
@@ -489,6 +495,7 @@ class Proxy:
         self._release(s, abort=finish_reason == P.FINISH_ABORT)
         msg = s.done_message(finish_reason, usage, now, self.cfg.region)
         self.metrics.requests.inc(finish_reason)
+        self.metrics.e2e.observe(now - s.t0)
         self.metrics.cached_tokens.inc(by=usage.cached_tokens)
         span = s.span
         span.set_attribute("edgechat.finish_reason", finish_reason)
@@ -535,12 +542,9 @@ class Proxy:
 
     # -- observability ---------------------------------------------------------
 
-    def render_metrics(self) -> str:
-        m = self.metrics
-        m.inflight.set(len(self.streams) + len(self.forwarding))
-        ready = self.pool.ready()
-        m.replicas_ready.set(len(ready))
-        m.compute_groups.set(len({c.group or c.id for c in ready}))
-        for c in self.pool.conns:
-            m.replica_load.set(c.effective_load(), c.id)
-        return m.render()
+    def _count_inflight(self) -> None:
+        self.metrics.inflight.set(len(self.streams) + len(self.forwarding))
+
+    def render_metrics(self) -> bytes:
+        """Prometheus text: this proxy's metrics (all workers'), its replicas as this worker sees them."""
+        return self.metrics.render(self.pool.conns)

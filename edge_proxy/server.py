@@ -14,9 +14,14 @@ Drain timeout: streams still open when `drain_timeout_s` passes are each failed
 with `shutting_down` (an error frame per request) before the sockets close.
 
 Workers: each process binds its own SO_REUSEPORT socket, so the kernel spreads
-connections across them; each has its own replica connections, session table
-and metrics. Rendezvous hashing keeps a session's placement identical in every
-worker.
+connections across them; each has its own replica connections and session table.
+Rendezvous hashing keeps a session's placement identical in every worker. Their
+metrics are one: the parent makes a fresh multiprocess folder (under
+$PROMETHEUS_MULTIPROC_DIR when set, else the system's temporary folder) and names
+it in the workers' PROMETHEUS_MULTIPROC_DIR, so a scrape of any worker sums every
+worker's (edge_proxy.metrics); a worker that exits is marked dead there (its
+in-flight gauge leaves the sum, its counts stay), and the folder goes when all
+have exited.
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import tempfile
+from multiprocessing.connection import wait as wait_for
 
 import uvicorn
+from prometheus_client.multiprocess import mark_process_dead
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
@@ -36,6 +45,7 @@ from edge_proxy import protocol as pp
 from edge_proxy.app import EdgeApp, build_proxy, create_app
 from edge_proxy.config import ProxyConfig
 from edge_proxy.connections import guarded_protocols
+from wire.metrics import MULTIPROC_ENV, multiprocess_dir
 
 log = logging.getLogger("edge_proxy")
 
@@ -129,6 +139,8 @@ def serve_workers(cfg: ProxyConfig) -> int:
     if cfg.workers == 1:
         serve(cfg)
         return 0
+    folder = tempfile.mkdtemp(prefix="edge_proxy-metrics-", dir=multiprocess_dir())
+    os.environ[MULTIPROC_ENV] = folder  # what the spawned workers' prometheus_client finds when imported
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(cfg,), name=f"edge_proxy-{i}") for i in range(cfg.workers)]
     for p in procs:
@@ -144,9 +156,14 @@ def serve_workers(cfg: ProxyConfig) -> int:
 
     prev = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for p in procs:
-            p.join()
+        running = {p.sentinel: p for p in procs}
+        while running:
+            for sentinel in wait_for(list(running)):
+                p = running.pop(sentinel)
+                p.join()
+                mark_process_dead(p.pid, folder)
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
+        shutil.rmtree(folder, ignore_errors=True)
     return max((p.exitcode or 0) for p in procs)

@@ -23,7 +23,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.websockets import WebSocket
 
@@ -32,8 +32,9 @@ from replica.api.auth import RequireSecret
 from replica.config import EngineConfig
 from replica.api.engine_client import EngineClient
 from replica.api.frame_split import split_frame
+from replica.api.metrics import ReplicaMetrics
 from replica.api.openai_http import ReplicaBackend
-from wire.metrics import ReplicaMetrics
+from wire.metrics import CONTENT_TYPE
 from wire.openai_routes import OpenAIRoutes
 from wire.openai_stream import http_error
 from replica.tokenizer import Tokenizer
@@ -229,7 +230,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
                              "running": ld.running if ld else 0, "waiting": ld.waiting if ld else 0})
 
     async def metrics_endpoint(request: Request):
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     routes = [
         *(Route(path, endpoint, methods=methods) for path, endpoint, methods in oa.routes()),

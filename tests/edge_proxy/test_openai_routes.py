@@ -17,9 +17,9 @@ from edge_proxy.core import Proxy
 from edge_proxy.openai_api import ProxyBackend
 from edge_proxy.prompt import ByteTokenizer
 from replica.api.app import create_app as replica_app
+from replica.api.metrics import ReplicaMetrics
 from replica.api.openai_http import MAX_BODY_BYTES, ReplicaBackend
 from replica.config import EngineConfig
-from wire.metrics import ReplicaMetrics
 from wire.openai_routes import OpenAIBackend, OpenAIRoutes
 from wire.openai_stream import http_error
 
@@ -90,7 +90,7 @@ async def test_proxy_and_replica_refuse_alike():
                 assert 400 <= a.status_code < 500 and set(a.json()["error"]) == {"message", "type", "param", "code"}
                 assert (b.status_code, b.json()) == (a.status_code, a.json()), (method, path, body[:80])
         assert not p.proxy.streams and not reps[0].generates
-    counted = metrics.render()  # the replica counts every refusal of its routes (not Starlette's 404/405)
+    counted = metrics.render().decode()  # the replica counts every refusal of its routes (not Starlette's 404/405)
     assert 'edgechat_replica_errors_total{code="bad_request"}' in counted and '{code="not_found"}' in counted
     assert '{code="too_large"}' in counted
 

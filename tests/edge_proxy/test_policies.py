@@ -6,7 +6,8 @@ from edge_proxy import protocol as pp
 from edge_proxy.admission import AdmissionConfig, LoadView, admit, predict_ttft_ms
 from edge_proxy.auth import KeyStore, TokenBucket, bearer, cache_salt, parse_env
 from edge_proxy.metrics import ProxyMetrics
-from wire.metrics import Histogram
+from tests.prom import samples
+from wire.metrics import HotHistogram, HotStore
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.tracing import make_tracer, start_request_span, traceparent_of
 from wire import protocol as P
@@ -107,14 +108,20 @@ def test_metrics_render_prometheus_text():
     m.routing.inc("prefix", by=2)
     m.ttft.observe(0.004)
     m.ttft.observe(20.0)
-    text = m.render()
-    assert 'edgechat_proxy_routing_decisions_total{reason="prefix"} 2' in text
-    assert 'edgechat_proxy_ttft_seconds_bucket{le="0.005"} 1' in text
-    assert 'edgechat_proxy_ttft_seconds_bucket{le="+Inf"} 2' in text
-    assert "# TYPE edgechat_proxy_itl_seconds histogram" in text
-    h = Histogram("x", "y", buckets=(1.0,))
+    m.itl.observe(0.004)
+    m.generation_tokens.inc(3)
+    text = m.render().decode()
+    got = samples(text)
+    assert got['edgechat_proxy_routing_decisions_total{reason="prefix"}'] == 2
+    assert got['edgechat_proxy_ttft_seconds_bucket{le="0.005"}'] == 1
+    assert got['edgechat_proxy_ttft_seconds_bucket{le="+Inf"}'] == 2
+    assert got['edgechat_proxy_itl_seconds_bucket{le="0.0025"}'] == 0
+    assert got['edgechat_proxy_itl_seconds_bucket{le="0.005"}'] == 1 == got["edgechat_proxy_itl_seconds_count"]
+    assert got["edgechat_proxy_generation_tokens_total"] == 3
+    assert "# TYPE edgechat_proxy_itl_seconds histogram" in text and "_created" not in text
+    h = HotHistogram(HotStore(), "x", "y", buckets=(1.0,))
     h.observe(1.0)  # le is inclusive
-    assert h.counts == [1, 0]
+    assert h.counts() == [1, 0]
 
 
 def test_traceparent_is_continued():

@@ -98,7 +98,7 @@ async def test_the_proxy_ends_a_request_its_replica_finished():
     assert type(done) is pp.Done and done.finish_reason == "length" and done.usage.completion_tokens == 4
     assert done.region == "here" and done.replica == "replica-a" and done.timing.replica_ttft_ms == 12.5
     assert s.done and s not in proxy.streams and s.conn.released == [("r1", False)]  # finished there: no Abort
-    assert proxy.metrics.tokens.get() == 4 and proxy.metrics.requests.get("length") == 1
+    assert proxy.metrics.generation_tokens.get() == 4 and proxy.metrics.requests.get("length") == 1
 
 
 async def test_a_token_sink_sees_every_finished_and_the_end_waits_for_every_sample():

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
+from tests.prom import samples
 from tests.replica.server import free_port, replica_server, wait_healthy
 
 SECRET = {"EDGECHAT_REPLICA_SECRET": "e2e-routing-secret"}
@@ -71,7 +72,7 @@ def test_later_turns_find_their_replica_without_a_session():
         convs = asyncio.run(run())
         metrics = httpx.get(url.replace("ws://", "http://").replace("/v1/stream", "/metrics"), trust_env=False).text
     # The three replicas run on this machine's cores: one compute group (no valve between them).
-    assert "edgechat_proxy_compute_groups 1" in metrics.splitlines()
+    assert samples(metrics)["edgechat_proxy_compute_groups"] == 1
     for first, *later in convs:
         assert first.usage.prompt_tokens >= 3 * BLOCK
         for d in later:

@@ -14,6 +14,7 @@ from edge_proxy.routing import rendezvous_order
 from edge_proxy.sessions import placement_key
 from edge_proxy.tracing import make_tracer
 from stub_replica.server import expected_tokens
+from tests.prom import samples
 from wire import protocol as P
 
 from conftest import proxy_for, stubs, until_load
@@ -129,7 +130,7 @@ async def test_replicas_sharing_compute_are_one_group_and_the_valve_skips_them()
                 assert d.replica == "c"
         async with httpx.AsyncClient() as h:
             text = (await h.get(p.http + "/metrics")).text
-        assert "edgechat_proxy_compute_groups 2" in text.splitlines()
+        assert samples(text)["edgechat_proxy_compute_groups"] == 2
 
 
 async def test_deadline_admission_rejects_at_once():
@@ -187,13 +188,14 @@ async def test_metrics_and_spans():
             await c.complete(messages=turn(1), max_tokens=5, session="m")
         async with httpx.AsyncClient(trust_env=False) as h:
             text = (await h.get(p.http + "/metrics")).text
-    assert 'edgechat_proxy_routing_decisions_total{reason="load"} 1' in text  # a new session: least loaded
-    assert 'edgechat_proxy_routing_decisions_total{reason="sticky"} 1' in text
-    assert 'edgechat_proxy_ttft_seconds_count 2' in text
-    assert 'edgechat_proxy_itl_seconds_count 8' in text
-    assert 'edgechat_proxy_requests_total{outcome="length"} 2' in text
-    assert 'edgechat_proxy_replicas_ready 2' in text
-    assert "edgechat_proxy_prefix_blocks_hit_total" in text and "edgechat_proxy_cached_tokens_total" in text
+    m = samples(text)
+    assert m['edgechat_proxy_routing_decisions_total{reason="load"}'] == 1  # a new session: least loaded
+    assert m['edgechat_proxy_routing_decisions_total{reason="sticky"}'] == 1
+    assert m["edgechat_proxy_ttft_seconds_count"] == 2
+    assert m["edgechat_proxy_itl_seconds_count"] == 8
+    assert m['edgechat_proxy_requests_total{outcome="length"}'] == 2
+    assert m["edgechat_proxy_replicas_ready"] == 2
+    assert "edgechat_proxy_prefix_blocks_hit_total" in m and "edgechat_proxy_cached_tokens_total" in m
     spans = exporter.get_finished_spans()
     assert len(spans) == 2
     s = spans[0]
