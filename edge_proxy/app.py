@@ -5,9 +5,12 @@
     POST /v1/chat/completions    OpenAI-compatible, SSE with "stream": true
     POST /v1/completions
     POST /infill                 llama.cpp's fill-in-the-middle (IDE plugins)
-    GET  /v1/models[/{id}]
+    GET  /v1/models[/{id}]       each with its context length (max_model_len)
+    POST /tokenize, /detokenize  vLLM's (also llama.cpp's /tokenize body); rendered and tokenized off the loop
+    GET  /version                {"version": ...}
+    GET  /props                  what IDE plugins read of llama.cpp's (n_ctx, total_slots, chat_template, ...)
     anything else                a JSON 404 / 405 in OpenAI's error shape
-    GET  /healthz                200 while serving; 503 when draining or no replica is ready
+    GET  /healthz, /health       200 while serving; 503 when draining or no replica is ready (no key needed)
     GET  /metrics                Prometheus text, every worker's together (edge_proxy.metrics)
 
 CORS: with `--allowed-origin`, the HTTP API answers preflights and cross-origin requests
@@ -116,6 +119,7 @@ def create_app(proxy: Proxy) -> EdgeApp:
     app = Starlette(routes=[
         *(Route(path, endpoint, methods=methods) for path, endpoint, methods in oa.routes()),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", healthz, methods=["GET"]),  # vLLM's and llama.cpp's name (llama.vscode probes it)
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", page, methods=["GET"]),
         Mount("/static", StaticPage(directory=STATIC)),

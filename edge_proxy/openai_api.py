@@ -1,10 +1,12 @@
 """The proxy behind the OpenAI routes (wire.openai_routes: POST /v1/chat/completions,
-POST /v1/completions, GET /v1/models[/{id}], llama.cpp's POST /infill): `ProxyBackend`
-is what the proxy adds to them.
+POST /v1/completions, GET /v1/models[/{id}], llama.cpp's POST /infill and GET /props,
+POST /tokenize, POST /detokenize, GET /version): `ProxyBackend` is what the proxy adds
+to them.
 
 Callers are API keys (`Authorization: Bearer`, the failed-auth throttle); the models
-are the pool's; a prompt is checked against the proxy's limits (edge_proxy.limits)
-and tokenized in its tokenizer threads; each prompt of a request is one proxy stream
+are the pool's (each with the smallest context its replicas announce); a prompt (or
+a /tokenize, /detokenize body) is checked against the proxy's limits (edge_proxy.limits)
+and tokenized in its tokenizer threads, never on the event loop; each prompt of a request is one proxy stream
 (routing, failover and exact resume as for the WebSocket), whose messages feed the
 routes' shared renderer; a client that goes away cancels them at once. The proxy's
 refusals (auth, rate limit, admission, limits) keep their codes, in OpenAI's shape.
@@ -28,7 +30,7 @@ from edge_proxy import protocol as pp
 from edge_proxy.auth import bearer
 from edge_proxy.core import SubmitRequest
 from edge_proxy.peering import FORWARDED_HEADER
-from edge_proxy.prompt import plan_prompt_ids
+from edge_proxy.prompt import run_checked
 from wire import openai as O
 from wire import protocol as P
 from wire.openai_routes import PromptSink, Submission
@@ -95,10 +97,14 @@ class ProxyBackend:
         except pp.ProtocolError as e:  # unauthorized, or rate_limited (failed-auth throttle)
             raise openai_error(e) from None
 
-    def model_entries(self) -> list[dict]:
-        fim = getattr(self.proxy.tokenizer, "fim", None) is not None  # clients choose prefix+suffix by it
-        return [{"id": m, "object": "model", "created": 0, "owned_by": "edgechat", "edgechat": {"fim": fim}}
-                for m in self.proxy.pool.models()]
+    def models(self) -> dict[str, int]:
+        """The pool's models; each one's context is the smallest its replicas announced."""
+        out: dict[str, int] = {}
+        for c in self.proxy.pool.conns:
+            if c.hello is not None:
+                n = c.hello.max_model_len
+                out[c.hello.model] = min(out.get(c.hello.model, n), n)
+        return dict(sorted(out.items()))
 
     def served_model(self, name: str | None) -> str:
         models = self.proxy.pool.models()
@@ -106,9 +112,13 @@ class ProxyBackend:
             raise O.not_found_model(name)
         return name or (models[0] if models else "default")
 
-    async def prompt_ids(self, prompt, tools) -> list[int]:
+    def slots(self) -> int:
+        """Requests the ready replicas run at once (each one's `max_num_seqs`, 1 while it reported none)."""
+        return sum(c.load.max_running or 1 if c.load is not None else 1 for c in self.proxy.pool.ready())
+
+    async def run_tokenizer(self, prompt, fn, *args):
         try:
-            return await plan_prompt_ids(self.proxy.tokenizers, self.proxy.cfg.limits, prompt, tools)
+            return await run_checked(self.proxy.tokenizers, self.proxy.cfg.limits, prompt, fn, *args)
         except pp.ProtocolError as e:  # the proxy's limits, or its tokenizer threads all busy
             raise openai_error(e) from None
 

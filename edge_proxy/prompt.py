@@ -32,10 +32,10 @@ class ByteTokenizer:
     fingerprint = "bytes-v1"
     fim = None  # no fill-in-the-middle tokens
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())  # (bytes have no special tokens to add)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 < i < 256).decode(errors="replace")
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
@@ -131,9 +131,16 @@ class TokenizerPool:
         self._ex.shutdown(wait=False, cancel_futures=True)
 
 
+async def run_checked(pool: TokenizerPool, limits: Limits, prompt, fn, *args):
+    """`fn(*args)` (rendering, tokenizing, decoding) in `pool`, never on the event loop, once
+    `prompt` (one prompt of an OpenAI plan: messages, text, token ids or `wire.openai.Fim`) is
+    within the proxy's size limits. Raises `ProtocolError` (limits, a full pool) or what `fn` raises."""
+    check_plan_prompt(prompt, limits)
+    return await pool.run(fn, *args)
+
+
 async def plan_prompt_ids(pool: TokenizerPool, limits: Limits, prompt, tools=None) -> list[int]:
     """Token ids of one prompt of an OpenAI plan or a fill-in-the-middle request (`wire.openai.Fim`),
     after the proxy's size limits, in `pool` (never on the event loop). Raises `ProtocolError`
     (limits, a full pool) or `wire.openai.OpenAIError` (the model cannot: no chat template, no FIM tokens)."""
-    check_plan_prompt(prompt, limits)
-    return await pool.run(OP.prompt_ids, pool.tokenizer, prompt, tools)
+    return await run_checked(pool, limits, prompt, OP.prompt_ids, pool.tokenizer, prompt, tools)

@@ -1,5 +1,6 @@
 """The OpenAI routes, one class for the proxy and the replica: POST /v1/chat/completions,
-POST /v1/completions, llama.cpp's POST /infill, GET /v1/models[/{id}] (no torch).
+POST /v1/completions, llama.cpp's POST /infill, GET /v1/models[/{id}], vLLM's POST /tokenize,
+POST /detokenize and GET /version, llama.cpp's GET /props (no torch).
 
 `OpenAIRoutes` does everything the two front doors do alike: the caller authorized,
 the body read (413 past the backend's limit) and validated into a `Plan` (a 400
@@ -9,6 +10,12 @@ with a `PromptSink` feeding the request's `Pump` (wire.openai_stream), and the
 answer rendered (n, echo, logprobs, usage, SSE or JSON: wire.openai_render,
 wire.infill). Every refusal has OpenAI's error shape and its status from
 `wire.openai.HTTP_STATUS`; a client that goes away stops every generation.
+A model's entry is built here, the same on both sides (`model_entry`: its context
+length as vLLM's `max_model_len`, whether it does fill-in-the-middle); so are the
+tokenizer's routes (wire.tokenize) and what IDE plugins read of llama.cpp's /props:
+`default_generation_settings.n_ctx` (llama.vscode sizes its prompts by it),
+`total_slots`, `model_alias`/`model_path`, `chat_template`, `bos_token`/`eos_token`,
+`modalities`, `build_info`.
 
 What differs is the `OpenAIBackend` a process implements: the proxy's
 (edge_proxy.openai_api: API keys, the pool's models, its limits and tokenizer
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -27,11 +35,28 @@ import msgspec
 from wire import openai as O
 from wire import openai_prompts as OP
 from wire import protocol as P
+from wire import tokenize as TK
 from wire import tools as T
 from wire.openai import OpenAIError, Plan
 from wire.openai_stream import Disconnected, End, Pump, error_response, json_response, parse, read_body, response
 
 _enc = msgspec.json.Encoder()
+
+
+def _version() -> str:
+    try:
+        return metadata.version("edgechat")
+    except metadata.PackageNotFoundError:  # a checkout run without `pip install -e .`
+        return "unknown"
+
+
+VERSION = _version()
+
+
+def model_entry(name: str, max_model_len: int, fim: bool) -> dict:
+    """One model as GET /v1/models lists it, at the proxy and the replica alike."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "edgechat", "max_model_len": max_model_len,
+            "edgechat": {"fim": fim}}  # clients choose prefix+suffix (FIM) by it
 
 
 @dataclass
@@ -88,14 +113,19 @@ class OpenAIBackend(Protocol):
     def authorize(self, request) -> object:
         """The caller of an HTTP request (handed back in `Submission.caller`), or an OpenAIError."""
 
-    def model_entries(self) -> list[dict]:
-        """The models GET /v1/models lists ({"id", "object", "created", "owned_by", ...})."""
+    def models(self) -> dict[str, int]:
+        """The models served, each with its context length in tokens (max_model_len)."""
 
     def served_model(self, name: str | None) -> str:
         """The model a request names (None: none named) as its answer names it; a 404 if not served."""
 
-    async def prompt_ids(self, prompt, tools: T.Tools | None) -> list[int]:
-        """One prompt's token ids (wire.openai_prompts.prompt_ids, after the process's own limits)."""
+    def slots(self) -> int:
+        """Requests the model's engines run at once (llama.cpp's total_slots)."""
+
+    async def run_tokenizer(self, prompt, fn: Callable, *args):
+        """`fn(*args)` (rendering, tokenizing, decoding: wire.openai_prompts.prompt_ids, wire.tokenize)
+        where the process runs its tokenizer, once `prompt` (messages, text, token ids, Fim) is within
+        its limits."""
 
     async def submit(self, sub: Submission, p: int, sink: PromptSink) -> Callable[[], None]:
         """Start prompt p's generation, its messages to `sink`; returns what stops it."""
@@ -114,30 +144,88 @@ class OpenAIRoutes:
         """(path, endpoint, methods) of every route, for the app to mount."""
         return [("/v1/chat/completions", self.chat, ["POST"]), ("/v1/completions", self.completions, ["POST"]),
                 ("/infill", self.infill, ["POST"]), ("/v1/models", self.models, ["GET"]),
-                ("/v1/models/{model:path}", self.model, ["GET"])]
+                ("/v1/models/{model:path}", self.model, ["GET"]), ("/tokenize", self.tokenize, ["POST"]),
+                ("/detokenize", self.detokenize, ["POST"]), ("/version", self.version, ["GET"]),
+                ("/props", self.props, ["GET"])]
 
     def _refuse(self, e: OpenAIError):
         self.backend.count_error(e.code)
         return error_response(e)
 
+    def _answer(self, e: Exception):
+        """The answer to a request refused with `e` (a ValueError is a 400; a client gone mid-body, 499)."""
+        if isinstance(e, Disconnected):
+            return json_response(499, b"")
+        return self._refuse(e if isinstance(e, OpenAIError) else OpenAIError(str(e), None))
+
     # -- models ----------------------------------------------------------------------------
+    def entries(self) -> list[dict]:
+        fim = getattr(self.backend.tokenizer, "fim", None) is not None
+        return [model_entry(name, n, fim) for name, n in self.backend.models().items()]
+
     async def models(self, request):
         try:
             self.backend.authorize(request)
         except OpenAIError as e:
             return self._refuse(e)
-        return json_response(200, _enc.encode({"object": "list", "data": self.backend.model_entries()}))
+        return json_response(200, _enc.encode({"object": "list", "data": self.entries()}))
 
     async def model(self, request):
         try:
             self.backend.authorize(request)
             name = request.path_params["model"]
-            found = [m for m in self.backend.model_entries() if m["id"] == name]
+            found = [m for m in self.entries() if m["id"] == name]
             if not found:
                 raise O.not_found_model(name)
         except OpenAIError as e:
             return self._refuse(e)
         return json_response(200, _enc.encode(found[0]))
+
+    async def version(self, request):
+        try:
+            self.backend.authorize(request)
+        except OpenAIError as e:
+            return self._refuse(e)
+        return json_response(200, _enc.encode({"version": VERSION}))
+
+    async def props(self, request):
+        b = self.backend
+        try:
+            b.authorize(request)
+            name = b.served_model(request.query_params.get("model"))  # llama.vscode names it when several are listed
+        except OpenAIError as e:
+            return self._refuse(e)
+        tok = b.tokenizer
+        return json_response(200, _enc.encode({
+            "default_generation_settings": {"n_ctx": b.models().get(name, 0)}, "total_slots": b.slots(),
+            "model_alias": name, "model_path": name, "chat_template": getattr(tok, "chat_template", None) or "",
+            "bos_token": getattr(tok, "bos_token", None) or "", "eos_token": getattr(tok, "eos_token", None) or "",
+            "modalities": {"vision": False, "audio": False}, "build_info": f"edgechat {VERSION}"}))
+
+    # -- the tokenizer -----------------------------------------------------------------------
+    async def tokenize(self, request):
+        b = self.backend
+        try:
+            b.authorize(request)
+            t = TK.parse_tokenize(await read_body(request, b.max_body_bytes))
+            model = b.served_model(t.model)
+            ids = await b.run_tokenizer(t.prompt, TK.tokenize, b.tokenizer, t)
+        except (OpenAIError, ValueError, Disconnected) as e:
+            return self._answer(e)
+        return json_response(200, _enc.encode({"count": len(ids), "max_model_len": b.models().get(model, 0),
+                                               "tokens": ids}))
+
+    async def detokenize(self, request):
+        b = self.backend
+        try:
+            b.authorize(request)
+            body = await read_body(request, b.max_body_bytes)
+            r = TK.parse_detokenize(body, getattr(b.tokenizer, "vocab_size", None))
+            b.served_model(r.model)
+            text = await b.run_tokenizer(r.tokens, TK.detokenize, b.tokenizer, r.tokens)
+        except (OpenAIError, ValueError, Disconnected) as e:
+            return self._answer(e)
+        return json_response(200, _enc.encode({"prompt": text}))
 
     # -- generation --------------------------------------------------------------------------
     async def chat(self, request):
@@ -156,7 +244,7 @@ class OpenAIRoutes:
             caller = b.authorize(request)
             plan, ireq = parse(kind, await read_body(request, b.max_body_bytes))
             model = b.served_model(plan.model if kind != "infill" else None)
-            ids = [await b.prompt_ids(p, plan.tools) for p in plan.prompts]
+            ids = [await b.run_tokenizer(p, OP.prompt_ids, b.tokenizer, p, plan.tools) for p in plan.prompts]
             sub = Submission(request, caller, plan, O.response_id(kind), ids, OP.sampling_for(plan, b.tokenizer))
             pump = Pump(request.receive, hold=b.hold)
             pump.abort = lambda: [stop() for stop in stops]
@@ -166,7 +254,5 @@ class OpenAIRoutes:
             if pump is not None:
                 pump.abort()
                 pump.close()
-            if isinstance(e, Disconnected):
-                return json_response(499, b"")
-            return self._refuse(e if isinstance(e, OpenAIError) else OpenAIError(str(e), None))
+            return self._answer(e)
         return await pump.reply(response(kind, plan, ireq, sub.rid, model, b.tokenizer, ids), plan.stream)

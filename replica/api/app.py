@@ -219,7 +219,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         h = client().hello
         return h.max_model_len if h else 2048
 
-    oa = OpenAIRoutes(ReplicaBackend(client, tokenizer, model_name, metrics, c_max_len))
+    oa = OpenAIRoutes(ReplicaBackend(client, tokenizer, model_name, metrics, c_max_len, cfg.max_num_seqs))
 
     async def healthz(request: Request):
         c = client_box.get("c")

@@ -1,10 +1,10 @@
 """The replica behind its own OpenAI routes (wire.openai_routes: /v1/chat/completions,
-/v1/completions, /v1/models[/{id}], llama.cpp's /infill): `ReplicaBackend` is what
-the replica adds to them.
+/v1/completions, /v1/models[/{id}], llama.cpp's /infill and /props, /tokenize,
+/detokenize, /version): `ReplicaBackend` is what the replica adds to them.
 
 The caller needs nothing more (the replica secret is checked before any route:
-replica.api.auth); the one model is the served name (with its context length); a
-prompt is tokenized on the event loop; each prompt of a request is one engine
+replica.api.auth); the one model is the served name (with its context length; its
+slots are the engine's `max_num_seqs`); a prompt is tokenized on the event loop; each prompt of a request is one engine
 request `<id>/<p>` (n samples each, see replica.api.engine_client) whose messages
 feed the routes' shared renderer; every error answered or streamed is counted for
 /metrics.
@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from wire import openai as O
-from wire import openai_prompts as OP
 from wire import protocol as P
 from wire.openai_routes import PromptSink, Submission
 
@@ -28,24 +27,26 @@ class ReplicaBackend:
     hold = False  # the engine's Finished is the prompt's end
     max_body_bytes = MAX_BODY_BYTES
 
-    def __init__(self, client, tokenizer, model_name: str, metrics, max_model_len):
+    def __init__(self, client, tokenizer, model_name: str, metrics, max_model_len, max_running: int):
         self.client, self.tokenizer, self.model_name, self.metrics = client, tokenizer, model_name, metrics  # client()
-        self.max_model_len = max_model_len  # () -> int
+        self.max_model_len, self.max_running = max_model_len, max_running  # () -> int; the engine's max_num_seqs
 
     def authorize(self, request) -> None:
         return None  # replica.api.auth.RequireSecret let it in
 
-    def model_entries(self) -> list[dict]:
-        return [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgechat",
-                 "max_model_len": self.max_model_len()}]
+    def models(self) -> dict[str, int]:
+        return {self.model_name: self.max_model_len()}
+
+    def slots(self) -> int:
+        return self.max_running
 
     def served_model(self, name: str | None) -> str:
         if name is not None and name != self.model_name:
             raise O.not_found_model(name)
         return self.model_name
 
-    async def prompt_ids(self, prompt, tools) -> list[int]:
-        return OP.prompt_ids(self.tokenizer, prompt, tools)
+    async def run_tokenizer(self, prompt, fn, *args):
+        return fn(*args)  # on the event loop: the body is bounded (MAX_BODY_BYTES)
 
     async def submit(self, sub: Submission, p: int, sink: PromptSink) -> Callable[[], None]:
         plan = sub.plan

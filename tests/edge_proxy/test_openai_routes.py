@@ -28,7 +28,8 @@ from conftest import proxy_for, stubs
 pytestmark = pytest.mark.anyio
 AUTH = {"Authorization": "Bearer sk-alice"}
 HI = b'[{"role": "user", "content": "hi"}]'
-OPENAI_PATHS = {"/v1/chat/completions", "/v1/completions", "/infill", "/v1/models", "/v1/models/{model:path}"}
+OPENAI_PATHS = {"/v1/chat/completions", "/v1/completions", "/infill", "/v1/models", "/v1/models/{model:path}",
+                "/tokenize", "/detokenize", "/version", "/props"}
 
 # (method, path, body): each refused before any generation starts, at the proxy and at the replica alike.
 REFUSED = [
@@ -55,6 +56,20 @@ REFUSED = [
     ("POST", "/infill", b'{"input_prefix": "def f(", "input_suffix": ")", "n_predict": 3}'),
     ("POST", "/v1/completions", b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'),
     ("GET", "/v1/models/gpt-9", b""),
+    ("GET", "/props?model=gpt-9", b""),
+    ("POST", "/tokenize", b'{"prompt": '),
+    ("POST", "/tokenize", b'{"prompt": "a", "messages": ' + HI + b'}'),
+    ("POST", "/tokenize", b'{}'),
+    ("POST", "/tokenize", b'{"prompt": "a", "frobnicate": 1}'),
+    ("POST", "/tokenize", b'{"prompt": "a", "return_token_strs": true}'),
+    ("POST", "/tokenize", b'{"messages": ' + HI + b', "continue_final_message": true}'),
+    ("POST", "/tokenize", b'{"messages": [{"role": "wizard", "content": "hi"}]}'),
+    ("POST", "/tokenize", b'{"model": "gpt-9", "prompt": "a"}'),
+    ("POST", "/tokenize", b'{"content": "a", "with_pieces": true}'),
+    ("POST", "/detokenize", b'{"tokens": [1, -2]}'),
+    ("POST", "/detokenize", b'{"tokens": "abc"}'),
+    ("POST", "/detokenize", b'{"model": "gpt-9", "tokens": [1]}'),
+    ("GET", "/tokenize", b""),
     ("GET", "/v1/chat/completions", b""),
     ("POST", "/v1/nothing", b"{}"),
 ]
@@ -71,7 +86,7 @@ class NoEngine:
 
 def replica_routes(metrics: ReplicaMetrics) -> Starlette:
     """The replica's OpenAI routes as its app mounts them, over an engine nothing reaches."""
-    oa = OpenAIRoutes(ReplicaBackend(NoEngine, ByteTokenizer(), "stub", metrics, lambda: 2048))
+    oa = OpenAIRoutes(ReplicaBackend(NoEngine, ByteTokenizer(), "stub", metrics, lambda: 2048, 4))
     return Starlette(routes=[Route(path, endpoint, methods=methods) for path, endpoint, methods in oa.routes()],
                      exception_handlers={HTTPException: http_error})
 
@@ -98,7 +113,7 @@ async def test_proxy_and_replica_refuse_alike():
 def test_each_side_implements_only_the_backend():
     """Invariant: the proxy's and the replica's apps mount the one routes class, over the
     backend each implements, and a backend holds nothing but what the routes ask of it."""
-    members = {"hold", "tokenizer", "max_body_bytes", "authorize", "model_entries", "served_model", "prompt_ids",
+    members = {"hold", "tokenizer", "max_body_bytes", "authorize", "models", "served_model", "slots", "run_tokenizer",
                "submit", "count_error"}
     assert members == {m for m in [*dir(OpenAIBackend), *OpenAIBackend.__annotations__] if not m.startswith("_")}
     for cls in (ProxyBackend, ReplicaBackend):

@@ -238,6 +238,34 @@ def test_unsupported_parameters_are_400_naming_the_param(stack, sdk, where, kw, 
 
 
 @BOTH
+def test_tokenize_counts_what_the_chat_sends(stack, sdk, where, tok):
+    """vLLM's /tokenize renders the model's own chat template: with its defaults, the ids the
+    chat route sends (its usage counts them); /detokenize gives back the template's text."""
+    c, post = sdk(where), lambda path, body: httpx.post(stack[where] + path, json=body, headers=auth(where)).json()
+    max_len = c.models.list().data[0].model_extra["max_model_len"]
+    assert max_len == c.models.retrieve(MODEL).model_extra["max_model_len"] > 0
+    r = post("/tokenize", {"model": MODEL, "messages": FRANCE})
+    assert r == {"count": len(r["tokens"]), "max_model_len": max_len, "tokens": tok.encode_chat(FRANCE)}
+    assert r["count"] == chat(c, max_tokens=1).usage.prompt_tokens
+    assert post("/detokenize", {"tokens": r["tokens"]}) == {"prompt": tok.apply_chat_template(FRANCE)}
+    closed = post("/tokenize", {"messages": FRANCE, "add_generation_prompt": False})["tokens"]
+    assert closed == tok.encode(tok.apply_chat_template(FRANCE, add_generation_prompt=False), add_special_tokens=False)
+    text = post("/tokenize", {"prompt": "1, 2, 3, 4,"})
+    usage = c.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=1, temperature=0).usage
+    assert text["tokens"] == tok.encode("1, 2, 3, 4,") and text["count"] == usage.prompt_tokens
+
+
+@BOTH
+def test_props_gives_ide_plugins_the_context_and_template(stack, sdk, where, tok):
+    props = httpx.get(stack[where] + "/props", headers=auth(where)).json()
+    assert props["default_generation_settings"]["n_ctx"] == sdk(where).models.list().data[0].model_extra[
+        "max_model_len"]
+    assert props["model_alias"] == MODEL and props["chat_template"] == tok.chat_template
+    assert props["eos_token"] == "<|im_end|>" and props["total_slots"] >= 1
+    assert httpx.get(stack[where] + "/version", headers=auth(where)).json()["version"] in props["build_info"]
+
+
+@BOTH
 def test_json_errors_for_unknown_routes_and_methods(stack, sdk, where):
     r = httpx.get(stack[where] + "/v1/nope", headers=auth(where))
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
