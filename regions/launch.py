@@ -21,6 +21,12 @@ so when it gets there (`  eu-0: building kernels ...`).
 After `supervise()`, a replica or proxy that exits is restarted with backoff
 (`regions.supervisor`) until `stop()`.
 
+Metrics: every proxy's and replica's `/metrics`. A replica's takes the launch's replica
+secret, which the launcher writes (mode 600) to `log_dir/replica-secret` and removes at
+`stop()`; `targets()` (so the run file `regions.running` writes, and `--targets FILE`)
+names it in "replica_secret_file" and lists the replicas' URLs under "replicas", and the
+launcher prints the command that scrapes one before its "ready:" line.
+
 Discovery: proxies get their replicas as `--replica` URLs ("static"), or ("dns")
 find them as Kubernetes proxies do, by `--replicas-dns`: the launcher serves a
 small DNS zone (`dns_zone.DnsZone`) where each replica's SRV record appears once
@@ -146,6 +152,7 @@ class Stack:
             self.env[PEER_KEY_ENV] = key
         self._stopping = False
         self.supervisor: Supervisor | None = None
+        self.secret_file: Path | None = None  # the replicas' secret, for scrapers of their /metrics (start())
 
     # -- URLs ------------------------------------------------------------------
 
@@ -153,7 +160,20 @@ class Stack:
         return f"http://{self.topo.host}:{self.topo.region(region).proxy_port}"
 
     def targets(self) -> dict:
-        return {**targets_for(self.topo, self.with_relays), "routing": self.routing}
+        replicas = {rep.id: f"http://{self.topo.host}:{rep.port}" for r in self.topo.regions for rep in r.replicas}
+        secret = {"replica_secret_file": str(self.secret_file)} if self.secret_file is not None else {}
+        return {**targets_for(self.topo, self.with_relays), "routing": self.routing, "replicas": replicas, **secret}
+
+    def _write_secret(self) -> None:
+        """The replicas' secret in `log_dir/replica-secret`, mode 600 from its creation (written
+        beside, then renamed over a previous launch's), so a scraper of their /metrics can present it."""
+        path = self.log_dir / "replica-secret"
+        tmp = path.with_name(f".replica-secret.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.env[SECRET_ENV] + "\n")
+        os.replace(tmp, path)
+        self.secret_file = path
 
     # -- start -----------------------------------------------------------------
 
@@ -216,6 +236,7 @@ class Stack:
             " (a first start compiles kernels and loads weights: minutes; each stage is shown as it ends)"
         self._say(f"regions: logs in {self.log_dir}; starting {n} replica{'s' if n != 1 else ''}{slow}")
         try:
+            self._write_secret()
             if self.discovery == "dns":
                 self.zone = await DnsZone().start(self.topo.host)
                 self._say(f"dns      {DNS_DOMAIN:<10} udp+tcp {self.zone.server:<26} replicas listed once ready")
@@ -228,6 +249,9 @@ class Stack:
         except BaseException:
             await self.stop()
             raise
+        for rep in list(self.targets()["replicas"].values())[:1]:
+            self._say(f"metrics  proxies: {self.proxy_url(self.topo.regions[0].name)}/metrics; replicas take the "
+                      f"launch's secret: curl -H \"Authorization: Bearer $(cat {self.secret_file})\" {rep}/metrics")
         keys = "anonymous access (set EDGECHAT_API_KEYS to require keys)" if self.anonymous else "API keys required"
         self._say(f"ready: {len(self.replicas)} replicas, {len(self.proxies)} proxies, {len(self.relays)} relays; "
                   f"{keys}; routing {self.routing}; logs in {self.log_dir}")
@@ -393,6 +417,9 @@ class Stack:
         if self.zone is not None:
             await self.zone.stop()
             self.zone = None
+        if self.secret_file is not None:
+            self.secret_file.unlink(missing_ok=True)  # the launch's secret dies with its replicas
+            self.secret_file = None
         self._stopping = False
 
     async def kill(self) -> None:

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,6 +37,14 @@ async def test_stack_up_serve_down(tmp_path):
         assert sum(ln.startswith("relay ") for ln in lines) == 6  # 2 clients x 2 regions + 2 link directions
         assert lines[-1].startswith("ready: 3 replicas, 2 proxies, 6 relays")
         t = stack.targets()
+        # The replicas' secret, for scrapers of their /metrics: mode 600, named in the targets (the run
+        # file), with the replicas' URLs and the command that scrapes one.
+        secret = Path(t["replica_secret_file"])
+        assert secret.read_text().strip() == stack.env["EDGECHAT_REPLICA_SECRET"] and secret.parent == tmp_path
+        assert secret.stat().st_mode & 0o777 == 0o600
+        assert sorted(t["replicas"]) == ["eu-0", "eu-1", "us-0"] and all(u.startswith("http://") for u in
+                                                                         t["replicas"].values())
+        assert f'curl -H "Authorization: Bearer $(cat {secret})" {t["replicas"]["eu-0"]}/metrics' in lines[-2]
         ttft = {}
         for region, url in t["clients"]["eu"].items():
             async with await EdgeClient.connect(ws_url(url)) as c:
@@ -62,6 +71,7 @@ async def test_stack_up_serve_down(tmp_path):
         await stack.stop()
     assert not any(alive(p) for p in pids)
     assert all(c.proc.returncode is not None for c in stack.replicas + stack.proxies)
+    assert not secret.exists()  # the launch's secret went with its replicas
 
 
 async def test_restart_proxies_switches_routing(tmp_path):

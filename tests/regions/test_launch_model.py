@@ -4,7 +4,9 @@ up, a chat turn, down, nothing left."""
 import io
 import os
 import re
+from pathlib import Path
 
+import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
@@ -13,6 +15,7 @@ from edge_proxy.select import ws_url
 from regions.topology import parse
 from replica import stages
 
+from tests.prom import samples
 from tests.regions.ports import free_block
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -51,6 +54,14 @@ async def test_default_model_region_up_and_down(tmp_path):
                                           temperature=0.0)
         assert text and done.region == "local" and done.replica == "local-0"
         assert done.usage.completion_tokens >= 1 and done.timing.ttft_ms > 0
+        # The replica's /metrics, scraped as the launcher's line says: the secret from its mode-600 file.
+        t = stack.targets()
+        rep, secret = t["replicas"]["local-0"], Path(t["replica_secret_file"]).read_text().strip()
+        async with httpx.AsyncClient(trust_env=False) as h:
+            assert (await h.get(rep + "/metrics")).status_code == 401
+            m = samples((await h.get(rep + "/metrics", headers={"Authorization": f"Bearer {secret}"})).text)
+        assert m['edgechat_replica_requests_total{finish_reason="length"}'] + \
+            m.get('edgechat_replica_requests_total{finish_reason="stop"}', 0) == 1
         pids = [c.proc.pid for c in stack.replicas + stack.proxies]
     finally:
         await stack.stop()
