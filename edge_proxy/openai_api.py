@@ -6,9 +6,10 @@ to them.
 Callers are API keys (`Authorization: Bearer`, the failed-auth throttle); the models
 are the pool's (each with the smallest context its replicas announce); a prompt (or
 a /tokenize, /detokenize body) is checked against the proxy's limits (edge_proxy.limits)
-and tokenized in its tokenizer threads, never on the event loop; each prompt of a request is one proxy stream
-(routing, failover and exact resume as for the WebSocket), whose messages feed the
-routes' shared renderer; a client that goes away cancels them at once. The proxy's
+and rendered, tokenized or decoded in its tokenizer threads, never on the event loop;
+each prompt of a request is one proxy stream (routing, failover and exact resume as
+for the WebSocket), whose messages feed the routes' shared renderer; a client that
+goes away cancels them at once. The proxy's
 refusals (auth, rate limit, admission, limits) keep their codes, in OpenAI's shape.
 
 Extensions beyond OpenAI's schema (all optional): body fields `session`,
@@ -114,7 +115,7 @@ class ProxyBackend:
 
     def slots(self) -> int:
         """Requests the ready replicas run at once (each one's `max_num_seqs`, 1 while it reported none)."""
-        return sum(c.load.max_running or 1 if c.load is not None else 1 for c in self.proxy.pool.ready())
+        return sum((c.load.max_running or 1) if c.load is not None else 1 for c in self.proxy.pool.ready())
 
     async def run_tokenizer(self, prompt, fn, *args):
         try:
