@@ -412,7 +412,8 @@ class Proxy:
     def on_lost(self, conn, streams: list[ProxiedRequest], cause: str) -> None:
         for s in streams:
             s.conn = None
-            s.faults += 1
+            if cause != "removed":  # taken out of discovery on purpose: nothing the request could have caused
+                s.faults += 1
         # Replicas lost together (a host or a region going down) are seen one socket at a time:
         # move the streams a beat later, when every replica lost in the same moment is out of the
         # choice, so none is sent to a dying replica and blamed for failing there too.

@@ -198,3 +198,22 @@ async def test_health_probes_that_failed_before_a_reconnect_do_not_count_after_i
         for _ in range(2):  # ... but three in a row still take it out
             await conn.healthz(p.proxy.pool._http)
         assert not conn.healthy and not conn.connected
+
+
+async def test_a_replica_removed_on_purpose_does_not_count_against_its_requests():
+    """A rolling restart takes replicas out one after another: a request moved off one that
+    left discovery and then losing the next to a crash is not a poison pill (a request is failed
+    after two replicas *failed* under it); it resumes on a third and ends exactly."""
+    async with stubs("a", "b", "c", step_s=0.02) as reps, proxy_for(reps) as p, \
+            await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+        req = await c.generate(prompt="rolling", max_tokens=60, temperature=0.0)
+        deltas = aiter(req)
+        await anext(deltas)  # streaming: it is on a replica
+        (first,) = [s for s in p.proxy.streams if s.cid == req.id]
+        removed = first.conn.id
+        p.proxy.pool.remove(first.conn.url)  # left DNS: its streams move
+        while first.conn is None or first.conn.id == removed:
+            await anext(deltas)  # tokens keep coming from the next replica
+        await next(r for r in reps if r.cfg.replica_id == first.conn.id).crash()  # then that one dies
+        text, done = await req.result()
+        assert done.failovers == 2 and done.replica not in (removed, "") and len(text) == 60
