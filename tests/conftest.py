@@ -24,10 +24,16 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def default_replica():
+def default_replica_server():
     """One real replica on the default model, shared by the client tests (tests/edge_proxy/test_browser.py,
-    test_client_reconnect.py, tests/examples): its http:// URL."""
+    test_client_reconnect.py, tests/examples): (its http:// URL, its API process)."""
     from tests.replica.server import replica_server
 
-    with replica_server("--replica-id", "R0", "--kv-memory-gb", "0.25") as (url, _):
-        yield url
+    with replica_server("--replica-id", "R0", "--kv-memory-gb", "0.25") as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def default_replica(default_replica_server):
+    """The shared default-model replica's http:// URL."""
+    return default_replica_server[0]

@@ -19,7 +19,7 @@ import pytest
 from tests.edge_proxy.live import self_signed, start_proxy
 from tests.edge_proxy.page import (chromium_browser, open_page, rendered, reply, say, shot, shown, wait_state,
                                    wait_tokens)
-from tests.replica.server import free_port, stop_group
+from tests.replica.server import engine_pid, free_port, stop_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 KEY = "sk-page"
@@ -40,7 +40,8 @@ def uninterrupted(proxy_url: str, messages: list[dict], max_tokens: int) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def test_chat_page_streams_stops_and_resumes_after_a_proxy_restart(chromium, default_replica, tmp_path):
+def test_chat_page_streams_stops_and_resumes_after_a_proxy_restart(chromium, default_replica_server, tmp_path):
+    default_replica, api = default_replica_server
     port = free_port()
     origin = f"http://127.0.0.1:{port}"
     proc = start_proxy(port, [default_replica], "--region", "browser", env=ENV)
@@ -74,14 +75,22 @@ def test_chat_page_streams_stops_and_resumes_after_a_proxy_restart(chromium, def
         assert page.is_disabled("#stop")
 
         # The proxy crashes mid-reply and comes back on its port: the page reconnects and the reply
-        # continues where it stopped, equal to an uninterrupted run.
-        i = say(page, "Name ten animals, one per line.", 60)
+        # continues where it stopped, equal to an uninterrupted run. The replica's engine is frozen
+        # from the moment the page has shown a few tokens until the new proxy is up, so the cut
+        # lands mid-reply however loaded the machine is.
+        i = say(page, LONG, 60)
         wait_tokens(page, i, 4)
-        history = page.evaluate("() => window.edgechat.history")  # what the reply was asked with
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        page.wait_for_selector("#status[data-status=reconnecting]")
-        proc = start_proxy(port, [default_replica], "--region", "browser", env=ENV)
+        engine = engine_pid(api.pid)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            assert page.evaluate(f"() => window.edgechat.replies[{i}]") is None  # still streaming
+            history = page.evaluate("() => window.edgechat.history")  # what the reply was asked with
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            page.wait_for_selector("#status[data-status=reconnecting]")
+            proc = start_proxy(port, [default_replica], "--region", "browser", env=ENV)
+        finally:
+            os.kill(engine, signal.SIGCONT)
         page.wait_for_selector("#status[data-status=open]", timeout=30_000)
         wait_state(page, i, "done")
         s = page.evaluate(f"() => window.edgechat.replies[{i}]")
