@@ -172,8 +172,11 @@ class Sim:
     # -- the proxy ----------------------------------------------------------------------
     def route(self, req: Req) -> None:
         now = self.clock / 1e3
-        cands = [Candidate(r, float(self.load[r]), self.index[r].match(req.hashes, now), held_blocks=len(self.index[r]))
-                 for r in self.reps]
+        cands = []
+        for r, idx in self.index.items():
+            n = idx.match(req.hashes, now)
+            cands.append(Candidate(r, float(self.load[r]), n, held_blocks=len(idx),
+                                   history=idx.history(req.hashes, n, req.prompt, BS)))
         session = f"conv{req.conv}" if self.sessions else None
         d = self.router.route(cands, len(req.prompt), BS, key=str(req.hashes[0]), session_key=session,
                               session_current=self.session_at.get(req.conv))
@@ -190,7 +193,7 @@ class Sim:
     def stream_ended(self, req: Req) -> None:
         self.load[req.replica] -= 1
         if not self.cfg.events_only:
-            self.index[req.replica].expect(reply_hashes(req.prompt, req.hashes, req.reply, BS, ""), self.clock / 1e3)
+            self.index[req.replica].expect_reply(req.prompt, req.hashes, req.reply, BS, "", self.clock / 1e3)
         self.finished(req)
 
     def deliver(self, replica: str, ev: KvEvents) -> None:

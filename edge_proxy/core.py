@@ -42,7 +42,6 @@ from edge_proxy.limits import check_prompt, check_prompt_tokens, check_session_i
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
-from edge_proxy.prefix_index import reply_hashes
 from edge_proxy.prompt import TokenizerPool
 from edge_proxy.routing import LOAD, Candidate, Decision, make_router
 from edge_proxy.sessions import SessionTable, placement_key
@@ -295,9 +294,13 @@ class Proxy:
         now = perf_counter()
         rates = {c.id: c.load.tokens_per_s for c in conns if c.load is not None and c.load.tokens_per_s > 0}
         mean = sum(rates.values()) / len(rates) if rates else 0.0
-        return [Candidate(c.id, c.effective_load(), c.index.match(s.hashes, now), c.prefill_pending,
-                          len(c.prefilling), rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share,
-                          len(c.index)) for c in conns]
+        out = []
+        for c in conns:
+            n = c.index.match(s.hashes, now)
+            out.append(Candidate(c.id, c.effective_load(), n, c.prefill_pending, len(c.prefilling),
+                                 rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share, len(c.index),
+                                 c.index.history(s.hashes, n, s.gen.prompt_ids, self.pool.block_size)))
+        return out
 
     def _place_new(self, s: ProxiedRequest, deadline_ms: float, prefer: str | None = None) -> None:
         conns = self.pool.ready()
@@ -311,6 +314,11 @@ class Proxy:
             d = self.router.route(cands, len(s.gen.prompt_ids), self.pool.block_size, key=s.route_key(),
                                   session_key=s.placement,
                                   session_current=s.session.replica if s.session is not None else None)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s session=%s prompt=%d -> %s (%s) among %s", s.cid, s.placement,
+                      len(s.gen.prompt_ids), d.replica, d.reason,
+                      " ".join(f"{c.id}:load={c.load:g},cached={c.cached_blocks},queued={c.queued_prefill},"
+                               f"held={c.held_blocks}{',history' if c.history else ''}" for c in cands))
         conn = by_id[d.replica]
         if deadline_ms > 0 or s.gen.priority >= P.BATCH:
             conn, d = self._admit(s, cands, by_id, d, deadline_ms)
@@ -479,8 +487,8 @@ class Proxy:
         if s.conn is not None:
             s.conn.release(s.rid, abort)
             if len(s.ids) > 1:  # the replica holds the prompt and what it streamed: the next turn finds it there
-                s.conn.index.expect(reply_hashes(s.gen.prompt_ids, s.hashes, s.ids, self.pool.block_size,
-                                                 s.gen.cache_salt), perf_counter())
+                s.conn.index.expect_reply(s.gen.prompt_ids, s.hashes, s.ids, self.pool.block_size,
+                                          s.gen.cache_salt, perf_counter())
         parked = self._parked.pop(s, None)
         if parked is not None:
             parked[1].cancel()

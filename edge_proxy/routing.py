@@ -11,24 +11,33 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    is its own. Moving work to another replica of the same group frees no compute
    and costs a cold prefill, so a pool that is one group (several replicas on one
    machine's cores) has no valve: the bounded-load and spill rules below spread it.
-2. Bounded-load prefix placement. `prefill(r)` is the prompt length minus the
-   leading blocks replica r is believed to hold (`prefix_index`). The replicas that
-   could prefill the prompt nearly as cheaply as the cheapest one (within
-   `max(near_tokens, near_frac * prompt)` tokens) are its candidates; of those, a
-   replica already at its bound `ceil((1 + load_eps) * (L + 1) / n)` (L: the total
-   outstanding requests, n: replicas; at least `min_bound`, so that one request in
-   flight never moves a conversation) takes nothing new (consistent hashing with
-   bounded loads, Mirrokni et al. 2016). Among the rest: the session's replica
-   first (when a session id is given), then the least loaded, then the cheaper
-   prefill, then the one holding the fewest blocks in all (SGLang's "smallest
-   tree": of replicas equally busy this instant, the one with fewer conversations
-   on it; one whose conversation is between two turns looks as idle as one whose
-   conversation ended), then a rendezvous draw on the request's key (its session,
-   else its first block), so ties spread and every proxy worker breaks them alike.
-   A conversation's later turn has one cheap replica, the one holding its
-   history, and stays there; a new conversation, or a prompt that only shares a
-   system prompt held everywhere, has several and goes to the least loaded.
-3. Spill, when every such replica is at its bound: the replica with the least
+2. A conversation stays home. `prefill(r)` is the prompt length minus the leading
+   blocks replica r is believed to hold (`prefix_index`). The replicas that could
+   prefill the prompt nearly as cheaply as the cheapest one (within
+   `max(near_tokens, near_frac * prompt)` tokens) are its candidates. A later turn
+   of a conversation has a home among them (`conversation_home`): the session's
+   replica (a session id given), else the one where its previous turn ended (the
+   prompt goes on from what that stream left there: `BlockIndex.history`). Home
+   takes the turn while it holds fewer than the spill bound (`load_bound`:
+   `ceil(session_load_factor * (L + 1) / n) + session_slack` requests, L: the total
+   outstanding requests, n: replicas). A conversation is placed for good: its
+   replica being the busiest this instant (a few of its conversations in a turn at
+   once, while the other replicas' conversations are between turns, which no load
+   shows) is no reason to prefill its history again elsewhere; it moves past the
+   spill bound, priced by rule 4, or by the valve.
+3. Bounded-load placement, for everything else (new conversations, prompts
+   sharing a system prompt, a conversation past its spill bound): of the
+   candidates, a replica already at its bound `ceil((1 + load_eps) * (L + 1) / n)`
+   (at least `min_bound`) takes nothing new (consistent hashing with bounded
+   loads, Mirrokni et al. 2016). Among the rest: the least loaded, then the
+   cheaper prefill, then the one holding the fewest blocks in all (SGLang's
+   "smallest tree": of replicas equally busy this instant, the one with fewer
+   conversations on it; one whose conversation is between two turns looks as idle
+   as one whose conversation ended), then a rendezvous draw on the request's key
+   (its session, else its first block), so ties spread and every proxy worker
+   breaks them alike. A new conversation, or a prompt that only shares a system
+   prompt held everywhere, has several candidates and goes to the least loaded.
+4. Spill, when every such replica is at its bound: the replica with the least
    `cost = (prefill + queued prefill + load_cost_tokens * decoding) / speed`, where
    `queued prefill` is the uncached prompt tokens of this proxy's requests there
    that have no first token yet (a new request waits for them), `decoding` the rest
@@ -52,8 +61,8 @@ the proxy best knows it; see `effective_load`.
 all but "auto" are reductions for comparisons (`bench/routing.py`,
 `loadtest --compare-routing`):
 
-    auto          the rule above; a session's replica is kept while under its bound
-    prefix        the rule above, session ids ignored
+    auto          the rule above; a session's replica is its conversation's home
+    prefix        the rule above, session ids ignored (home: the replica holding its reply)
     sticky        session stickiness only, by rendezvous hashing with bounded loads
                   (`pick_sticky`); no prefix knowledge: requests without a session
                   go to the least loaded replica
@@ -82,8 +91,8 @@ class RouterConfig:
     load_cost_tokens: float = 256.0  # spill: one outstanding request weighs like this many prefill tokens
     balance_abs_threshold: float = 4.0  # between compute groups (a pool on shared cores has one: no valve)
     balance_rel_threshold: float = 1.5
-    session_load_factor: float = 1.25  # mode "sticky": c in its rendezvous bound
-    session_slack: int = 4  # mode "sticky": requests of headroom before a session moves
+    session_load_factor: float = 1.25  # a conversation's replica keeps it up to ceil(c * mean) ... (`load_bound`)
+    session_slack: int = 4  # ... + this many requests (the spill bound; mode "sticky": its rendezvous bound)
     mode: str = "auto"  # one of MODES
 
     def __post_init__(self):
@@ -108,6 +117,7 @@ class Candidate:
     group: str = ""  # its compute group (`compute_groups`); "": computes alone
     share: float = 1.0  # the fraction of its group's compute it can use at once
     held_blocks: int = 0  # blocks it is believed to hold in all (the tie-break of equally loaded cold choices)
+    history: bool = False  # the prompt goes on from a stream that ended here (`BlockIndex.history`): its home
 
 
 @dataclass(slots=True, frozen=True)
@@ -131,7 +141,8 @@ def rendezvous_order(key: str, ids: list[str]) -> list[str]:
 
 
 def load_bound(total_load: float, n: int, cfg: RouterConfig) -> float:
-    """Mode "sticky": the most a replica may hold and still take a session's request."""
+    """The spill bound: the most a replica may hold and still take a request of a
+    conversation it holds (modes "auto" and "prefix"; mode "sticky": of a session)."""
     return math.ceil(cfg.session_load_factor * (total_load + 1) / n) + cfg.session_slack
 
 
@@ -216,10 +227,22 @@ def valve_pick(cands: list[Candidate], cfg: RouterConfig, key: str) -> Candidate
     return min(idle, key=lambda c: (weighed_load(c, cfg), -c.cached_blocks, -hrw_score(key, c.id)))
 
 
+def conversation_home(close: list[Candidate], prefill: dict[str, int], prefer: str | None) -> Candidate | None:
+    """The replica a later turn of a conversation belongs on, among those that can
+    prefill it nearly as cheaply as the cheapest (`close`): the session's, else the
+    cheapest one where its previous turn ended (`Candidate.history`); None for a new
+    conversation, or a prompt that only shares a system prompt with others."""
+    for c in close:
+        if c.id == prefer:
+            return c
+    own = [c for c in close if c.history]
+    return min(own, key=lambda c: (prefill[c.id], c.load, c.id)) if own else None
+
+
 def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg: RouterConfig, key: str = "",
                 prefer: str | None = None) -> Decision:
     """The bounded-load prefix rule of the module docstring. `prefer`: the session's
-    replica (kept while under the bound), `key`: the rendezvous tie-break."""
+    replica (its conversation's home), `key`: the rendezvous tie-break."""
     assert cands, "pick_prefix needs at least one candidate"
     c = valve_pick(cands, cfg, key) if len(cands) > 1 else None
     if c is not None:
@@ -229,12 +252,16 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
     if prefer in prefill:
         prefill[prefer] = min(prefill[prefer], cheapest)  # the session's replica holds its history
     near = cheapest + max(cfg.near_tokens, cfg.near_frac * prompt_tokens)
-    bound = bounded_load(sum(c.load for c in cands), len(cands), cfg)
+    total = sum(c.load for c in cands)
+    bound = bounded_load(total, len(cands), cfg)
     close = [c for c in cands if prefill[c.id] <= near]
+    home = conversation_home(close, prefill, prefer)
+    if home is not None and home.load + 1 <= load_bound(total, len(cands), cfg):
+        return Decision(home.id, STICKY if home.id == prefer else PREFIX, home.cached_blocks)
     ok = [c for c in close if c.load + 1 <= bound]
     if ok:
-        c = min(ok, key=lambda c: (c.id != prefer, c.load, prefill[c.id], c.held_blocks, -hrw_score(key, c.id)))
-        reason = STICKY if c.id == prefer else PREFIX if c.cached_blocks else LOAD
+        c = min(ok, key=lambda c: (c.load, prefill[c.id], c.held_blocks, -hrw_score(key, c.id)))
+        reason = PREFIX if c.cached_blocks else LOAD  # (a session's replica is home: rule 2 or not in `ok`)
         return Decision(c.id, reason, c.cached_blocks)
 
     busy: dict[str, float] = {}  # compute group -> the shares of its replicas with work

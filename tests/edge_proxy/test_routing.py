@@ -1,5 +1,6 @@
 """Routing policies on synthetic replica states: no sockets."""
 
+import dataclasses
 from collections import Counter
 
 from edge_proxy.prefix_index import BlockIndex, reply_hashes
@@ -162,13 +163,16 @@ class Replicas:
         for idx in self.index.values():
             idx.apply(KvEvents(cleared=True))  # connected: precise mode, nothing cached
 
-    def cands(self, hashes, now=0.0):
-        return [Candidate(r, self.load[r], idx.match(hashes, now), held_blocks=len(idx))
-                for r, idx in self.index.items()]
+    def cands(self, prompt, now=0.0):  # as Proxy._candidates builds them
+        hashes, out = block_hashes(prompt, 16), []
+        for r, idx in self.index.items():
+            n = idx.match(hashes, now)
+            out.append(Candidate(r, self.load[r], n, held_blocks=len(idx), history=idx.history(hashes, n, prompt, 16)))
+        return out
 
     def route(self, prompt, now=0.0, router=None, **kw):
         h = block_hashes(prompt, 16)
-        d = (router or Router()).route(self.cands(h, now), len(prompt), 16, key=str(h[0]), **kw)
+        d = (router or Router()).route(self.cands(prompt, now), len(prompt), 16, key=str(h[0]), **kw)
         self.index[d.replica].expect(h, now)  # Proxy._attach
         return d, h
 
@@ -243,7 +247,7 @@ def test_a_new_conversation_among_equally_busy_replicas_goes_where_fewer_are():
     for k in range(12):
         prompt = chat_turn([1, 299, 500 + k] + [80 + k] * 90, [7] * 5)
         drawn.add(rendezvous_order(str(block_hashes(prompt, 16)[0]), ["a", "b", "c"])[0])
-        cands = reps.cands(block_hashes(prompt, 16))
+        cands = reps.cands(prompt)
         d = pick_prefix(len(prompt), 16, cands, CFG, key=str(block_hashes(prompt, 16)[0]))
         assert d.replica in ("a", "c") and d.reason == LOAD
     assert "b" in drawn  # the rendezvous draw alone would have sent some of them to b
@@ -368,3 +372,123 @@ def test_a_faster_replica_is_priced_by_its_measured_rate():
     cands = [Candidate("a", 3.0, history // 16), Candidate("b", 1.0, 0, speed=1.5), Candidate("c", 1.0, 0, speed=0.5)]
     d = pick_prefix(history + 8, 16, cands, CFG, key="k")
     assert (d.replica, d.reason) == ("b", SPILL)
+
+
+# -- a conversation's home: kept within the spill bound (issue 26) -----------------------------------
+
+
+def conversation_on(reps: Replicas, home: str, history_tokens: int = 200, reply_tokens: int = 16):
+    """A conversation whose first turn ran on `home` and ended (the proxy expected its
+    prompt there, then its reply: `Proxy._attach`, `Proxy._release`); its second turn,
+    and the blocks of it `home` holds."""
+    turn1 = chat_turn([1, 299] + list(range(1000, 1000 + history_tokens)) + [EOS, NL], [7] * 10)
+    h1 = block_hashes(turn1, 16)
+    reps.index[home].expect(h1, 0.0)
+    reply = list(range(2000, 2000 + reply_tokens)) + [EOS]  # a short answer
+    reps.index[home].expect_reply(turn1, h1, reply, 16, "", 0.5)
+    return chat_turn(turn1 + reply + [NL], [8] * 6), (len(turn1) + len(reply) - 1) // 16
+
+
+def test_a_conversation_stays_home_while_its_replica_is_briefly_the_busiest():
+    """Three of a's conversations are in a turn at once, b has one, c none (the others'
+    conversations are between turns). A fourth of a's conversations sends its next
+    turn: a is over the placement bound (ceil(1.1 x 5 / 3) = 2), and 3 x 256 tokens of
+    decoding priced against prefilling ~250 tokens on c would move it; it stays home,
+    under the spill bound (ceil(1.25 x 5 / 3) + 4 = 7), with or without a session id."""
+    for reply_tokens in (16, 3):  # (3: the reply fills no block; the prompt goes on past where its ids end)
+        reps = Replicas()
+        turn2, held = conversation_on(reps, "a", reply_tokens=reply_tokens)
+        reps.load.update(a=3.0, b=1.0, c=0.0)
+        d, _ = reps.route(turn2, now=1.0)
+        assert (d.replica, d.reason, d.cached_blocks) == ("a", PREFIX, held)
+        d, _ = reps.route(turn2, now=1.0, session_key="s", session_current="a")
+        assert (d.replica, d.reason) == ("a", STICKY)
+    # The same prompt's prefix known only from a prompt sent there (no reply of its own
+    # there: a system prompt others share) is priced as before: it spills.
+    other = Replicas()
+    other.index["a"].expect(block_hashes(turn2, 16)[:-1], 0.0)
+    other.load.update(a=3.0, b=1.0, c=0.0)
+    d, _ = other.route(turn2, now=1.0)
+    assert (d.replica, d.reason) == ("c", SPILL)
+
+
+def test_past_the_spill_bound_a_conversation_is_priced_as_before():
+    reps = Replicas()
+    turn2, _ = conversation_on(reps, "a")
+    one = lambda: [dataclasses.replace(c, group="m", share=0.5) for c in reps.cands(turn2, 1.0)]  # noqa: E731
+    reps.load.update(a=8.0, b=1.0, c=0.0)  # L = 9: spill bound ceil(1.25 x 10 / 3) + 4 = 9 = 8 + 1
+    d = pick_prefix(len(turn2), 16, one(), CFG, key="k")
+    assert (d.replica, d.reason) == ("a", PREFIX)
+    reps.load.update(a=9.0)  # 10 > ceil(1.25 x 11 / 3) + 4 = 9: 9 x 256 tokens of queue vs ~270 cold ones
+    d = pick_prefix(len(turn2), 16, one(), CFG, key="k")
+    assert (d.replica, d.reason) == ("c", SPILL)
+
+
+def test_a_session_id_never_costs_a_conversation_its_cache():
+    """Over a grid of loads: wherever the turn without a session id stays on its
+    conversation's replica, it stays there with one too; and within the spill bound
+    it stays in both."""
+    reps = Replicas()
+    turn2, _ = conversation_on(reps, "a")
+    h = block_hashes(turn2, 16)
+    for la in range(12):
+        for lb in range(6):
+            for lc in range(6):
+                reps.load.update(a=float(la), b=float(lb), c=float(lc))
+                cands = [dataclasses.replace(c, group="m", share=0.5) for c in reps.cands(turn2, 1.0)]
+                plain = Router().route(cands, len(turn2), 16, key=str(h[0]))
+                session = Router().route(cands, len(turn2), 16, key=str(h[0]), session_key="s",
+                                         session_current="a")
+                if plain.replica == "a":
+                    assert session.replica == "a", (la, lb, lc)
+                if la + 1 <= load_bound(la + lb + lc, 3, CFG):
+                    assert plain.replica == session.replica == "a", (la, lb, lc)
+
+
+def test_block_index_marks_a_conversations_next_turn():
+    turn1 = chat_turn([1, 299] + list(range(1000, 1100)) + [EOS, NL], [7] * 10)  # 121 ids: 7 blocks and 9
+    h1 = block_hashes(turn1, 16)
+    short, long_ = [2000, 2001, EOS], list(range(2000, 2040)) + [EOS]  # 2 ids computed: no block filled; 40: 3
+
+    def turn2(reply):
+        p = chat_turn(turn1 + reply + [NL], [8] * 6)
+        return p, block_hashes(p, 16)
+
+    idx = BlockIndex()
+    idx.expect(h1, 0.0)  # the prompt sent there (Proxy._attach)
+    for reply in (short, long_):
+        p, h = turn2(reply)
+        assert not idx.history(h, idx.match(h, 0.0), p, 16)  # no stream ended here yet
+    idx.expect_reply(turn1, h1, short, 16, "", 0.5)
+    p, h = turn2(short)
+    n = idx.match(h, 0.6)
+    assert n == len(h1) and idx.history(h, n, p, 16)  # it goes on with the 9 + 2 ids past its 7 blocks
+    other = chat_turn(turn1 + [2000, 2009, EOS] + [NL], [8] * 6)  # another reply after the same prompt
+    assert not idx.history(block_hashes(other, 16), n, other, 16)
+    shared = chat_turn([1, 299] + list(range(1000, 1100)) + [EOS, NL], [9] * 10)  # another user's question
+    assert not idx.history(block_hashes(shared, 16), idx.match(block_hashes(shared, 16), 0.6), shared, 16)
+
+    idx = BlockIndex()  # the long reply's conversation, on a replica of its own
+    idx.expect(h1, 0.6)
+    idx.expect_reply(turn1, h1, long_, 16, "", 0.7)
+    filled = reply_hashes(turn1, h1, long_, 16, "")
+    p, h = turn2(long_)
+    n = idx.match(h, 0.8)
+    assert n == len(h1) + len(filled) == 10 and idx.history(h, n, p, 16)
+    # The template renders the reply back into other ids from its 30th on: the match ends
+    # in the blocks the reply filled, still this conversation's.
+    again = chat_turn(turn1 + long_[:29] + [5000] + long_[30:] + [NL], [8] * 6)
+    ha = block_hashes(again, 16)
+    assert idx.match(ha, 0.8) == 9 and idx.history(ha, 9, again, 16)
+    idx.apply(KvEvents(stored=h1 + filled))  # confirmed: still marked
+    assert idx.history(h, idx.match(h, 100.0), p, 16)
+    idx.apply(KvEvents(removed=filled[-1:]))  # evicted: the match ends a block earlier, in the reply still
+    assert idx.match(h, 100.0) == 9 and idx.history(h, 9, p, 16)
+    idx.apply(KvEvents(removed=filled[:1]))  # the reply's first block too: only the prompt's are left
+    n = idx.match(h, 100.0)
+    assert n == len(h1) and not idx.history(h, n, p, 16)
+    idx.apply(KvEvents(cleared=True))  # the replica's cache was cleared: no marks left
+    assert not idx.replies and not idx.ends
+    idx.expect_reply(turn1, h1, long_, 16, "", 101.0)
+    idx.reset()
+    assert not idx.replies and not idx.ends

@@ -227,3 +227,31 @@ async def test_queued_prefill_is_counted_until_the_first_token():
             assert conn.prefilling == {} and conn.prefill_pending == 0
             await first.cancel()
             await second.result()
+
+
+async def test_a_later_turn_stays_on_its_briefly_busiest_replica():
+    """Issue 26: three replicas on one machine's cores (one compute group: no valve).
+    A conversation's first turn ends with a short answer (no block of its own); then
+    its replica reports three requests running (three of its other conversations in
+    a turn at once), the others none. The next turn stays there, with and without a
+    session id: over the placement bound (2) but under the spill bound (6). Priced as
+    a spill instead, 3 x 256 tokens of decoding against a cold prefill of ~300 on an
+    idle replica, it would leave its cache."""
+    async with stubs("a", "b", "c", compute=["cpu:m:0", "cpu:m:1"], uses=1) as reps, proxy_for(reps) as p:
+        by_id = {r.cfg.replica_id: r for r in reps}
+        async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+            for k, session in enumerate((None, "s1")):
+                msgs = [{"role": "system", "content": f"You are help desk {k}. " * 12},
+                        {"role": "user", "content": "question 0"}]
+                text, first = await c.complete(messages=msgs, max_tokens=3, session=session)
+                home = by_id[first.replica]
+                home.cfg.load_override = {"running": 3}
+                await until_load(p.conn(first.replica), lambda ld: ld.running == 3)
+                msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "question 1"}]
+                _, d = await c.complete(messages=msgs, max_tokens=3, session=session)
+                assert d.replica == first.replica
+                assert d.usage.cached_tokens >= first.usage.prompt_tokens // 16 * 16
+                home.cfg.load_override = {}
+                await until_load(p.conn(first.replica), lambda ld: ld.running == 0)
+        m = p.proxy.metrics
+        assert (m.routing.get("sticky"), m.routing.get("spill")) == (1, 0)  # (the session's turn: sticky)
