@@ -7,11 +7,17 @@
 
 Every run starts N fresh replicas (`python -m replica`; nobody starts warm), one
 router in front of them, and drives a workload through the router's OpenAI API
-with the official `openai` SDK (streaming, usage included), then stops them all.
+with the official `openai` SDK (streaming, usage included; `--no-stream`: its plain
+calls), then stops them all.
 
 Workloads:
   multi-turn     12 conversations, each with its own 120-word system prompt, 4 turns,
                  6 at a time; replies of up to 48 tokens at temperature 1 (seeded)
+  interleaved    the same 12 conversations, all open at once, with short answers (up to
+                 16 tokens): each turn, not each conversation, waits for one of the 6
+                 slots, so while 6 turns run the other conversations sit between turns
+                 (invisible to any replica's load), and a replica holding 4 of them is
+                 now and then running 3 of their turns while another runs none
   shared-prefix  48 users under one long system prompt, one turn each, 8 at a time
 
 Runs (ROUTER:POLICY[:session]):
@@ -25,11 +31,14 @@ Runs (ROUTER:POLICY[:session]):
   pinned            the oracle: the client sends conversation k straight to replica k mod N
 
 Columns: "cached" = cached prompt tokens / prompt tokens (replica usage) over turns
-2-4 (multi-turn) or all requests (shared-prefix); "oracle" = the same if every turn
-had gone to the replica holding its conversation, computed from this run's own
-prompts and replies with the model's tokenizer (a reply the template re-renders into
-other ids makes it a slight overestimate); requests per replica from each replica's
-/metrics; TTFT = the client's time to the first streamed chunk with text.
+2-4 (multi-turn, interleaved) or all requests (shared-prefix); "oracle" = the same if
+every turn had gone to the replica holding its conversation, computed from this run's
+own prompts and replies with the model's tokenizer (a reply the template re-renders
+into other ids makes it a slight overestimate); requests per replica from each
+replica's /metrics; TTFT = the client's time to the first streamed chunk with text
+(`--no-stream`: the whole request). `--json` keeps every turn (start, end, replica,
+proxy and replica TTFT); `--proxy-log-level debug` logs each of edgechat's routing
+decisions with the candidates it weighed (edgechat.log in `--log-dir`).
 
 With 48 turns a run's "p99" is its slowest turn: in practice one of the six cold
 first turns sent at once, whose time depends on how three engines share the
@@ -66,9 +75,12 @@ REPLICA_AUTH = {"Authorization": f"Bearer {SECRET}"}  # every replica endpoint b
 API_KEY = "sk-bench"  # the proxy's key for the bench: no practical rate limit
 SGLANG_ROUTER = "sglang-router==0.3.2"
 BLOCK = 16
+CONVERSATIONS = ("multi-turn", "interleaved")  # workloads of conversations: cached over later turns, an oracle
 DEFAULT_RUNS = {
     "multi-turn": ["pinned", "sglang:cache_aware", "edgechat:auto:session", "edgechat:auto", "edgechat:prefix",
                    "sglang:round_robin", "edgechat:round_robin"],
+    "interleaved": ["pinned", "sglang:cache_aware", "edgechat:auto:session", "edgechat:auto", "edgechat:prefix",
+                    "sglang:round_robin", "edgechat:round_robin"],
     "shared-prefix": ["sglang:cache_aware", "edgechat:auto", "sglang:round_robin", "edgechat:round_robin"],
 }
 
@@ -139,7 +151,7 @@ class Stack:
         port = free_port()
         if router == "edgechat":
             cmd = [PY, "-m", "edge_proxy", "--port", str(port), "--routing", policy,
-                   "--stall-timeout", "30", "--log-level", "warning"]
+                   "--stall-timeout", "30", "--log-level", a.proxy_log_level]
             for url in self.replicas:
                 cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
             env = {"EDGECHAT_REPLICA_SECRET": SECRET, "EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9"}
@@ -273,6 +285,7 @@ class Turn:
     cached: int = 0
     ttft_ms: float = 0.0
     start_s: float = 0.0  # since the workload began
+    end_s: float = 0.0
     replica: str = ""  # edgechat only: the replica that served it, and its own queue + prefill time
     replica_ttft_ms: float = 0.0
     proxy_ttft_ms: float = 0.0
@@ -297,11 +310,26 @@ def own_system_prompt(k: int, c, words: int = 120) -> str:
     return " ".join(out[:words])
 
 
-async def one_turn(client, model: str, t: Turn, a, headers: dict) -> None:
+async def one_turn(client, model: str, t: Turn, a, headers: dict, max_tokens: int) -> None:
     t0 = time.perf_counter()
     t.start_s = t0 - a.began
+    if not a.stream:  # one answer at the end: "TTFT" is the whole request
+        r = await client.chat.completions.create(
+            model=model, messages=t.messages, max_tokens=max_tokens, temperature=a.temperature,
+            seed=1000 * t.conv + t.turn, extra_headers=headers)
+        t.ttft_ms = (time.perf_counter() - t0) * 1e3
+        t.reply, t.finish = r.choices[0].message.content or "", r.choices[0].finish_reason
+        t.prompt_tokens = r.usage.prompt_tokens
+        d = r.usage.prompt_tokens_details
+        t.cached = (d.cached_tokens or 0) if d is not None else 0
+        ext = (r.model_extra or {}).get("edgechat")
+        if ext:
+            t.replica, t.replica_ttft_ms = ext["replica"], ext["timing"]["replica_ttft_ms"]
+            t.proxy_ttft_ms = ext["timing"]["ttft_ms"]
+        t.end_s = time.perf_counter() - a.began
+        return
     stream = await client.chat.completions.create(
-        model=model, messages=t.messages, max_tokens=a.max_tokens, temperature=a.temperature,
+        model=model, messages=t.messages, max_tokens=max_tokens, temperature=a.temperature,
         seed=1000 * t.conv + t.turn, stream=True, stream_options={"include_usage": True}, extra_headers=headers)
     parts = []
     async for chunk in stream:
@@ -320,6 +348,7 @@ async def one_turn(client, model: str, t: Turn, a, headers: dict) -> None:
             t.replica, t.replica_ttft_ms = ext["replica"], ext["timing"]["replica_ttft_ms"]
             t.proxy_ttft_ms = ext["timing"]["ttft_ms"]
     t.reply = "".join(parts)
+    t.end_s = time.perf_counter() - a.began
 
 
 def clients_for(stack: Stack):
@@ -332,7 +361,9 @@ def clients_for(stack: Stack):
     return [AsyncOpenAI(base_url=url + "/v1", **kw) for url in stack.replicas]  # pinned
 
 
-async def multi_turn(stack: Stack, model: str, a) -> list[Turn]:
+async def multi_turn(stack: Stack, model: str, a, interleaved: bool = False) -> list[Turn]:
+    """Conversations of `a.turns` turns, `a.concurrency` at a time; `interleaved`: all
+    open at once, `a.concurrency` turns at a time (FIFO), replies of `a.short_tokens`."""
     c = corpus()
     clients = clients_for(stack)
     session = stack.run.endswith(":session")
@@ -343,11 +374,13 @@ async def multi_turn(stack: Stack, model: str, a) -> list[Turn]:
         rng = random.Random(10_000 + k)
         msgs = [{"role": "system", "content": own_system_prompt(k, c)}]
         headers = {"X-Session-ID": f"bench-conv-{k}"} if session else {}
-        async with gate:
+        async with contextlib.nullcontext() if interleaved else gate:
             for n in range(1, a.turns + 1):
                 msgs = msgs + [{"role": "user", "content": rng.choice(c.openers if n == 1 else c.followups)}]
                 t = Turn(k, n, msgs)
-                await one_turn(clients[k % len(clients)], model, t, a, headers)
+                async with gate if interleaved else contextlib.nullcontext():
+                    await one_turn(clients[k % len(clients)], model, t, a, headers,
+                                   a.short_tokens if interleaved else a.max_tokens)
                 turns.append(t)
                 msgs = msgs + [{"role": "assistant", "content": t.reply}]
 
@@ -371,7 +404,7 @@ async def shared_prefix(stack: Stack, model: str, a) -> list[Turn]:
         t = Turn(k, 1, [system, {"role": "user", "content": questions[k % len(questions)]}])
         async with gate:
             headers = {"X-Session-ID": f"bench-user-{k}"} if session else {}
-            await one_turn(clients[k % len(clients)], model, t, a, headers)
+            await one_turn(clients[k % len(clients)], model, t, a, headers, a.max_tokens)
         turns.append(t)
 
     await asyncio.gather(*(user(k) for k in range(a.users)))
@@ -409,13 +442,13 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def summarize(run: str, workload: str, turns: list[Turn], served: list[int], tok, retok: float | None) -> dict:
-    later = [t for t in turns if t.turn > 1] if workload == "multi-turn" else turns
+    later = [t for t in turns if t.turn > 1] if workload in CONVERSATIONS else turns
     prompt = sum(t.prompt_tokens for t in later)
     row = {"run": run, "workload": workload, "cached": sum(t.cached for t in later) / max(prompt, 1),
            "hits": sum(t.cached > 0 for t in later), "later": len(later), "served": served,
            "p50": pct([t.ttft_ms for t in turns], 0.5), "p99": pct([t.ttft_ms for t in turns], 0.99),
            "retokenized": retok, "turns": [dataclasses.asdict(t) | {"messages": len(t.messages)} for t in turns]}
-    if workload == "multi-turn":
+    if workload in CONVERSATIONS:
         row["oracle"] = sum(oracle_cached(turns, tok).values()) / max(prompt, 1)
     mean = sum(served) / len(served)
     row["dev"] = max(abs(s - mean) for s in served) / mean if mean else 0.0
@@ -436,14 +469,20 @@ def print_tables(rows: list[dict], a) -> None:
     print(f"\nrouting on real replicas — {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{platform.system()} {platform.release()}, {time.strftime('%Y-%m-%d')}; {a.replicas} replicas "
           f"({'random weights' if a.random_weights else 'default model'}, CPU), replies <= {a.max_tokens} tokens "
+          f"(interleaved: {a.short_tokens}) "
           f"at temperature {a.temperature:g} (seeded)")
     for workload in a.workloads:
         part = [r for r in rows if r["workload"] == workload]
         if not part:
             continue
-        if workload == "multi-turn":
-            print(f"\nmulti-turn: {a.conversations} conversations x {a.turns} turns, {a.concurrency} at a time, "
-                  f"own 120-word system prompt each; cached over turns 2-{a.turns}")
+        if workload in CONVERSATIONS:
+            if workload == "multi-turn":
+                print(f"\nmulti-turn: {a.conversations} conversations x {a.turns} turns, {a.concurrency} at a "
+                      f"time, own 120-word system prompt each; cached over turns 2-{a.turns}")
+            else:
+                print(f"\ninterleaved: {a.conversations} conversations x {a.turns} turns, all open, {a.concurrency} "
+                      f"turns at a time, replies <= {a.short_tokens} tokens, own 120-word system prompt each; "
+                      f"cached over turns 2-{a.turns}")
             print(f"| router | session id | cached | oracle | of oracle | later turns with a hit | "
                   f"requests per replica | TTFT p50 / p99 ms |")
             print("|---|---|---:|---:|---:|---:|---|---:|")
@@ -456,7 +495,7 @@ def print_tables(rows: list[dict], a) -> None:
             name, session = label(r["run"])
             served = " / ".join(map(str, r["served"])) + f" (±{r['dev']:.0%})"
             ttft = f"{r['p50']:.0f} / {r['p99']:.0f}"
-            if workload == "multi-turn":
+            if workload in CONVERSATIONS:
                 print(f"| {name} | {session} | {r['cached']:.3f} | {r['oracle']:.3f} | {r['cached'] / r['oracle']:.1%} "
                       f"| {r['hits']}/{r['later']} | {served} | {ttft} |")
             else:
@@ -497,15 +536,20 @@ def main() -> None:
     p.add_argument("--cpu-threads", type=int, default=0,
                    help="each replica's engine threads (default: this machine's cores split over --replicas; "
                         "spinning pools of several replicas on the same cores slow every one of them)")
-    p.add_argument("--workloads", default="multi-turn,shared-prefix")
+    p.add_argument("--workloads", default="multi-turn,interleaved,shared-prefix")
     p.add_argument("--runs", default="", help="comma-separated runs (default: the table's, per workload)")
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--users", type=int, default=48)
     p.add_argument("--shared-concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=48, help="replies (multi-turn, shared-prefix)")
+    p.add_argument("--short-tokens", type=int, default=16, help="replies (interleaved)")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--proxy-log-level", default="warning", help="edge_proxy's --log-level (debug: every "
+                   "routing decision with its candidates, in edgechat.log under --log-dir)")
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="non-streaming calls (TTFT columns are then the whole request)")
     p.add_argument("--sglang-venv", default=str(ROOT / ".cache" / "sglang-router-venv"))
     p.add_argument("--log-dir", default="", help="process logs (default: a fresh temporary folder)")
     p.add_argument("--repeat", type=int, default=1, help="run the list this many times, alternated; "
@@ -536,7 +580,7 @@ def main() -> None:
     for workload in a.workloads:
         runs = ([r for r in a.runs.split(",") if r] or DEFAULT_RUNS[workload]) * max(a.repeat, 1)
         for run in runs:
-            if run == "pinned" and workload != "multi-turn":
+            if run == "pinned" and workload not in CONVERSATIONS:
                 continue
             t0 = time.monotonic()
             with Stack(a, run) as st:
@@ -544,9 +588,9 @@ def main() -> None:
 
                 models = httpx.get(st.replicas[0] + "/v1/models", trust_env=False, headers=REPLICA_AUTH).json()
                 model = models["data"][0]["id"]
-                drive = multi_turn if workload == "multi-turn" else shared_prefix
                 a.began = time.perf_counter()
-                turns = asyncio.run(drive(st, model, a))
+                turns = asyncio.run(multi_turn(st, model, a, workload == "interleaved") if workload in CONVERSATIONS
+                                    else shared_prefix(st, model, a))
                 row = summarize(run, workload, turns, st.served(), tok,
                                 st.proxy_metric("edgechat_proxy_retokenized_replies_total"))
             rows.append(row)
