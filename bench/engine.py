@@ -8,7 +8,13 @@ Table 1 runs the real scheduler, block manager, runner metadata and sampler with
 a model whose forward costs nothing (zero hidden states, zero logits over the
 real vocabulary), so the time per step is the engine's own host work.
 Table 2 runs the default model (SmolLM2-135M-Instruct) on this machine's device:
-decode ms per step and tokens/s at batch 1 and 16 after the prompts are prefilled.
+decode ms per step and tokens/s at batch 1 and 16 after the prompts are prefilled,
+the KV pool sized to hold every row's whole context. Where a variant runs as the C++
+CPU step its KV pool is fp16 (the served default) unless `--cpu-kv` asks for fp32
+(`--cpu-kv float16 float32` times both, side by side):
+
+    .venv/bin/python bench/engine.py --model-only --variants float32/gguf --batches 1 16 \
+        --prompt-lens 16 1024 2000 --cpu-kv float16 float32
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernels  # noqa: E402
 from wire import protocol as P  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.engine.llm_engine import LLMEngine  # noqa: E402
@@ -116,28 +123,39 @@ def graph_prepare(device: str, rows: int = 64, max_model_len: int = 131072, reps
         print(f"| {context} | {nb} | {statistics.median(times) * 1e6:.0f} |", flush=True)
 
 
+DECODE_STEPS = 48
+
+
 def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16), threads: int = 1,
-                prompt_lens: tuple[int, ...] = (128,)) -> None:
-    """One row per (variant, prompt length, batch); a variant is "dtype/quantization", e.g.
-    bfloat16/gguf. 48 decode steps after the prompt: the context grows by 48 while timed."""
+                prompt_lens: tuple[int, ...] = (128,), cpu_kv: tuple[str, ...] = ("float16",)) -> None:
+    """One row per (variant, KV dtype, prompt length, batch); a variant is "dtype/quantization",
+    e.g. bfloat16/gguf; the KV dtype applies where the variant runs as the C++ CPU step (else
+    the pool is in the variant's dtype: the last column says which). 48 decode steps after the
+    prompt: the context grows by 48 while timed. The pool holds every row's whole context
+    (no row waits for blocks, none is preempted)."""
     ckpt = load_checkpoint("default", dtype=torch.float32)
+    blocks = max(batches) * -(-(max(prompt_lens) + DECODE_STEPS + 8) // 16) + 64
     print(f"\n## Default model decode ({ckpt.config.name}, {device}, {threads} threads)\n")
-    print("| dtype / quantization | prompt tokens | batch | ms/step | ms/token | tokens/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| dtype / quantization | prompt tokens | batch | ms/step | ms/token | tokens/s | KV |")  # bench/peers.py reads
+    print("|---|---:|---:|---:|---:|---:|---|")
     for variant in variants:
-        dtype, _, quant = variant.partition("/")
-        cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=1024,
-                           max_num_seqs=64, max_num_batched_tokens=2048, cpu_threads=threads)
-        weights = ckpt.weights if cfg.quantization != "none" else \
-            {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
-        engine = LLMEngine(cfg, ckpt.config, weights)
-        for plen in prompt_lens:
-            for batch in batches:
-                decode_steps(engine, batch, prompt_len=plen, steps=4, temperature=0.0)  # warm-up
-                t = decode_steps(engine, batch, prompt_len=plen, steps=48, temperature=0.0)
-                step = statistics.median(t)
-                print(f"| {variant} | {plen} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | "
-                      f"{batch / step:.1f} |", flush=True)
+        for kv in cpu_kv:
+            dtype, _, quant = variant.partition("/")
+            cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=blocks,
+                               max_num_seqs=64, max_num_batched_tokens=2048, cpu_threads=threads)
+            weights = ckpt.weights if cfg.quantization != "none" else \
+                {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
+            ops = kernels.ops(torch.device(device).type, cpu_step_kv=getattr(torch, kv))
+            engine = LLMEngine(cfg, ckpt.config, weights, ops=ops)
+            kv_name = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
+            for plen in prompt_lens:
+                for batch in batches:
+                    decode_steps(engine, batch, prompt_len=plen, steps=4, temperature=0.0)  # warm-up
+                    t = decode_steps(engine, batch, prompt_len=plen, steps=DECODE_STEPS, temperature=0.0)
+                    step = statistics.median(t)
+                    print(f"| {variant} | {plen} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | "
+                          f"{batch / step:.1f} | {kv_name} |", flush=True)
+            del engine
 
 
 def main() -> None:
@@ -152,6 +170,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128],
                     help="prompt tokens before the timed decode steps (the context a served turn decodes at)")
+    ap.add_argument("--cpu-kv", nargs="+", default=["float16"], choices=["float16", "float32"],
+                    help="the KV pool's dtype where a variant runs as the C++ CPU step (default: float16, served)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="the engine's threads on CPU (default: what the engine process uses, every core)")
     args = ap.parse_args()
@@ -165,7 +185,7 @@ def main() -> None:
         host_overhead(args.device)
     if not args.host:
         model_speed(args.device, args.variants or ["bfloat16" if args.device == "cuda" else "float32"],
-                    tuple(args.batches), args.threads, tuple(args.prompt_lens))
+                    tuple(args.batches), args.threads, tuple(args.prompt_lens), tuple(args.cpu_kv))
 
 
 if __name__ == "__main__":

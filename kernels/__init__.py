@@ -5,13 +5,16 @@ kernel and its wrapper, same signature); `cpu_ops` holds C++ versions of the
 decode step's small ops (`name_cpu`, fp32); `qgemm_cpu` the packed int8/int4 GEMM and
 `cpu_forward` the whole decoder step as one C++ call. What runs where is decided
 here, once at start-up, by `ops(device_type)`: the model's layers, its quantized
-linears (packed or not) and the Runner's choice of the C++ step all read the one
-`Ops` it returns; tests force one with `impl=`.
+linears (packed or not), the Runner's choice of the C++ step and that step's KV
+pool dtype (fp16 unless `cpu_step_kv=` says fp32) all read the one `Ops` it
+returns; tests force one with `impl=`.
 """
 
 import os
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from kernels import decode_attention, extend_attention, rmsnorm, rotary, sampling, store_kv, swiglu, tree_attention
 from kernels._triton import HAS_TRITON
@@ -48,16 +51,22 @@ class Ops:
     # a step at a time as one C++ call (kernels.cpu_forward; else op by op).
     packed_qgemm: bool = False
     cpu_step: bool = False
+    # The KV pool's dtype under the C++ step: fp16 halves the bytes a long context's decode
+    # reads (kernels/csrc/include/edgechat/attention.h); fp32 is served too.
+    cpu_step_kv: torch.dtype = torch.float16
 
 
-def ops(device_type: str, impl: str | None = None) -> Ops:
+def ops(device_type: str, impl: str | None = None, cpu_step_kv: torch.dtype = torch.float16) -> Ops:
     """Kernels for tensors on `device_type` ("cuda", "cpu", ...).
 
     impl=None: Triton on "cuda"; on "cpu" the C++ ops where they build (the
     references for ops they lack); the PyTorch references otherwise. impl="triton",
     "cpu" or "ref" forces one (Triton on CPU tensors needs TRITON_INTERPRET=1 set
-    before triton is first imported, as tests/conftest.py does).
+    before triton is first imported, as tests/conftest.py does). cpu_step_kv: the
+    KV pool's dtype where a model runs as the C++ step (torch.float16 or torch.float32).
     """
+    if cpu_step_kv not in (torch.float16, torch.float32):
+        raise ValueError(f"kernels.ops: cpu_step_kv must be torch.float16 or torch.float32, got {cpu_step_kv}")
     if impl is None:
         from kernels import cpu_ops
 
@@ -70,7 +79,7 @@ def ops(device_type: str, impl: str | None = None) -> Ops:
         packed = qgemm_cpu.available()
         return Ops(impl=impl, **{name: getattr(cpu_ops, f"{name}_cpu", None) or getattr(mod, f"{name}_ref")
                                  for name, mod in _SOURCES.items()},
-                   packed_qgemm=packed, cpu_step=packed and cpu_forward.available())
+                   packed_qgemm=packed, cpu_step=packed and cpu_forward.available(), cpu_step_kv=cpu_step_kv)
     if impl == "triton":
         if not HAS_TRITON:
             raise RuntimeError("kernels.ops: impl='triton' needs the triton package; install it or use impl='ref'")

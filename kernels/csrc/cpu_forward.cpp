@@ -113,9 +113,9 @@ class Decoder {
                                      c10::optional<torch::Tensor> tree_mask, c10::optional<torch::Tensor> tree_prefix,
                                      torch::Tensor kv, std::vector<int64_t> aux_layers) {
     const int64_t T = ids.size(0);
-    TORCH_CHECK(kv.is_contiguous() && kv.scalar_type() == torch::kFloat && kv.dim() == 6 && kv.size(0) == L_ &&
-                    kv.size(4) == Hkv_ && kv.size(5) == D_,
-                "Decoder: kv must be a contiguous fp32 (L, 2, blocks, page, Hkv, D)");
+    TORCH_CHECK(kv.is_contiguous() && (kv.scalar_type() == torch::kHalf || kv.scalar_type() == torch::kFloat) &&
+                    kv.dim() == 6 && kv.size(0) == L_ && kv.size(4) == Hkv_ && kv.size(5) == D_,
+                "Decoder: kv must be a contiguous fp16 or fp32 (L, 2, blocks, page, Hkv, D)");
     ids = ids.contiguous();
     positions = positions.contiguous();
     slots = slots.contiguous();
@@ -165,7 +165,9 @@ class Decoder {
     float* ap = attn.data_ptr<float>();
     float* gup = gu.data_ptr<float>();
     float* actp = act.data_ptr<float>();
-    const int64_t page = kv.size(3), pool = kv.size(2) * page * Hkv_ * D_;  // floats per layer's K (or V)
+    // the pool's elements: fp16 (its bits) or fp32; `pool` of them per layer's K (or V)
+    const bool f16 = kv.scalar_type() == torch::kHalf;
+    const int64_t page = kv.size(3), pool = kv.size(2) * page * Hkv_ * D_, esize = f16 ? 2 : 4;
     const float* emb = embed_.data_ptr<float>();
     const float* cs = cos_sin_.data_ptr<float>();
     const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2;
@@ -204,8 +206,8 @@ class Decoder {
 
     for (int64_t l = 0; l < L_; ++l) {
       const QMat* m = &mats_[4 * l];
-      float* kc = kv.data_ptr<float>() + 2 * l * pool;
-      float* vc = kc + pool;
+      char* kc = (char*)kv.data_ptr() + 2 * l * pool * esize;
+      char* vc = kc + pool * esize;
       // qkv = norm(x) Wqkv^T (+ bias)
       const float* bias = biases_[l].numel() ? biases_[l].data_ptr<float>() : nullptr;
       matmul(prep(xp, h_, norms_[2 * l].data_ptr<float>()), m[0], qkvp, false, [&](int64_t sa, int64_t sz) {
@@ -213,19 +215,25 @@ class Decoder {
         for (int64_t t = 0; t < T; ++t)
           for (int64_t c = sa * 64; c < std::min(sz * 64, qkv_n); ++c) qkvp[t * qkv_n + c] += bias[c];
       });
-      // RoPE on q and k heads; k and v into the pool (slot -1: padding, not stored)
+      // RoPE on q and k heads; k and v into the pool as it stores them (slot -1: padding, not stored)
       pool_->run(T, [&](int64_t t, int) {
         float* row = qkvp + t * qkv_n;
         const float* c = cs + pos[t] * cs_stride;
         for (int64_t hh = 0; hh < H_ + Hkv_; ++hh) rotate(row + hh * D_, c, half);
         if (slp[t] < 0) return;
-        for (int64_t kh = 0; kh < Hkv_; ++kh) {
-          std::memcpy(kc + (slp[t] * Hkv_ + kh) * D_, row + (H_ + kh) * D_, D_ * sizeof(float));
-          std::memcpy(vc + (slp[t] * Hkv_ + kh) * D_, row + (H_ + Hkv_ + kh) * D_, D_ * sizeof(float));
+        const int64_t at = slp[t] * Hkv_ * D_;  // element offset of the slot's rows
+        const float* k = row + H_ * D_;
+        const float* v = row + (H_ + Hkv_) * D_;
+        if (f16) {
+          attn::store_row((uint16_t*)kc + at, k, Hkv_ * D_);
+          attn::store_row((uint16_t*)vc + at, v, Hkv_ * D_);
+        } else {
+          attn::store_row((float*)kc + at, k, Hkv_ * D_);
+          attn::store_row((float*)vc + at, v, Hkv_ * D_);
         }
       });
       // attention: chunk partials per (token, kv head), then merged into the G heads' outputs
-      const attn::Cache cache{kc, vc, page, Hkv_, D_ / 16};
+      const attn::Cache cache{kc, vc, page, Hkv_, D_, f16};
       pool_->run(items.size(), [&](int64_t i, int w) {
         const Item& it = items[i];
         attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n + it.kvh * G * D_, (int)G, it.kvh, scale, cache,

@@ -8,8 +8,10 @@ or replayed per batch-size bucket) and draft-tree verification, then sampling.
 On CPU a quantized fp32 model is built as `replica.model.cpu_model.CpuModel`: every
 forward is then one C++ call (graph_mode "auto"; "off" keeps op by op).
 
-KV pool: one tensor, layers x {k, v} x blocks x block_size x Hkv x D, plus the
-EAGLE-3 head's one layer (`draft_kv`, same blocks) when a head drafts: the head
+KV pool: one tensor, layers x {k, v} x blocks x block_size x Hkv x D, in the model's
+dtype, except under the C++ CPU step: there in the kernel set's `cpu_step_kv` (fp16
+by default, half the bytes a long context's decode reads); plus the EAGLE-3 head's
+one layer (`draft_kv`, same blocks, the head's dtype) when a head drafts: the head
 addresses its KV through the sequence's own block table.
 
 Tensor parallel (nano-vllm's ModelRunner.loop): on rank 0 `execute` broadcasts
@@ -128,15 +130,22 @@ class Runner:
         self._encoder = msgspec.msgpack.Encoder()
 
     # -- KV pool --------------------------------------------------------------------------
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool's dtype: the C++ CPU step's (ops.cpu_step_kv), else the model's."""
+        return self.ops.cpu_step_kv if isinstance(self.model, cpu_model.CpuModel) else self.dtype
+
     def allocate_kv(self, aux_layers: tuple[int, ...] = (), draft_kv: tuple[int, int] | None = None,
-                    keep_hidden: bool = False) -> KvLayout:
+                    keep_hidden: bool = False, kv_dtype: torch.dtype | None = None) -> KvLayout:
         """Size and allocate the KV pool (collective under tensor parallelism), then
         build the decode graphs. aux_layers: every forward also returns the residual
         streams after these layers (what an EAGLE-3 head reads); draft_kv: (Hkv, D)
         of the head's one layer, which shares the blocks; keep_hidden: every forward
-        also returns its final hidden states (training data; decodes run eagerly)."""
+        also returns its final hidden states (training data; decodes run eagerly);
+        kv_dtype: the pool's dtype instead of `kv_dtype()` (an op-by-op reference
+        reading the fp16 pool the C++ step keeps: the references read any dtype)."""
         cfg, bs = self.cfg, self.block_size
-        per_block = kv_bytes_per_block(self.model_cfg, bs, self.dtype)
+        kv_dtype = kv_dtype or self.kv_dtype()
+        per_block = kv_bytes_per_block(self.model_cfg, bs, kv_dtype)
         if draft_kv is not None:
             per_block += 2 * bs * draft_kv[0] * draft_kv[1] * self.dtype.itemsize
         capacity = cfg.num_blocks or max(1, kv_budget(cfg, self.model_cfg) // per_block)
@@ -148,7 +157,7 @@ class Runner:
         # with noise first), and zeroing 1 GiB up front cost 1-2 s of every start. Its pages
         # are faulted in as blocks are first used. Zeros elsewhere (graph padding on CUDA).
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
-        self.kv_cache = alloc(c.num_layers, 2, n, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+        self.kv_cache = alloc(c.num_layers, 2, n, bs, c.num_kv_heads, c.head_dim, dtype=kv_dtype,
                               device=self.device)
         if draft_kv is not None:
             self.draft_kv = alloc(2, n, bs, *draft_kv, dtype=self.dtype, device=self.device)

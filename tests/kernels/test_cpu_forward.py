@@ -2,11 +2,13 @@
 against the op-by-op LlamaModel over the same packed QLinears, on a small random
 model whose shapes exercise partial supertiles, GQA and a qkv bias: prefill
 chunks over a cached prefix, a mixed decode + prefill step, a draft-tree verify
-step, EAGLE-3 features, a padding row; and a row's logits bit for bit alone or
-batched. Tolerance: 3e-4 of the values' scale. Only fp32 summation orders differ,
-but an input that moves in its last bit can round an int16 activation code the
-other way; the op-by-op model with the PyTorch reference ops differs from itself
-with the C++ ops by the same 1e-4."""
+step, EAGLE-3 features, a padding row, contexts of several attention chunks; and a
+row's logits bit for bit alone or batched. The reference reads a KV pool of the
+step's dtype (fp16 by default, fp32 on request). Tolerance: 3e-4 of the values'
+scale. Only fp32 summation orders differ, but an input that moves in its last bit
+can round an int16 activation code (or a stored fp16 key) the other way; the
+op-by-op model with the PyTorch reference ops differs from itself with the C++ ops
+by the same 1e-4."""
 
 import pytest
 import torch
@@ -24,18 +26,27 @@ pytestmark = pytest.mark.usefixtures("cpu_forward_built")
 GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, position=0)
 
 
-def runners(bias: bool, aux=()):
-    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-                      num_layers=3, attention_bias=bias)
+KV_DTYPES = [torch.float16, torch.float32]
+# Of the values' scale. A key or value that the two paths compute a few fp32 ulps apart can
+# round to fp16 ulps apart (2^-11 of it): with an fp16 pool the outputs move ~3x more.
+TOL = {torch.float32: 3e-4, torch.float16: 1e-3}
+
+
+def runners(bias: bool, aux=(), kv=torch.float16, num_blocks=12, **shape):
+    """(the C++ step, the op-by-op reference reading a pool of the same dtype)."""
+    cfg = tiny_config(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                                num_layers=3, attention_bias=bias), **shape})
     w = tiny_weights(cfg, seed=3)
     out = []
     for mode in ("auto", "off"):  # auto on CPU: the C++ step; off: op by op
-        r = Runner(EngineConfig(quantization="int4", graph_mode=mode, num_blocks=12, cpu_threads=2, max_num_seqs=4,
-                                max_num_batched_tokens=64), cfg, w)
-        r.allocate_kv(aux_layers=aux)
+        r = Runner(EngineConfig(quantization="int4", graph_mode=mode, num_blocks=num_blocks, cpu_threads=2,
+                                max_num_seqs=4, max_num_batched_tokens=64), cfg, w,
+                   ops=kernels.ops("cpu", cpu_step_kv=kv))
+        r.allocate_kv(aux_layers=aux, kv_dtype=out[0].kv_cache.dtype if out else None)
         r.kv_cache.normal_(generator=torch.Generator().manual_seed(5))  # stale pool contents must not matter
         out.append(r)
     assert isinstance(out[0].model, CpuModel) and not isinstance(out[1].model, CpuModel)
+    assert out[0].kv_cache.dtype == out[1].kv_cache.dtype == kv
     return out
 
 
@@ -45,14 +56,19 @@ def plan(ids, starts, num_tokens, tables, sample_rows, num_decodes, trees=()):
                     num_decodes=num_decodes, sampling=[GREEDY] * n_logits, trees=[list(t) for t in trees])
 
 
-def same(a: torch.Tensor, b: torch.Tensor):
-    tol = 3e-4 * b.abs().max().item()
-    assert (a - b).abs().max().item() <= tol, (a - b).abs().max().item()
+def same(a: torch.Tensor, b: torch.Tensor, tol: float = 3e-4):
+    """Within tol of b's scale; a stored fp16 value may also round the other way (one ulp, 2^-10 of it)."""
+    half = a.dtype == torch.float16
+    a, b = a.float(), b.float()
+    ulp = 2.0**-10 * b.abs() if half else 0.0
+    excess = (a - b).abs() - ulp - tol * b.abs().max()
+    assert excess.max().item() <= 0, excess.max().item()
 
 
+@pytest.mark.parametrize("kv", KV_DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_step_matches_the_op_by_op_model(bias):
-    fast, ref = runners(bias, aux=(0, 2))
+def test_step_matches_the_op_by_op_model(bias, kv):
+    fast, ref = runners(bias, aux=(0, 2), kv=kv)
     g = torch.Generator().manual_seed(7)
     ids = lambda n: torch.randint(1, 96, (n,), generator=g).tolist()  # noqa: E731
     steps = [
@@ -65,10 +81,27 @@ def test_step_matches_the_op_by_op_model(bias):
     ]
     for p in steps:
         a, b = fast.execute(p), ref.execute(p)
-        same(a.logits, b.logits)
-        same(a.aux, b.aux)
+        same(a.logits, b.logits, TOL[kv])
+        same(a.aux, b.aux, TOL[kv])
         assert a.tokens.tolist() == b.tokens.tolist()
-        same(fast.kv_cache, ref.kv_cache)
+        same(fast.kv_cache, ref.kv_cache, TOL[kv])
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+@pytest.mark.parametrize("hidden,heads,kv_heads", [(192, 3, 1), (128, 8, 1), (256, 2, 1), (320, 10, 2)])
+def test_long_contexts_match_the_op_by_op_model(hidden, heads, kv_heads, kv):
+    """Rows over several 256-key chunks of attention, with key counts that end mid-way
+    through 16 keys: head_dim 64, 16, 128 and 32; 3, 8, 2 and 5 query heads per kv head
+    (the C++ step takes them 4 at a time, 2 at head_dim 128). The keys before each row's
+    own are the pool's noise, the same in both models, so the attention reads equal keys."""
+    fast, ref = runners(False, kv=kv, num_blocks=90, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                        num_layers=2, max_position_embeddings=1024)
+    tables = [list(range(0, 38)), list(range(38, 57)), list(range(57, 83))]
+    # A decodes at 600 (3 chunks), B at 300; C's chunk of 5 tokens at 401..405 (2 chunks each)
+    p = plan([5, 6, 7, 8, 9, 10, 11], [600, 300, 401], [1, 1, 5], tables, [0, 1, 2], 2)
+    a, b = fast.execute(p), ref.execute(p)
+    same(a.logits, b.logits, TOL[kv])
+    same(fast.kv_cache, ref.kv_cache, TOL[kv])
 
 
 def test_a_rows_logits_do_not_depend_on_its_batch():

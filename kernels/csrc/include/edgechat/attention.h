@@ -1,11 +1,16 @@
 // Paged attention for the C++ CPU step (included by cpu_forward.cpp).
 //
-// Decode at batch 1 reads every cached key and value once per layer: at a few
-// hundred tokens of context that is ~20 MB a step in fp32, a fifth of the weights,
-// so the work is split for both cores and for one pass over memory:
+// Decode reads every cached key and value once per layer. At 2,000 tokens of context
+// that is ~46 KB a token in fp32, as many bytes a step as the weights, so the pool is
+// kept in fp16 (half those bytes; `Cache::half`, fp32 still served): keys and values
+// are rounded to nearest on store (`store_row`, as torch's `.half()`) and widened while
+// loaded (`load16`), everything else in fp32. The work is split for both cores and for
+// one pass over memory:
 //
-//   * an item is (token, kv head, chunk of 256 keys): the G query heads of the kv
-//     head share each key and value row it reads;
+//   * an item is (token, kv head, chunk of 256 keys): the G query heads of the kv head
+//     share each key and value row it reads, converted once;
+//   * scores of 16 keys at a time: per key and head a 16-lane product q . k, then the 16
+//     keys' vectors summed across lanes together (`sum16`, 3 ops a key instead of ~9);
 //   * per item and head: max m, sum l and unnormalized sum acc of exp(s - m) v;
 //   * the chunks of a (token, kv head) merge as out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
 //
@@ -13,9 +18,9 @@
 // row's result does not depend on what else the step holds. `Keys` describes which
 // positions a query sees: [0, plain) of its sequence (a decode row; a prefill token's
 // causal prefix), then `extra` positions (a draft tree's prefix is `plain`, its
-// allowed nodes the extras). The pool is (blocks, page, Hkv, D) fp32, read through
-// the sequence's block table. `exp512` (also the step's SiLU) is exp on 16 lanes
-// to about 2 ulp: 2^n by `scalef`, 2^f for |f| <= 1/2 by its degree-6 Taylor polynomial.
+// allowed nodes the extras). The pool is (blocks, page, Hkv, D), read through the
+// sequence's block table. `exp512` (also the step's SiLU) is exp on 16 lanes to about
+// 2 ulp: 2^n by `scalef`, 2^f for |f| <= 1/2 by its degree-6 Taylor polynomial.
 
 #pragma once
 
@@ -24,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace attn {
@@ -43,6 +49,35 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 pool elements as fp32: fp32 as is, fp16 (its bits in a uint16_t) widened exactly.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// A key or value row of n (a multiple of 16) into the pool: fp16 rounded to nearest even.
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256((__m256i*)(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// out[l] = the sum of a[kSlot[l]]'s 16 lanes: a transposed reduction of 16 vectors in 15 adds
+// and 30 shuffles. Store key l's vector at a[kSlot[l]] (kSlot is its own inverse) and lane l is key l's.
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // b_i: 8 lanes of a_i, then 8 of a_{i+8}
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // c_i: 4 lanes each of a_i, a_{i+8}, a_{i+4}, a_{i+12}
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // d_i per 128 bits: 2 lanes of c_i, 2 of c_{i+2}
+    const __m512d x = _mm512_castps_pd(c[i]), y = _mm512_castps_pd(c[i + 2]);
+    d[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 struct Keys {
   const int32_t* table = nullptr;
   int32_t plain = 0;
@@ -53,78 +88,144 @@ struct Keys {
 
 constexpr int64_t kChunk = 256;
 
+// One layer's K and V pools, (blocks, page, Hkv, D) each, fp16 (half) or fp32; page a power of two.
 struct Cache {
-  const float* k;
-  const float* v;
-  int64_t page, Hkv;
-  const float* row(const float* base, const Keys& keys, int64_t i, int64_t kvh) const {
-    const int64_t p = keys.pos(i);
-    return base + (((int64_t)keys.table[p / page] * page + p % page) * Hkv + kvh) * (NV * 16);
-  }
-  int64_t NV;  // head_dim / 16
+  const void* k;
+  const void* v;
+  int64_t page, Hkv, D;
+  bool half;
 };
 
-// G heads (q: G rows of D = 16 NV) over keys [i0, i1) of one kv head. out: per head acc[D], m, l.
-// sc: scratch of G * kChunk floats.
 template <int NV>
-void partial(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, int64_t kvh, float scale,
-             const Cache& pool, float* sc, float* out) {
-  const int64_t n = i1 - i0, D = 16 * NV;
-  for (int g = 0; g < G; ++g) {
-    __m512 qv[NV];
-    for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + g * D + 16 * c);
+inline void prefetch_row(const uint16_t* p) {
+  for (int c = 0; c < NV; c += 2) _mm_prefetch((const char*)(p + 16 * c), _MM_HINT_T0);
+}
+template <int NV>
+inline void prefetch_row(const float* p) {
+  for (int c = 0; c < NV; ++c) _mm_prefetch((const char*)(p + 16 * c), _MM_HINT_T0);
+}
+
+// GB heads (q: GB rows of D = 16 NV) over the n keys at element offsets off[0, n) of k and v
+// (n <= kChunk). out: per head acc[D], m, l. sc: scratch of GB * kChunk floats.
+template <int NV, int GB, typename E>
+void partial(const int64_t* off, int64_t n, const float* q, float scale, const E* kb, const E* vb, float* sc,
+             float* out) {
+  // Rows prefetched ahead. The first kAhead key and value rows are asked for at once, then
+  // the scores pass asks for row j + kAhead's key and value: the values are in cache by
+  // the time the weighted sum reads them (a chunk's are 32 KB in fp16 at D = 64).
+  constexpr int64_t D = 16 * NV, kAhead = 16;
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) {
+    prefetch_row<NV>(kb + off[j]);
+    prefetch_row<NV>(vb + off[j]);
+  }
+  __m512 qv[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NV; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
+  for (int64_t i = 0; i < n; i += 16) {  // scores, 16 keys at a time
+    const int64_t m = std::min<int64_t>(16, n - i);
+    __m512 a[GB][16];
+    for (int64_t j = 0; j < m; ++j) {
+      if (i + j + kAhead < n) {
+        prefetch_row<NV>(kb + off[i + j + kAhead]);
+        prefetch_row<NV>(vb + off[i + j + kAhead]);
+      }
+      const E* k = kb + off[i + j];
+      __m512 kv[NV];
+      for (int c = 0; c < NV; ++c) kv[c] = load16(k + 16 * c);
+      for (int g = 0; g < GB; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        a[g][kSlot[j]] = acc;
+      }
+    }
+    for (int64_t j = m; j < 16; ++j)
+      for (int g = 0; g < GB; ++g) a[g][kSlot[j]] = _mm512_setzero_ps();
+    const __mmask16 keep = (__mmask16)((1u << m) - 1);
+    for (int g = 0; g < GB; ++g)
+      _mm512_mask_storeu_ps(sc + g * kChunk + i, keep, _mm512_mul_ps(sum16(a[g]), _mm512_set1_ps(scale)));
+  }
+  float lsum[GB];
+  for (int g = 0; g < GB; ++g) {  // e = exp(s - m) in place, l = sum e
     float* s = sc + g * kChunk;
-    for (int64_t i = 0; i < n; ++i) {
-      const float* k = pool.row(pool.k, keys, i0 + i, kvh);
-      if (g == 0 && i + 4 < n) {
-        const char* ahead = (const char*)pool.row(pool.k, keys, i0 + i + 4, kvh);
-        for (int c = 0; c < NV; c += 4) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
-      }
-      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-      for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
-      s[i] = _mm512_reduce_add_ps(acc) * scale;
-    }
-    float m = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) m = s[i] > m ? s[i] : m;
-    __m512 lsum = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(m)));
-      _mm512_storeu_ps(s + i, e);
-      lsum = _mm512_add_ps(lsum, e);
-    }
-    if (i < n) {
-      const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), _mm512_set1_ps(m)));
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+    __m512 l = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 k = (__mmask16)(n - i >= 16 ? 0xffffu : (1u << (n - i)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), _mm512_set1_ps(mx)));
       _mm512_mask_storeu_ps(s + i, k, e);
-      lsum = _mm512_add_ps(lsum, _mm512_maskz_mov_ps(k, e));
+      l = _mm512_add_ps(l, _mm512_maskz_mov_ps(k, e));
     }
-    __m512 acc[NV];
-    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const float* v = pool.row(pool.v, keys, i0 + j, kvh);
-      if (g == 0 && j + 4 < n) {
-        const char* ahead = (const char*)pool.row(pool.v, keys, i0 + j + 4, kvh);
-        for (int c = 0; c < NV; c += 4) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
-      }
-      const __m512 e = _mm512_set1_ps(s[j]);
-      for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(e, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    out[g * (D + 2) + D] = mx;
+    lsum[g] = _mm512_reduce_add_ps(l);
+  }
+  __m512 acc[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {  // acc = sum_j e_j v_j
+    const E* v = vb + off[j];
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 e = _mm512_set1_ps(sc[g * kChunk + j]);
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(e, vv[c], acc[g][c]);
     }
+  }
+  for (int g = 0; g < GB; ++g) {
     float* o = out + g * (D + 2);
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
-    o[D] = m;
-    o[D + 1] = _mm512_reduce_add_ps(lsum);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, acc[g][c]);
+    o[D + 1] = lsum[g];
   }
 }
 
+// G heads' query rows q (G x D) over keys [i0, i1) of kv head kvh, in passes of up to 4 heads
+// (2 at D = 128: the accumulators stay in registers). out: per head acc[D], m, l; sc: G * kChunk floats.
+template <int NV, typename E>
+void partial_heads(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, int64_t kvh, float scale,
+                   const Cache& pool, float* sc, float* out) {
+  constexpr int64_t D = 16 * NV;
+  constexpr int kMaxGB = NV <= 4 ? 4 : 2;
+  int64_t off[kChunk];  // element offset of each key's row (its block from the table)
+  const int64_t n = i1 - i0, shift = __builtin_ctzll(pool.page), mask = pool.page - 1;  // page: a power of two
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = keys.pos(i0 + i);
+    off[i] = ((((int64_t)keys.table[p >> shift] << shift) + (p & mask)) * pool.Hkv + kvh) * D;
+  }
+  const E* kb = (const E*)pool.k;
+  const E* vb = (const E*)pool.v;
+  for (int g = 0; g < G;) {
+    const int gb = std::min(kMaxGB, G - g);
+    const float* qg = q + g * D;
+    float* og = out + g * (D + 2);
+    switch (gb) {
+      case 4: partial<NV, (kMaxGB >= 4 ? 4 : 1), E>(off, n, qg, scale, kb, vb, sc, og); break;
+      case 3: partial<NV, (kMaxGB >= 3 ? 3 : 1), E>(off, n, qg, scale, kb, vb, sc, og); break;
+      case 2: partial<NV, 2, E>(off, n, qg, scale, kb, vb, sc, og); break;
+      default: partial<NV, 1, E>(off, n, qg, scale, kb, vb, sc, og); break;
+    }
+    g += gb;
+  }
+}
+
+template <typename E>
+void partial_dim(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, int64_t kvh, float scale,
+                 const Cache& pool, float* sc, float* out) {
+  switch (pool.D) {
+    case 64: partial_heads<4, E>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
+    case 128: partial_heads<8, E>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
+    case 32: partial_heads<2, E>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
+    default: partial_heads<1, E>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;  // D checked by the caller
+  }
+}
+
+// The G heads of kv head kvh (q: G rows of D) over keys [i0, i1) of `keys` (at most kChunk).
+// out: per head acc[D], m, l; sc: scratch of G * kChunk floats.
 inline void partial_any(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, int64_t kvh, float scale,
                         const Cache& pool, float* sc, float* out) {
-  switch (pool.NV) {
-    case 4: partial<4>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
-    case 8: partial<8>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
-    case 2: partial<2>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
-    default: partial<1>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;  // NV checked by the caller
-  }
+  if (pool.half)
+    partial_dim<uint16_t>(keys, i0, i1, q, G, kvh, scale, pool, sc, out);
+  else
+    partial_dim<float>(keys, i0, i1, q, G, kvh, scale, pool, sc, out);
 }
 
 // parts: nchunks consecutive partials of G heads; out: G rows of D (the heads' outputs).
