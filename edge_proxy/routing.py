@@ -30,13 +30,16 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    candidates, a replica already at its bound `ceil((1 + load_eps) * (L + 1) / n)`
    (at least `min_bound`) takes nothing new (consistent hashing with bounded
    loads, Mirrokni et al. 2016). Among the rest: the least loaded, then the
-   cheaper prefill, then the one holding the fewest blocks in all (SGLang's
-   "smallest tree": of replicas equally busy this instant, the one with fewer
-   conversations on it; one whose conversation is between two turns looks as idle
-   as one whose conversation ended), then a rendezvous draw on the request's key
-   (its session, else its first block), so ties spread and every proxy worker
-   breaks them alike. A new conversation, or a prompt that only shares a system
-   prompt held everywhere, has several candidates and goes to the least loaded.
+   cheaper prefill, then the one holding the fewest blocks in all, then a
+   rendezvous draw on the request's key (its session, else its first block), so
+   ties spread and every proxy worker breaks them alike. A prompt that only
+   shares a system prompt held everywhere has several candidates and goes to the
+   least loaded. A prompt no replica holds any of (a new conversation, its own
+   system prompt) goes first to the one holding the fewest blocks (SGLang's
+   "smallest tree": the fewest conversations), then the least loaded: load counts
+   only the turns running this instant, and a replica whose conversations are
+   all between turns looks idle, so by load alone new conversations pile onto it
+   (12 conversations placed 2/4/6) and, kept home, stay piled.
 4. Spill, when every such replica is at its bound: the replica with the least
    `cost = (prefill + queued prefill + load_cost_tokens * decoding) / speed`, where
    `queued prefill` is the uncached prompt tokens of this proxy's requests there
@@ -259,6 +262,9 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
     if home is not None and home.load + 1 <= load_bound(total, len(cands), cfg):
         return Decision(home.id, STICKY if home.id == prefer else PREFIX, home.cached_blocks)
     ok = [c for c in close if c.load + 1 <= bound]
+    if ok and cheapest == prompt_tokens:  # a prompt of its own (a new conversation): where fewer conversations are
+        c = min(ok, key=lambda c: (c.held_blocks, c.load, -hrw_score(key, c.id)))
+        return Decision(c.id, LOAD, 0)
     if ok:
         c = min(ok, key=lambda c: (c.load, prefill[c.id], c.held_blocks, -hrw_score(key, c.id)))
         reason = PREFIX if c.cached_blocks else LOAD  # (a session's replica is home: rule 2 or not in `ok`)

@@ -492,3 +492,23 @@ def test_block_index_marks_a_conversations_next_turn():
     idx.expect_reply(turn1, h1, long_, 16, "", 101.0)
     idx.reset()
     assert not idx.replies and not idx.ends
+
+
+def test_a_new_conversation_goes_where_fewer_conversations_are_not_where_none_is_running():
+    """a holds two conversations, one of them in a turn; b and c four each, all between
+    turns (load 0). By load alone the new conversation would go to b or c, and, as
+    conversations stay home, a replica idle this instant collects them (12 placed
+    2/4/6 in a bench run); it goes to a, which holds the fewest blocks, while a is
+    under its bound."""
+    reps = Replicas()
+    for r, convs in (("a", 2), ("b", 4), ("c", 4)):
+        for k in range(convs):
+            reps.index[r].expect(block_hashes(chat_turn([1, 299, ord(r), k] + [40 + k] * 90, [7] * 5), 16), 0.0)
+    prompt = chat_turn([1, 299, 500] + [80] * 90, [7] * 5)
+    key = str(block_hashes(prompt, 16)[0])
+    reps.load.update(a=1.0, b=0.0, c=0.0)  # L = 1: bound max(ceil(1.1 x 2 / 3), 2) = 2
+    d = pick_prefix(len(prompt), 16, reps.cands(prompt), CFG, key=key)
+    assert (d.replica, d.reason) == ("a", LOAD)
+    reps.load.update(a=2.0)  # at its bound: the least loaded of the rest
+    d = pick_prefix(len(prompt), 16, reps.cands(prompt), CFG, key=key)
+    assert d.replica in ("b", "c") and d.reason == LOAD
