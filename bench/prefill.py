@@ -1,0 +1,148 @@
+"""Prefill against the machine's int8 peak: the VNNI roofline, the model's matmuls alone, a cold prompt.
+
+    .venv/bin/python bench/prefill.py                       # 256-token prompts, every core
+    .venv/bin/python bench/prefill.py --prompt-lens 64 256 1024 --threads 2
+
+Three tables, one run:
+
+1. The peak: independent chains of one VNNI instruction on registers, on 1 and on
+   `--threads` threads at once (kernels/csrc/vnni_peak.cpp): `vpdpbusd` (int8 x
+   int8, 64 multiply-adds an instruction, the machine's int8 peak) and `vpdpwssd`
+   (int16 pairs, 32, what the block-quantized GEMM in csrc/include/edgechat/qgemm.h
+   uses today).
+2. Each matmul of the default model alone at M = prompt rows (kernels.qgemm_cpu on
+   its packed weights, the engine's threads): ms, G multiply-adds/s and the share
+   of both peaks.
+3. A cold prompt's prefill through the engine (the C++ whole step, sampling one
+   token; every repetition a new prompt, so nothing is cached): ms, and the
+   matmuls' multiply-adds (LM head for the last row only) over that time against
+   the peaks. The rest of the step (attention, norms, RoPE, activation prep) is
+   the difference between its time and table 2's sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import qgemm_cpu  # noqa: E402
+from kernels.cpu_build import load_cpp  # noqa: E402
+from replica.config import EngineConfig  # noqa: E402
+from replica.engine.llm_engine import LLMEngine  # noqa: E402
+from replica.model.loader import load_checkpoint  # noqa: E402
+from replica.model.quant import QLinear  # noqa: E402
+from wire import protocol as P  # noqa: E402
+
+
+def peaks(threads: int, iters: int) -> dict[tuple[str, int], float]:
+    """(instruction, threads) -> multiply-adds per second, the best of 5."""
+    m = load_cpp("vnni_peak", "vnni_peak.cpp")
+    out = {}
+    for kind in ("dpbusd", "dpwssd"):
+        for t in sorted({1, threads}):
+            out[kind, t] = max(m.peak_macs(kind, iters, t) for _ in range(5))
+    return out
+
+
+def best_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def matmuls(engine: LLMEngine) -> dict[str, QLinear]:
+    """The distinct packed linears of the model's first layer, by name."""
+    out = {}
+    for name, mod in engine.runner.model.named_modules():
+        if isinstance(mod, QLinear) and mod.packed is not None and ".0." in f".{name}.":
+            out[name.rsplit(".", 1)[-1]] = mod
+    return out
+
+
+def prefill_ms(engine: LLMEngine, plen: int, reps: int, vocab: int) -> list[float]:
+    rng = random.Random(plen)
+    sp = P.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i in range(reps + 1):
+        ids = [rng.randrange(1000, vocab) for _ in range(plen)]  # a new prompt: nothing in the cache
+        assert engine.add(P.Generate(id=f"p{plen}-{i}", prompt_ids=ids, sampling=sp)) is None
+        t0 = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return times[1:]  # the first warms the step's buffers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[256])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--peak-iters", type=int, default=5_000_000)
+    args = ap.parse_args()
+    if not qgemm_cpu.available():
+        sys.exit("bench/prefill.py needs the AVX-512 VNNI kernels (kernels.qgemm_cpu.available() is False here)")
+    torch.set_num_threads(args.threads)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads; "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}")
+
+    pk = peaks(args.threads, args.peak_iters)
+    print("\n## The peak (multiply-adds on registers)\n")
+    print("| instruction | operands | G MAC/s, 1 thread | G MAC/s, all threads |")
+    print("|---|---|---:|---:|")
+    for kind, what in (("dpbusd", "int8 x int8"), ("dpwssd", "int16 x int16")):
+        print(f"| vp{kind} | {what} | {pk[kind, 1] / 1e9:.0f} | {pk[kind, args.threads] / 1e9:.0f} |")
+    int8, int16 = pk["dpbusd", args.threads], pk["dpwssd", args.threads]
+
+    ckpt = load_checkpoint("default", dtype=torch.float32)
+    cfg = EngineConfig(quantization="gguf", num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=max(4096, max(args.prompt_lens)),
+                       cpu_threads=args.threads)
+    engine = LLMEngine(cfg, ckpt.config, ckpt.weights)
+    c = ckpt.config
+    lins = matmuls(engine)
+    print(f"\n## The matmuls alone ({c.name}, {cfg.quantization} weights, M = prompt rows)\n")
+    print("| prompt rows | matmul | N x K | bits | ms | G MAC/s | of int8 peak | of int16 peak |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    per_layer_ms = {}
+    for plen in args.prompt_lens:
+        x = torch.randn(plen, max(m.in_features for m in lins.values()))
+        total = 0.0
+        for name, m in lins.items():
+            xi = x[:, :m.in_features].contiguous()
+            ms = best_ms(lambda m=m, xi=xi: qgemm_cpu.qgemm_cpu(xi, m.packed, m.out_features, m.bits), args.reps)
+            rate = plen * m.out_features * m.in_features / ms / 1e6
+            total += ms
+            print(f"| {plen} | {name} | {m.out_features} x {m.in_features} | {m.bits} | {ms:.2f} | {rate:.0f} | "
+                  f"{rate * 1e9 / int8:.0%} | {rate * 1e9 / int16:.0%} |")
+        per_layer_ms[plen] = total
+
+    macs_token = sum(m.out_features * m.in_features for m in lins.values()) * c.num_layers
+    head = c.vocab_size * c.hidden_size
+    print(f"\n## A cold prompt's prefill (engine step, {args.threads} threads, best and median of {args.reps})\n")
+    print("| prompt tokens | best ms | median ms | ms a token | G MAC/s (matmuls) | of int8 peak | of int16 peak | "
+          "matmuls alone x layers, ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for plen in args.prompt_lens:
+        t = prefill_ms(engine, plen, args.reps, c.vocab_size)
+        best, med = min(t) * 1e3, statistics.median(t) * 1e3
+        rate = (plen * macs_token + head) / best / 1e6
+        print(f"| {plen} | {best:.1f} | {med:.1f} | {best / plen:.2f} | {rate:.0f} | {rate * 1e9 / int8:.0%} | "
+              f"{rate * 1e9 / int16:.0%} | {per_layer_ms[plen] * c.num_layers:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
