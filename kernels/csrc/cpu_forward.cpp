@@ -23,9 +23,9 @@ struct QMat {
   int64_t N, K, bits;
 };
 
-// One attention work item: a token's kv head over one chunk of its keys.
+// One attention work item: a token's heads (every kv head's) over one chunk of its keys.
 struct Item {
-  int64_t t, kvh, i0, i1;
+  int64_t t, i0, i1;
 };
 
 // Quantized activations of the next matmul, and a scratch row for the norm.
@@ -122,16 +122,15 @@ class Decoder {
     std::vector<torch::Tensor> keep;  // contiguous copies that the Keys' tables point into
     const std::vector<attn::Keys> keys =
         tokens(T, num_decode, dec_tables, dec_lens, ext_tables, ext_cu, ext_lens, tree_mask, tree_prefix, keep);
-    // attention items: (token, kv head, chunk of keys); a (token, kv head)'s chunks are consecutive
+    // attention items: (token, chunk of keys), every kv head's; a token's chunks are consecutive
     std::vector<Item> items;
-    std::vector<int64_t> first(T * Hkv_ + 1, 0);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t kh = 0; kh < Hkv_; ++kh) {
-        first[t * Hkv_ + kh] = items.size();
-        for (int64_t i0 = 0; i0 < keys[t].size(); i0 += attn::kChunk)
-          items.push_back({t, kh, i0, std::min<int64_t>(keys[t].size(), i0 + attn::kChunk)});
-      }
-    first[T * Hkv_] = items.size();
+    std::vector<int64_t> first(T + 1, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      first[t] = items.size();
+      for (int64_t i0 = 0; i0 < keys[t].size(); i0 += attn::kChunk)
+        items.push_back({t, i0, std::min<int64_t>(keys[t].size(), i0 + attn::kChunk)});
+    }
+    first[T] = items.size();
 
     auto opts = embed_.options();
     auto x = torch::empty({T, h_}, opts);
@@ -151,8 +150,8 @@ class Decoder {
     Buf act_q;
     act_q.reserve(T, kmax);
     const int W = pool_->workers();
-    const int64_t G = H_ / Hkv_, part = G * (D_ + 2);
-    std::vector<std::vector<float>> scores(W, std::vector<float>(G * attn::kChunk));
+    const int64_t G = H_ / Hkv_, part = H_ * (D_ + 2);  // an item's partials: every head's acc[D], m, l
+    std::vector<std::vector<float>> scores(W, std::vector<float>(H_ * attn::kChunk));
     std::vector<float> parts(items.size() * part);
     std::vector<Buf> rows(W);
     for (auto& r : rows) r.reserve(0, kmax);
@@ -232,15 +231,17 @@ class Decoder {
           attn::store_row((float*)vc + at, v, Hkv_ * D_);
         }
       });
-      // attention: chunk partials per (token, kv head), then merged into the G heads' outputs
+      // attention: chunk partials per token, then merged per (token, kv head) into its G heads' outputs
       const attn::Cache cache{kc, vc, page, Hkv_, D_, f16};
       pool_->run(items.size(), [&](int64_t i, int w) {
         const Item& it = items[i];
-        attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n + it.kvh * G * D_, (int)G, it.kvh, scale, cache,
-                          scores[w].data(), parts.data() + i * part);
+        attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n, (int)G, scale, cache, scores[w].data(),
+                          parts.data() + i * part);
       });
       auto merge = [&](int64_t j, int) {  // j = t * Hkv + kv head
-        attn::merge(parts.data() + first[j] * part, first[j + 1] - first[j], (int)G, D_, ap + j * G * D_);
+        const int64_t t = j / Hkv_, kh = j % Hkv_;
+        attn::merge(parts.data() + first[t] * part + kh * G * (D_ + 2), first[t + 1] - first[t], part, (int)G, D_,
+                    ap + j * G * D_);
       };
       if (T < kSplitRows)
         for (int64_t j = 0; j < T * Hkv_; ++j) merge(j, 0);

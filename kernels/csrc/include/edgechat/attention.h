@@ -7,8 +7,10 @@
 // loaded (`load16`), everything else in fp32. The work is split for both cores and for
 // one pass over memory:
 //
-//   * an item is (token, kv head, chunk of 256 keys): the G query heads of the kv head
-//     share each key and value row it reads, converted once;
+//   * an item is (token, chunk of 256 keys), every kv head's: the G query heads of a kv head
+//     share each key and value row it reads, converted once; 16 rows at a time are first
+//     read whole in address order (`touch`): by kv head, 128 B of each 384 B row in turn, the
+//     pool streamed at ~10 GB/s on a Zen 4 core, in address order at ~15;
 //   * scores of 16 keys at a time: per key and head a 16-lane product q . k, then the 16
 //     keys' vectors summed across lanes together (`sum16`, 3 ops a key instead of ~9);
 //   * per item and head: max m, sum l and unnormalized sum acc of exp(s - m) v;
@@ -96,57 +98,112 @@ struct Cache {
   bool half;
 };
 
-template <int NV>
-inline void prefetch_row(const uint16_t* p) {
-  for (int c = 0; c < NV; c += 2) _mm_prefetch((const char*)(p + 16 * c), _MM_HINT_T0);
-}
-template <int NV>
-inline void prefetch_row(const float* p) {
-  for (int c = 0; c < NV; ++c) _mm_prefetch((const char*)(p + 16 * c), _MM_HINT_T0);
-}
-
-// GB heads (q: GB rows of D = 16 NV) over the n keys at element offsets off[0, n) of k and v
-// (n <= kChunk). out: per head acc[D], m, l. sc: scratch of GB * kChunk floats.
+// s[g kChunk + j] = scale q_g . k_j for GB heads (q: GB rows of D = 16 NV) and the m <= 16 keys
+// at element offsets off[0, m) of kb.
 template <int NV, int GB, typename E>
-void partial(const int64_t* off, int64_t n, const float* q, float scale, const E* kb, const E* vb, float* sc,
-             float* out) {
-  // Rows prefetched ahead. The first kAhead key and value rows are asked for at once, then
-  // the scores pass asks for row j + kAhead's key and value: the values are in cache by
-  // the time the weighted sum reads them (a chunk's are 32 KB in fp16 at D = 64).
-  constexpr int64_t D = 16 * NV, kAhead = 16;
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j) {
-    prefetch_row<NV>(kb + off[j]);
-    prefetch_row<NV>(vb + off[j]);
-  }
+inline void scores16(const int64_t* off, int64_t m, const float* q, float scale, const E* kb, float* s) {
+  constexpr int64_t D = 16 * NV;
   __m512 qv[GB][NV];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NV; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
-  for (int64_t i = 0; i < n; i += 16) {  // scores, 16 keys at a time
-    const int64_t m = std::min<int64_t>(16, n - i);
-    __m512 a[GB][16];
-    for (int64_t j = 0; j < m; ++j) {
-      if (i + j + kAhead < n) {
-        prefetch_row<NV>(kb + off[i + j + kAhead]);
-        prefetch_row<NV>(vb + off[i + j + kAhead]);
-      }
-      const E* k = kb + off[i + j];
-      __m512 kv[NV];
-      for (int c = 0; c < NV; ++c) kv[c] = load16(k + 16 * c);
-      for (int g = 0; g < GB; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-        a[g][kSlot[j]] = acc;
-      }
+  __m512 a[GB][16];
+  for (int64_t j = 0; j < m; ++j) {
+    const E* k = kb + off[j];
+    __m512 kv[NV];
+    for (int c = 0; c < NV; ++c) kv[c] = load16(k + 16 * c);
+    for (int g = 0; g < GB; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      a[g][kSlot[j]] = acc;
     }
-    for (int64_t j = m; j < 16; ++j)
-      for (int g = 0; g < GB; ++g) a[g][kSlot[j]] = _mm512_setzero_ps();
-    const __mmask16 keep = (__mmask16)((1u << m) - 1);
-    for (int g = 0; g < GB; ++g)
-      _mm512_mask_storeu_ps(sc + g * kChunk + i, keep, _mm512_mul_ps(sum16(a[g]), _mm512_set1_ps(scale)));
   }
-  float lsum[GB];
-  for (int g = 0; g < GB; ++g) {  // e = exp(s - m) in place, l = sum e
-    float* s = sc + g * kChunk;
+  for (int64_t j = m; j < 16; ++j)
+    for (int g = 0; g < GB; ++g) a[g][kSlot[j]] = _mm512_setzero_ps();
+  const __mmask16 keep = (__mmask16)((1u << m) - 1);
+  for (int g = 0; g < GB; ++g)
+    _mm512_mask_storeu_ps(s + g * kChunk, keep, _mm512_mul_ps(sum16(a[g]), _mm512_set1_ps(scale)));
+}
+
+// acc_g += sum_j e[g kChunk + j] v_j for GB heads (acc: GB rows, D + 2 floats apart) and the
+// m <= 16 values at element offsets off[0, m) of vb.
+template <int NV, int GB, typename E>
+inline void values16(const int64_t* off, int64_t m, const float* e, const E* vb, float* acc) {
+  constexpr int64_t D = 16 * NV;
+  __m512 av[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NV; ++c) av[g][c] = _mm512_loadu_ps(acc + g * (D + 2) + 16 * c);
+  for (int64_t j = 0; j < m; ++j) {
+    const E* v = vb + off[j];
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 w = _mm512_set1_ps(e[g * kChunk + j]);
+      for (int c = 0; c < NV; ++c) av[g][c] = _mm512_fmadd_ps(w, vv[c], av[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * (D + 2) + 16 * c, av[g][c]);
+}
+
+// All Hkv kv heads of a token, G query heads each (q: Hkv G rows of D, kv head-major), over keys
+// [i0, i1) (at most kChunk): one pass over the keys, then one over the values, 16 keys at a time.
+// Each 16 rows are first touched whole, in address order (every kv head's part: a block's rows
+// are one contiguous run of memory), then every head block works on them from L1. Heads go in
+// blocks of up to 4 (2 at D = 128: the accumulators stay in registers). The arithmetic is a
+// (token, kv head)'s alone, in the same order whatever the batch. out: per head acc[D], m, l;
+// sc: Hkv G kChunk floats.
+template <int NV, typename E>
+void partial_heads(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, float scale, const Cache& pool,
+                   float* sc, float* out) {
+  constexpr int64_t D = 16 * NV;
+  constexpr int kMaxGB = NV <= 4 ? 4 : 2;
+  int64_t off[kChunk];  // element offset of each key's pool row (its block from the table)
+  const int64_t n = i1 - i0, shift = __builtin_ctzll(pool.page), mask = pool.page - 1;  // page: a power of two
+  const int64_t Hkv = pool.Hkv, row = Hkv * D, bytes = row * (int64_t)sizeof(E);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = keys.pos(i0 + i);
+    off[i] = (((int64_t)keys.table[p >> shift] << shift) + (p & mask)) * row;
+  }
+  const E* kp = (const E*)pool.k;
+  const E* vp = (const E*)pool.v;
+  // Rows [i, i + m) of base, whole, in address order: a demand load of each cache line. The
+  // kernels below take a kv head's 128 B of each row in turn; asked for in that order the
+  // lines came in at ~10 GB/s, in this one at ~15 (a hardware prefetcher follows it).
+  auto touch = [&](const E* base, int64_t i, int64_t m) {
+    uint32_t x = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const char* r = (const char*)(base + off[i + j]);
+      for (int64_t b = 0; b < bytes; b += 64) x |= *(const volatile uint32_t*)(r + b);
+    }
+    asm volatile("" ::"r"(x));
+  };
+  // per head block (kvh, first head h, heads gb)
+  auto each = [&](auto&& f) {
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+      for (int g = 0; g < G;) {
+        const int gb = std::min(kMaxGB, G - g);
+        f(kvh, kvh * G + g, gb);
+        g += gb;
+      }
+  };
+  for (int64_t i = 0; i < n; i += 16) {  // scores
+    const int64_t m = std::min<int64_t>(16, n - i);
+    touch(kp, i, m);
+    each([&](int64_t kvh, int64_t h, int gb) {
+      const E* kb = kp + kvh * D;
+      const float* qh = q + h * D;
+      float* s = sc + h * kChunk + i;
+      switch (gb) {
+        case 4: scores16<NV, (kMaxGB >= 4 ? 4 : 1), E>(off + i, m, qh, scale, kb, s); break;
+        case 3: scores16<NV, (kMaxGB >= 3 ? 3 : 1), E>(off + i, m, qh, scale, kb, s); break;
+        case 2: scores16<NV, 2, E>(off + i, m, qh, scale, kb, s); break;
+        default: scores16<NV, 1, E>(off + i, m, qh, scale, kb, s); break;
+      }
+    });
+  }
+  for (int64_t h = 0; h < Hkv * G; ++h) {  // e = exp(s - m) in place, l = sum e; acc = 0
+    float* s = sc + h * kChunk;
+    float* o = out + h * (D + 2);
     float mx = -INFINITY;
     for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
     __m512 l = _mm512_setzero_ps();
@@ -156,81 +213,50 @@ void partial(const int64_t* off, int64_t n, const float* q, float scale, const E
       _mm512_mask_storeu_ps(s + i, k, e);
       l = _mm512_add_ps(l, _mm512_maskz_mov_ps(k, e));
     }
-    out[g * (D + 2) + D] = mx;
-    lsum[g] = _mm512_reduce_add_ps(l);
+    for (int64_t c = 0; c < D; ++c) o[c] = 0.f;
+    o[D] = mx;
+    o[D + 1] = _mm512_reduce_add_ps(l);
   }
-  __m512 acc[GB][NV];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {  // acc = sum_j e_j v_j
-    const E* v = vb + off[j];
-    __m512 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
-    for (int g = 0; g < GB; ++g) {
-      const __m512 e = _mm512_set1_ps(sc[g * kChunk + j]);
-      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(e, vv[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < GB; ++g) {
-    float* o = out + g * (D + 2);
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, acc[g][c]);
-    o[D + 1] = lsum[g];
-  }
-}
-
-// G heads' query rows q (G x D) over keys [i0, i1) of kv head kvh, in passes of up to 4 heads
-// (2 at D = 128: the accumulators stay in registers). out: per head acc[D], m, l; sc: G * kChunk floats.
-template <int NV, typename E>
-void partial_heads(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, int64_t kvh, float scale,
-                   const Cache& pool, float* sc, float* out) {
-  constexpr int64_t D = 16 * NV;
-  constexpr int kMaxGB = NV <= 4 ? 4 : 2;
-  int64_t off[kChunk];  // element offset of each key's row (its block from the table)
-  const int64_t n = i1 - i0, shift = __builtin_ctzll(pool.page), mask = pool.page - 1;  // page: a power of two
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = keys.pos(i0 + i);
-    off[i] = ((((int64_t)keys.table[p >> shift] << shift) + (p & mask)) * pool.Hkv + kvh) * D;
-  }
-  const E* kb = (const E*)pool.k;
-  const E* vb = (const E*)pool.v;
-  for (int g = 0; g < G;) {
-    const int gb = std::min(kMaxGB, G - g);
-    const float* qg = q + g * D;
-    float* og = out + g * (D + 2);
-    switch (gb) {
-      case 4: partial<NV, (kMaxGB >= 4 ? 4 : 1), E>(off, n, qg, scale, kb, vb, sc, og); break;
-      case 3: partial<NV, (kMaxGB >= 3 ? 3 : 1), E>(off, n, qg, scale, kb, vb, sc, og); break;
-      case 2: partial<NV, 2, E>(off, n, qg, scale, kb, vb, sc, og); break;
-      default: partial<NV, 1, E>(off, n, qg, scale, kb, vb, sc, og); break;
-    }
-    g += gb;
+  for (int64_t i = 0; i < n; i += 16) {  // acc = sum_j e_j v_j
+    const int64_t m = std::min<int64_t>(16, n - i);
+    touch(vp, i, m);
+    each([&](int64_t kvh, int64_t h, int gb) {
+      const E* vb = vp + kvh * D;
+      const float* e = sc + h * kChunk + i;
+      float* o = out + h * (D + 2);
+      switch (gb) {
+        case 4: values16<NV, (kMaxGB >= 4 ? 4 : 1), E>(off + i, m, e, vb, o); break;
+        case 3: values16<NV, (kMaxGB >= 3 ? 3 : 1), E>(off + i, m, e, vb, o); break;
+        case 2: values16<NV, 2, E>(off + i, m, e, vb, o); break;
+        default: values16<NV, 1, E>(off + i, m, e, vb, o); break;
+      }
+    });
   }
 }
 
 template <typename E>
-void partial_dim(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, int64_t kvh, float scale,
-                 const Cache& pool, float* sc, float* out) {
+void partial_dim(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, float scale, const Cache& pool,
+                 float* sc, float* out) {
   switch (pool.D) {
-    case 64: partial_heads<4, E>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
-    case 128: partial_heads<8, E>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
-    case 32: partial_heads<2, E>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;
-    default: partial_heads<1, E>(keys, i0, i1, q, G, kvh, scale, pool, sc, out); break;  // D checked by the caller
+    case 64: partial_heads<4, E>(keys, i0, i1, q, G, scale, pool, sc, out); break;
+    case 128: partial_heads<8, E>(keys, i0, i1, q, G, scale, pool, sc, out); break;
+    case 32: partial_heads<2, E>(keys, i0, i1, q, G, scale, pool, sc, out); break;
+    default: partial_heads<1, E>(keys, i0, i1, q, G, scale, pool, sc, out); break;  // D checked by the caller
   }
 }
 
-// The G heads of kv head kvh (q: G rows of D) over keys [i0, i1) of `keys` (at most kChunk).
-// out: per head acc[D], m, l; sc: scratch of G * kChunk floats.
-inline void partial_any(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, int64_t kvh, float scale,
-                        const Cache& pool, float* sc, float* out) {
+// A token's Hkv G heads (q: Hkv G rows of D) over keys [i0, i1) of `keys` (at most kChunk).
+// out: per head acc[D], m, l; sc: scratch of Hkv G kChunk floats.
+inline void partial_any(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, float scale, const Cache& pool,
+                        float* sc, float* out) {
   if (pool.half)
-    partial_dim<uint16_t>(keys, i0, i1, q, G, kvh, scale, pool, sc, out);
+    partial_dim<uint16_t>(keys, i0, i1, q, G, scale, pool, sc, out);
   else
-    partial_dim<float>(keys, i0, i1, q, G, kvh, scale, pool, sc, out);
+    partial_dim<float>(keys, i0, i1, q, G, scale, pool, sc, out);
 }
 
-// parts: nchunks consecutive partials of G heads; out: G rows of D (the heads' outputs).
-inline void merge(const float* parts, int64_t nchunks, int G, int64_t D, float* out) {
-  const int64_t stride = G * (D + 2);
+// parts: nchunks partials of G heads, `stride` floats apart; out: G rows of D (the heads' outputs).
+inline void merge(const float* parts, int64_t nchunks, int64_t stride, int G, int64_t D, float* out) {
   for (int g = 0; g < G; ++g) {
     float* o = out + g * D;
     if (nchunks == 0) {
