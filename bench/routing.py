@@ -310,6 +310,19 @@ def own_system_prompt(k: int, c, words: int = 120) -> str:
     return " ".join(out[:words])
 
 
+
+def took(t, usage, extra: dict | None) -> None:
+    """What an answer (or a streamed chunk) says of a turn: prompt and cached tokens from its usage
+    (a chunk may have none), the replica and TTFTs from edgechat's extension."""
+    if usage is not None:
+        t.prompt_tokens = usage.prompt_tokens
+        d = usage.prompt_tokens_details
+        t.cached = (d.cached_tokens or 0) if d is not None else 0
+    ext = (extra or {}).get("edgechat")
+    if ext:
+        t.replica, t.replica_ttft_ms = ext["replica"], ext["timing"]["replica_ttft_ms"]
+        t.proxy_ttft_ms = ext["timing"]["ttft_ms"]
+
 async def one_turn(client, model: str, t: Turn, a, headers: dict, max_tokens: int) -> None:
     t0 = time.perf_counter()
     t.start_s = t0 - a.began
@@ -319,13 +332,7 @@ async def one_turn(client, model: str, t: Turn, a, headers: dict, max_tokens: in
             seed=1000 * t.conv + t.turn, extra_headers=headers)
         t.ttft_ms = (time.perf_counter() - t0) * 1e3
         t.reply, t.finish = r.choices[0].message.content or "", r.choices[0].finish_reason
-        t.prompt_tokens = r.usage.prompt_tokens
-        d = r.usage.prompt_tokens_details
-        t.cached = (d.cached_tokens or 0) if d is not None else 0
-        ext = (r.model_extra or {}).get("edgechat")
-        if ext:
-            t.replica, t.replica_ttft_ms = ext["replica"], ext["timing"]["replica_ttft_ms"]
-            t.proxy_ttft_ms = ext["timing"]["ttft_ms"]
+        took(t, r.usage, r.model_extra)
         t.end_s = time.perf_counter() - a.began
         return
     stream = await client.chat.completions.create(
@@ -339,14 +346,7 @@ async def one_turn(client, model: str, t: Turn, a, headers: dict, max_tokens: in
                 t.ttft_ms = (time.perf_counter() - t0) * 1e3
             parts.append(ch.delta.content or "")
             t.finish = ch.finish_reason or t.finish
-        if chunk.usage is not None:
-            t.prompt_tokens = chunk.usage.prompt_tokens
-            d = chunk.usage.prompt_tokens_details
-            t.cached = (d.cached_tokens or 0) if d is not None else 0
-        ext = (chunk.model_extra or {}).get("edgechat")
-        if ext:
-            t.replica, t.replica_ttft_ms = ext["replica"], ext["timing"]["replica_ttft_ms"]
-            t.proxy_ttft_ms = ext["timing"]["ttft_ms"]
+        took(t, chunk.usage, chunk.model_extra)
     t.reply = "".join(parts)
     t.end_s = time.perf_counter() - a.began
 
