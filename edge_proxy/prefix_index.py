@@ -120,11 +120,12 @@ class BlockIndex:
         for x in filled:
             rep[x] = None
             rep.move_to_end(x)
-        computed = list(prompt_ids) + list(out_ids[:-1])
-        m = len(computed) // block_size
+        n_prompt = len(prompt_ids)
+        m = (n_prompt + len(out_ids) - 1) // block_size  # full blocks of the computed ids
         if m:
             last = filled[-1] if filled else prompt_hashes[m - 1]
-            tail = tuple(computed[m * block_size:])
+            a = m * block_size  # the computed ids past the last full block, without copying the rest
+            tail = tuple(prompt_ids[a:]) + tuple(out_ids[max(a - n_prompt, 0):len(out_ids) - 1])
             ends[last] = (tail,) + tuple(t for t in ends.pop(last, ()) if t != tail)[: ENDS_PER_BLOCK - 1]
         for d in (rep, ends):
             while len(d) > self.capacity:

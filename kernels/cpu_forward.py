@@ -21,7 +21,7 @@ widening to fp32 as it loads them; the scores, softmax and sums are fp32.
 Same math as `replica.model.llama.LlamaModel` over `replica.model.quant.QLinear`s (the
 reference, over a pool of the same dtype: its store rounds to nearest even as the
 step's does; tests/kernels/test_cpu_forward.py compares them within 3e-4 of the
-values' scale): the same int16 activation rounding, norm, rotate-half RoPE, SwiGLU
+values' scale over fp32, 1e-3 over fp16): the same int16 activation rounding, norm, rotate-half RoPE, SwiGLU
 and softmax formulas (exp vectorized), summed in other orders. A row's result
 never depends on the other rows of its step nor on the thread count (per-row
 arithmetic only), so batching keeps seeded samples.
