@@ -365,7 +365,35 @@ def messages(msgs: list[ChatMessage]) -> list[dict]:
                 raise OpenAIError(str(e), e.param) from None
         if m.tool_call_id is not None:
             out[-1]["tool_call_id"] = m.tool_call_id
+    _check_tool_turns(out)
     return out
+
+
+def _check_tool_turns(msgs: list[dict]) -> None:
+    """OpenAI's pairing of calls and results: every tool message answers, by its
+    tool_call_id, a call of the assistant message before its run of tool messages, and
+    every such call is answered before the conversation goes on."""
+    pending: dict[str, None] = {}  # ids of the last assistant message's calls not yet answered
+    called = -1  # index of the assistant message they came from
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if m["role"] == "tool":
+            _check("tool_call_id" in m, f"{where}.tool_call_id", f"{where}: a tool message needs its tool_call_id")
+            _check(called >= 0, f"{where}.role", f"{where}: a message with role 'tool' must answer a preceding "
+                                                 "assistant message's tool_calls")
+            _check(m["tool_call_id"] in pending, f"{where}.tool_call_id",
+                   f"{where}.tool_call_id {m['tool_call_id']!r} is not an unanswered call of messages[{called}]")
+            del pending[m["tool_call_id"]]
+            continue
+        _unanswered(pending, called)
+        called, pending = (i, dict.fromkeys(c["id"] for c in m["tool_calls"])) if m.get("tool_calls") else (-1, {})
+    _unanswered(pending, called)
+
+
+def _unanswered(pending: dict[str, None], called: int) -> None:
+    _check(not pending, f"messages[{called}].role",
+           f"messages[{called}]: an assistant message with tool_calls must be followed by tool messages "
+           f"answering each tool_call_id; unanswered: {', '.join(pending)}")
 
 
 def _text(m: ChatMessage, where: str) -> str:

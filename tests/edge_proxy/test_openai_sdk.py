@@ -230,6 +230,9 @@ def test_the_other_sampling_parameters(stack, sdk, tok):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "42", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "tool", "content": "18 C"}] * 3}, "messages[0].tool_call_id"),  # bare results
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "1", "tool_call_id": "c1"}]},
+     "messages[1].role"),  # a result of no call
     ({"store": True}, "store"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),

@@ -49,6 +49,11 @@ def test_honoured_parameters_reach_sampling_params():
     assert O.parse_completion(b'{"prompt": [5, 6]}').prompts == [[5, 6]]
 
 
+CALLS = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": c, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}} for c in ("c1", "c2")]}
+RESULTS = [{"role": "tool", "content": "18 C", "tool_call_id": c} for c in ("c1", "c2")]
+
+
 @pytest.mark.parametrize("body, param", [
     (chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools[1].function.name"),
@@ -107,12 +112,32 @@ def test_honoured_parameters_reach_sampling_params():
      "messages[0].content[0].type"),
     (msgspec.json.encode({"messages": [{"role": "user", "content": "x", "foo": 1}]}), "messages[0].foo"),
     (msgspec.json.encode({"messages": [{"role": "assistant", "content": None}]}), "messages[0].content"),
+    *[(msgspec.json.encode({"messages": msgs}), param) for msgs, param in [
+        ([{"role": "tool", "content": "18 C"}] * 3, "messages[0].tool_call_id"),  # bare results
+        ([{"role": "user", "content": "x"}, {"role": "tool", "content": "18 C", "tool_call_id": "c1"}],
+         "messages[1].role"),  # a result of no call
+        ([{"role": "user", "content": "x"}, CALLS, {"role": "tool", "content": "1", "tool_call_id": "c9"}],
+         "messages[2].tool_call_id"),  # not one of the calls
+        ([{"role": "user", "content": "x"}, CALLS, *RESULTS, {"role": "tool", "content": "1", "tool_call_id": "c1"}],
+         "messages[4].tool_call_id"),  # answered twice
+        ([{"role": "user", "content": "x"}, CALLS, RESULTS[0], {"role": "user", "content": "and?"}],
+         "messages[1].role"),  # c2 never answered
+        ([{"role": "user", "content": "x"}, CALLS], "messages[1].role"),  # the conversation ends on the calls
+    ]],
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_param(body, param):
     e = refused(body)
     assert e.param == param, (e.param, e.message)
     if param:
         assert e.body()["error"]["param"] == param
+
+
+def test_calls_answered_in_any_order_then_a_new_turn():
+    msgs = [{"role": "user", "content": "x"}, CALLS, *RESULTS[::-1], {"role": "assistant", "content": "18 C twice"},
+            {"role": "user", "content": "thanks"}]
+    plan = O.parse_chat(msgspec.json.encode({"messages": msgs}))
+    assert [m["role"] for m in plan.prompts[0]] == ["user", "assistant", "tool", "tool", "assistant", "user"]
+    assert [m.get("tool_call_id") for m in plan.prompts[0][2:4]] == ["c2", "c1"]
 
 
 @pytest.mark.parametrize("body, param", [
