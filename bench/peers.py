@@ -5,6 +5,7 @@
     .venv/bin/python bench/peers.py --servers proxy proxy@/tmp/before proxy proxy@/tmp/before
     .venv/bin/python bench/peers.py --workload serve             # vLLM's load generator, every server
     .venv/bin/python bench/peers.py --workload both --servers llama proxy --num-prompts 64
+    .venv/bin/python bench/peers.py --workload serve --streams 16 --servers llama proxy:32 proxy:48 proxy:64
 
 Peers (built or installed once, cached under ~/.cache/edgechat/peers/, never in
 the repo):
@@ -219,14 +220,16 @@ class Server:
 
 def servers(names: list[str], quantization: str, threads: int, budget: int = 0) -> list[Server]:
     py = sys.executable
-    ours = ["--quantization", quantization, "--speculative", "off"] + (["--max-num-batched-tokens", str(budget)]
-                                                                        if budget else [])
     out = []
     for spec in names:
         name, _, tree = spec.partition("@")
+        name, _, own = name.partition(":")  # proxy:48: this server's own step budget
         port = free_port()
-        if tree and name not in ("edgechat", "proxy"):
-            raise SystemExit(f"{spec!r}: only edgechat and proxy run from another checkout")
+        if (tree or own) and name not in ("edgechat", "proxy"):
+            raise SystemExit(f"{spec!r}: only edgechat and proxy take another checkout or a budget")
+        b = int(own) if own else budget
+        ours = ["--quantization", quantization, "--speculative", "off"] + (["--max-num-batched-tokens", str(b)]
+                                                                            if b else [])
         if name == "llama":
             bins = llama_bins()
             out.append(Server("llama.cpp llama-server (Q4_1 GGUF)", [
@@ -253,6 +256,8 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
                 env={"EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9", **REPLICA_ENV}))
         else:
             raise SystemExit(f"unknown server {name!r}: choose from llama, vllm, edgechat, proxy")
+        if own:
+            out[-1].name += f", budget {b}"
         if tree:
             where = Path(tree).resolve()
             rev = subprocess.run(["git", "-C", str(where), "log", "-1", "--format=%h"], capture_output=True,
@@ -533,7 +538,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", nargs="+", default=["llama", "vllm", "edgechat", "proxy"],
                     help="llama, vllm, edgechat, proxy; edgechat@DIR / proxy@DIR run another checkout's code (a "
-                         "before/after pair in one run; repeat names to alternate them)")
+                         "before/after pair in one run; repeat names to alternate them); proxy:N / edgechat:N with "
+                         "the step budget N (--max-num-batched-tokens): proxy:32 proxy:48 proxy:64 is a trade-off "
+                         "curve in one run")
     ap.add_argument("--workload", choices=["chat", "serve", "both"], default="chat",
                     help="chat: multi-turn sessions through the openai SDK; serve: `vllm bench serve` random "
                          "prompts through /v1/completions; both")
