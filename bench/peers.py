@@ -228,8 +228,9 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
         if (tree or own) and name not in ("edgechat", "proxy"):
             raise SystemExit(f"{spec!r}: only edgechat and proxy take another checkout or a budget")
         b = int(own) if own else budget
-        ours = ["--quantization", quantization, "--speculative", "off"] + (["--max-num-batched-tokens", str(b)]
-                                                                            if b else [])
+        ours = ["--quantization", quantization, "--speculative", "off"]
+        if b:  # a budget under the replica's 64 seats takes as many seats (each decode needs its token)
+            ours += ["--max-num-batched-tokens", str(b)] + (["--max-num-seqs", str(b)] if b < 64 else [])
         if name == "llama":
             bins = llama_bins()
             out.append(Server("llama.cpp llama-server (Q4_1 GGUF)", [
