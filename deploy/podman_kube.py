@@ -26,6 +26,13 @@ ConfigMaps and PersistentVolumeClaims; what it lacks is filled in here, each in 
   --replicas-dns=edgechat-replica:8000 resolves to every replica pod, as it does on a cluster.
   Unlike a Service's endpoints, a pod is listed from its start (the proxy connects once it
   answers) until its containers stop (not from the moment it starts terminating).
+  The network's bridge keeps one MAC address (`pin_bridge_mac`, once a pod made it): the
+  kernel gives a bridge whose address was never set the lowest of its ports' addresses, so
+  removing the pod whose port that was moves it, and a pod that has nothing from the host to
+  answer keeps sending to the old address (the proxy's answers to clients, its DNS queries),
+  lost until its ARP entry expires and TCP's backed-off retransmission comes: every client's
+  stream silent for up to a minute (53 s measured here). netavark sets one itself from 1.9
+  (containers/netavark#833); Debian bookworm has 1.4.
 - readinessProbe, startupProbe: podman 4.3 runs neither; `up` and `roll` poll the readiness
   probe's httpGet as the kubelet would, and count a pod ready once it answers 200.
   livenessProbe becomes a podman healthcheck (run by systemd timers where there are any;
@@ -170,6 +177,35 @@ def secret_json(secret: dict) -> str:
     return json.dumps(data)
 
 
+def bridge_of(network: str = NETWORK) -> str:
+    """The Linux bridge of a podman network ("" when podman does not say)."""
+    r = images.podman("network", "inspect", network, check=False)
+    nets = json.loads(r.stdout or "[]") if r.returncode == 0 else []
+    return nets[0].get("network_interface", "") if nets else ""
+
+
+def ip_command() -> list[str]:
+    """`ip` where podman's bridges live: the host's network namespace, or rootless podman's own."""
+    rootless = images.podman("info", "--format", "{{.Host.Security.Rootless}}", check=False).stdout.strip()
+    return ["podman", "unshare", "--rootless-netns", "ip"] if rootless == "true" else ["ip"]
+
+
+def pin_bridge_mac(bridge: str, ip: list[str] | None = None) -> str:
+    """Set `bridge`'s MAC address to the one it has now, so that the kernel no longer moves it to
+    the lowest of its ports' (a bridge whose address was set keeps it): with the address moving,
+    removing the pod whose port lent it leaves the other pods' ARP entries for the host (the
+    gateway) pointing at an address nobody answers to until they expire (tens of seconds), and
+    what they send the host meanwhile (the proxy's answers) is lost. Returns the address."""
+    ip = ip or ip_command()
+    run = lambda *a: subprocess.run([*ip, *a], capture_output=True, text=True, check=True,  # noqa: E731
+                                    env=images.podman_env(), timeout=60).stdout
+    m = re.search(r"link/ether ([0-9a-f:]{17})", run("-o", "link", "show", "dev", bridge))
+    if m is None:
+        raise RuntimeError(f"{bridge} has no Ethernet address")
+    run("link", "set", "dev", bridge, "address", m.group(1))
+    return m.group(1)
+
+
 # -- the region ----------------------------------------------------------------------------------
 
 @dataclass
@@ -250,7 +286,20 @@ class Region:
             if images.podman("pod", "exists", name, check=False).returncode == 0:
                 self.delete(Pod(name, component, "", self.volumes(name)), grace=0)  # nothing half made stays
             raise RuntimeError(f"podman kube play {name}: {r.stderr.strip() or r.stdout.strip()}")
+        self.pin_bridge()
         return Pod(name, component, self.ip(name), self.volumes(name))
+
+    def pin_bridge(self) -> None:
+        """The network's bridge (netavark makes it for the first pod) keeps its MAC from now on
+        (`pin_bridge_mac`; again after every play, as cheap as asking); said, not raised, where
+        it cannot be set (a pod's removal may then stall every client's stream)."""
+        bridge = bridge_of()
+        try:
+            if bridge:
+                pin_bridge_mac(bridge)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            self.log(f"warning: cannot pin the MAC of bridge {bridge} ({getattr(e, 'stderr', '') or e}): "
+                     "removing a pod may stall every client's stream for up to a minute")
 
     def delete(self, pod: Pod, grace: int | None = None) -> float:
         """Remove a pod as the kubelet does (SIGTERM, SIGKILL after the grace period: the manifest's

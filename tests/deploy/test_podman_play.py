@@ -152,3 +152,65 @@ def test_the_replica_entrypoint_copies_the_built_kernels_then_runs_the_replica(t
     copied.write_bytes(b"kept")  # a second start keeps what is there
     subprocess.run([entry], env=env, capture_output=True, check=True)
     assert copied.read_bytes() == b"kept" and not list(dest.glob("*.part.*"))
+
+
+# A script run in a network namespace of its own (unshare -rn): a bridge with two ports, the
+# lower MAC first, then that port removed; what the bridge's address was before and after.
+_BRIDGE_SCRIPT = """
+import json, re, subprocess, sys
+from deploy import podman_kube
+
+def ip(*a):
+    return subprocess.run(["ip", *a], check=True, capture_output=True, text=True).stdout
+
+def mac():
+    return re.search(r"link/ether (\\S+)", ip("-o", "link", "show", "dev", "br0")).group(1)
+
+ip("link", "add", "br0", "type", "bridge")
+for port, address in (("p1", "02:00:00:00:00:01"), ("p2", "02:00:00:00:00:02")):
+    ip("link", "add", port, "address", address, "type", "veth", "peer", "name", port + "x")
+    ip("link", "set", port, "master", "br0")
+if sys.argv[1] == "pin":
+    podman_kube.pin_bridge_mac("br0", ["ip"])
+before = mac()
+ip("link", "del", "p1")  # its pod removed
+print(json.dumps([before, mac()]))
+"""
+
+
+def _in_own_netns(mode: str) -> list[str]:
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        pytest.skip("needs unshare and ip (util-linux, iproute2)")
+    probe = ["unshare", "-rn", "ip", "link", "add", "name", "br0", "type", "bridge"]
+    if subprocess.run(probe, capture_output=True).returncode:
+        pytest.skip("cannot make a bridge in a network namespace of its own here (unshare -rn)")
+    r = subprocess.run(["unshare", "-rn", sys.executable, "-c", _BRIDGE_SCRIPT, mode], capture_output=True,
+                       text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_a_pinned_bridge_keeps_its_mac_when_the_pod_that_lent_it_leaves():
+    """The kernel gives a bridge the lowest of its ports' MACs until one is set: the pod whose port
+    lent it leaves, the address moves, and every other pod's ARP entry for the host points at
+    nothing until it expires (the proxy's answers to clients lost for up to a minute). Pinned, it stays."""
+    assert _in_own_netns("kernel") == ["02:00:00:00:00:01", "02:00:00:00:00:02"]  # the hazard, as the kernel has it
+    assert _in_own_netns("pin") == ["02:00:00:00:00:01", "02:00:00:00:00:01"]
+
+
+def test_every_play_pins_the_networks_bridge(monkeypatch):
+    calls, pinned = [], []
+
+    def podman(*args, check=True, **kw):
+        calls.append(args)
+        out = {"network": json.dumps([{"name": podman_kube.NETWORK, "network_interface": "podman7"}]),
+               "pod": "infra", "inspect": "{}", "ps": ""}.get(args[0], "")
+        return subprocess.CompletedProcess(["podman", *args], 0, out, "")
+
+    monkeypatch.setattr(images, "podman", podman)
+    monkeypatch.setattr(podman_kube, "pin_bridge_mac", lambda bridge, ip=None: pinned.append(bridge))
+    dep = {"metadata": {"name": "edgechat-replica"}, "spec": {"template": {
+        "metadata": {"labels": {}}, "spec": {"containers": [{"name": "replica", "image": "x"}]}}}}
+    region = podman_kube.Region([{"kind": "Deployment", **dep}], log=lambda _: None)
+    region.play("replica", "edgechat-replica-0")
+    assert any(a[:2] == ("kube", "play") for a in calls) and pinned == ["podman7"]
