@@ -461,11 +461,13 @@ class Proxy:
         d = self.router.route(self._candidates(s, conns), len(s.gen.prompt_ids), self.pool.block_size,
                               key=s.route_key(), failover=True)
         s.failovers += 1
+        log.debug("failover %s (%s) after %d tokens -> %s (%s)", s.cid, cause, len(s.ids), d.replica, d.reason)
         self.metrics.failovers.inc(cause)
         s.span.add_event("failover", {"cause": cause, "resume_tokens": len(s.ids)})
         self._attach(s, next(c for c in conns if c.id == d.replica), d, 0.0)
 
     def _park(self, s: ProxiedRequest, cause: str) -> None:
+        log.debug("park %s (%s) after %d tokens: no replica ready", s.cid, cause, len(s.ids))
         h = asyncio.get_running_loop().call_later(self.cfg.failover_wait_s, self._park_expired, s)
         self._parked[s] = (cause, h)
 
