@@ -3,14 +3,18 @@
     python -m speculative.train [--model default] [--out DIR]
 
 1. Data. The target answers the seed prompts (speculative/data/prompts.json,
-   "train") through the engine: all greedy, every third one again at
-   temperature 0.7 (seeded). An aux-feature hook on the engine records, for
-   every token the Runner processes, the three feature layers and the final
-   hidden state h_T; the target's output
-   distribution over the draft vocabulary is softmax(h_T W_head[d2t]^T),
-   recomputed exactly per batch, which keeps the data 8x smaller than storing
-   it. Cached as data.pt with a key of what it was built from (target, prompts,
-   feature layers, answer length, seed); any change rebuilds it.
+   "train") through the engine, as a replica serves it (--quantization: by
+   default what `python -m replica` picks, for the default model on CPU its
+   GGUF Q4_1 blocks run as one C++ call per step, which also returns the aux
+   features), DISTILL_BATCH requests at once: all greedy, every third one again
+   at temperature 0.7 (seeded). An aux-feature hook on the engine records, for
+   every token the Runner processes, the three feature layers, the final hidden
+   state h_T and (from the last prompt token on) the served model's argmax; the
+   target's output distribution over the draft vocabulary is
+   softmax(h_T W_head[d2t]^T) (the served lm head, dequantized), recomputed per
+   batch, which keeps the data 8x smaller than storing it. Cached as data.pt
+   with a key of what it was built from (target, quantization, prompts, feature
+   layers, answer length, seed); any change rebuilds it.
 2. Draft vocabulary: the `--draft-vocab` most frequent tokens of the data; the
    head's final norm and lm head start from the target's rows for them.
 3. Training-time test (EAGLE-3, sec. 3.2). For every position r at once, step 0
@@ -45,12 +49,18 @@ import torch
 import torch.nn.functional as F
 
 from replica.config import EngineConfig
+from replica.model.cpu_model import CpuModel
 from replica.model.llama import LlamaModel
+from replica.model.quant import QWeight
 from speculative.cache import head_dir
 from speculative.head import Eagle3Head, HeadConfig, save_head
 
 PROMPTS = Path(__file__).parent / "data" / "prompts.json"
 DATA_FILE, STATE_FILE = "data.pt", "train_state.pt"
+# Requests the target answers at once. The default model through the C++ step on the shared
+# 2-core CPU (answer tokens/s, runs alternated): 192 prompts x 64 tokens, batch 64: 201, 185;
+# batch 192: 249, 272. 384 prompts x 48 tokens, batch 192: 228, 456; batch 384: 218, 316.
+DISTILL_BATCH = 192
 
 
 def load_prompts(split: str = "train", path: str | os.PathLike = PROMPTS) -> list[str]:
@@ -63,42 +73,81 @@ def load_prompts(split: str = "train", path: str | os.PathLike = PROMPTS) -> lis
 # -- 1. self-distillation data ----------------------------------------------------------------
 
 
+def llama(model) -> LlamaModel:
+    """The LlamaModel of a built target: itself, or the one a CpuModel (the C++ step) wraps."""
+    return model.model if isinstance(model, CpuModel) else model
+
+
+def output_weight(model) -> torch.Tensor:
+    """(V, h) fp32: the target's lm head as it serves (a quantized head dequantized)."""
+    m = llama(model)
+    if m.lm_head is None:  # tied, unquantized
+        return m.embed_tokens.weight.detach().float()
+    w = m.lm_head.weight
+    return (w.dequantize() if isinstance(w, QWeight) else w.detach()).float()
+
+
 class FeatureRecorder:
     """The engine's aux-feature hook during self-distillation: for every token the
     target processes, per request, the aux features, the final hidden state and the
-    target's argmax (rows in position order; a recompute after preemption replaces
-    the rows from where it restarts)."""
+    target's argmax after it (rows in position order; a recompute after preemption
+    replaces the rows from where it restarts). The argmax is recorded where the next
+    token is the target's (from the last prompt token on), -1 inside the prompt: the
+    rows that sample already have their logits (the runner's, on the served lm head),
+    so only a recompute after preemption runs the lm head again."""
 
     keep_hidden = True
 
     def __init__(self, aux_layers):
         self.aux_layers = tuple(aux_layers)
-        self.runner = None  # the engine's Runner (its lm head gives the argmax)
+        self.runner = None  # the engine's Runner (its lm head gives the argmax of rows that do not sample)
         self.rows: dict[str, dict[str, list[torch.Tensor]]] = {}
 
     def feed(self, batch, out) -> None:
+        aux, hidden = out.aux.half().cpu(), out.hidden.half().cpu()
+        top1 = torch.full((len(hidden),), -1, dtype=torch.int32)
+        sampled, rest = [], []  # rows that sample (plan_step's rule: the sequence's last token), other answer rows
         off = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            rec = self.rows.setdefault(seq.id, {"aux": [], "hidden": [], "top1": []})
-            if sum(len(x) for x in rec["aux"]) > seq.num_computed:  # recomputed after preemption
-                rec.update({k: [torch.cat(v)[: seq.num_computed]] for k, v in rec.items()})
-            r = slice(off, off + n)
-            rec["aux"].append(out.aux[r].half().cpu())
-            rec["hidden"].append(out.hidden[r].half().cpu())
-            rec["top1"].append(self.runner.compute_logits(out.hidden[r]).argmax(-1).int().cpu())
+            rec = self.rows.setdefault(seq.id, {"aux": [], "hidden": [], "top1": [], "n": 0})
+            if rec["n"] > seq.num_computed:  # recomputed after preemption
+                rec.update({k: [torch.cat(rec[k])[: seq.num_computed]] for k in ("aux", "hidden", "top1")})
+            rec["n"] = seq.num_computed + n
+            first = off + max(0, seq.num_prompt_tokens - 1 - seq.num_computed)  # the first row the target answers
+            last = off + n - 1
+            if seq.num_computed + n == len(seq):
+                sampled.append(last)
+                last -= 1
+            rest.extend(range(first, last + 1))
+            off += n
+        if sampled:
+            top1[sampled] = out.logits[: len(sampled)].argmax(-1).int().cpu()
+        if rest:
+            rest_t = torch.tensor(rest)
+            top1[rest_t] = self.runner.compute_logits(out.hidden[rest_t.to(out.hidden.device)]).argmax(-1).int().cpu()
+        off = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            rec = self.rows[seq.id]
+            for k, v in (("aux", aux), ("hidden", hidden), ("top1", top1)):
+                rec[k].append(v[off : off + n])
             off += n
 
     def take(self, req_id: str) -> dict[str, torch.Tensor]:
-        return {k: torch.cat(v) for k, v in self.rows.pop(req_id).items()}
+        rec = self.rows.pop(req_id)
+        return {k: torch.cat(rec[k]) for k in ("aux", "hidden", "top1")}
 
 
-def self_distill(model: LlamaModel, prompts: list[list[int]], aux_layers, max_tokens: int, temperature: float,
-                 seed: int, batch_size: int = 48, progress: bool = False) -> list[dict]:
+def self_distill(model, prompts: list[list[int]], aux_layers, max_tokens: int, temperature: float, seed: int,
+                 batch_size: int = DISTILL_BATCH, progress: bool = False, num_blocks: int = 0) -> list[dict]:
     """The target answers the prompts: the engine (continuous batching, its seeded
     sampler; request i has seed + i) runs it with a FeatureRecorder hooked to every
     step. Per conversation: {"ids": tokens the target processed, "n_prompt", "aux"
-    (T, 3h) fp16, "hidden" (T, h) fp16, "top1" (T,) int32} -- the last sampled token
-    is never processed; row T-1 holds the target's distribution for it."""
+    (T, 3h) fp16, "hidden" (T, h) fp16, "top1" (T,) int32: the argmax after each
+    token, -1 before row n_prompt - 1} -- the last sampled token is never processed;
+    row T-1 holds the target's distribution for it. `model` as build_model returns
+    it: a CpuModel (the C++ step, as a replica serves a quantized model on CPU) or
+    a LlamaModel. num_blocks: the KV pool (default: room for every running request's
+    whole answer; fewer makes the engine preempt and recompute)."""
     from tqdm import tqdm
 
     from replica.engine.llm_engine import LLMEngine
@@ -108,10 +157,10 @@ def self_distill(model: LlamaModel, prompts: list[list[int]], aux_layers, max_to
     blocks_per_seq = -(-(max(map(len, prompts)) + max_tokens) // bs)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     cfg = EngineConfig(device=str(model.embed_tokens.weight.device), dtype=dtype, block_size=bs,
-                       num_blocks=batch_size * blocks_per_seq, max_num_seqs=batch_size,
+                       num_blocks=num_blocks or batch_size * blocks_per_seq, max_num_seqs=batch_size,
                        max_num_batched_tokens=max(2048, batch_size), graph_mode="off", overlap=False, seed=seed)
     recorder = FeatureRecorder(aux_layers)
-    engine = LLMEngine(cfg, model.cfg, model=model, ops=model.ops, features=recorder)
+    engine = LLMEngine(cfg, model.cfg, model=model, ops=llama(model).ops, features=recorder)
     recorder.runner = engine.runner
     for i, p in enumerate(prompts):  # a salt each: no request skips computing a prefix another one computed
         sp = P.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
@@ -133,8 +182,8 @@ def self_distill(model: LlamaModel, prompts: list[list[int]], aux_layers, max_to
     return [out[i] for i in range(len(prompts))]
 
 
-def build_data(model: LlamaModel, tokenizer, prompts: list[str], aux_layers, max_tokens: int,
-               temperatures=(0.0, 0.7), sampled_every: int = 3, seed: int = 0, log=print) -> dict:
+def build_data(model, tokenizer, prompts: list[str], aux_layers, max_tokens: int, temperatures=(0.0, 0.7),
+               sampled_every: int = 3, seed: int = 0, batch_size: int = DISTILL_BATCH, log=print) -> dict:
     """Answers to every prompt at temperatures[0], and to every `sampled_every`-th
     prompt at each further temperature (varied text at a fraction of the cost)."""
     chats = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
@@ -142,7 +191,7 @@ def build_data(model: LlamaModel, tokenizer, prompts: list[str], aux_layers, max
     for j, temp in enumerate(temperatures):
         t0 = time.perf_counter()
         part = self_distill(model, chats[j - 1 :: sampled_every] if j else chats, aux_layers, max_tokens, temp,
-                            seed + 1000 * j, progress=True)
+                            seed + 1000 * j, batch_size=batch_size, progress=True)
         n = sum(len(c["ids"]) - c["n_prompt"] + 1 for c in part)
         log(f"answered {len(part)} prompts at temperature {temp}: {n} tokens in {time.perf_counter() - t0:.0f} s")
         convs += part
@@ -150,9 +199,9 @@ def build_data(model: LlamaModel, tokenizer, prompts: list[str], aux_layers, max
     return {k: [c[k] for c in convs] for k in ("ids", "n_prompt", "aux", "hidden", "top1")}
 
 
-def data_key(target: str, prompts: list[str], aux_layers, max_tokens: int, seed: int) -> str:
+def data_key(target: str, prompts: list[str], aux_layers, max_tokens: int, seed: int, quantization: str) -> str:
     """What a cached data.pt was built from: reused only when all of it is unchanged."""
-    doc = json.dumps([target, prompts, list(aux_layers), max_tokens, seed])
+    doc = json.dumps([target, prompts, list(aux_layers), max_tokens, seed, quantization])
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
@@ -310,9 +359,8 @@ def init_head(cfg: HeadConfig, model: LlamaModel, d2t: torch.Tensor, seed: int =
         if scale is not None:
             head.fc.weight.div_(scale[None, :])
         head.d2t.copy_(d2t)
-        w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        head.lm_head.weight.copy_(w[d2t].float())  # start from the target's own output layer
-        head.norm.weight.copy_(model.norm.weight.float())
+        head.lm_head.weight.copy_(output_weight(model)[d2t])  # start from the target's own output layer
+        head.norm.weight.copy_(llama(model).norm.weight.float())
     return head.to(model.embed_tokens.weight.device)
 
 
@@ -324,8 +372,7 @@ def train(head: Eagle3Head, model: LlamaModel, data: dict, out: Path | None, *, 
 
     t2d = torch.zeros(head.cfg.target_vocab_size, dtype=torch.bool)  # on the host, as the data
     t2d[head.d2t.cpu()] = True
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    head_weight = w[head.d2t].detach().float()
+    head_weight = output_weight(model)[head.d2t.to(model.embed_tokens.weight.device)]
     cos_sin = model.cos_sin.float()
     per_epoch = len(batches(data, batch_tokens, seed))
     total = max(1, round(epochs * per_epoch))
@@ -394,18 +441,27 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the target answers and the head trains (default: cuda when there is one)")
+    ap.add_argument("--quantization", choices=["none", "int8", "int4", "gguf"],
+                    help="the target's weights as a replica serves them (default: what `python -m replica` picks "
+                         "for --model on --device: a GGUF file's own blocks or int4 on CPU, none on CUDA); the head "
+                         "learns the features and distributions of exactly that model")
+    ap.add_argument("--distill-batch", type=int, default=DISTILL_BATCH, help="requests the target answers at once")
     args = ap.parse_args(argv)
 
     import kernels
+    from replica.__main__ import default_quantization
     from replica.model.loader import load_checkpoint
     from replica.model.runner import build_model
 
     t_all = time.perf_counter()
-    ck = load_checkpoint(args.model)
     dev = torch.device(args.device)
-    model = build_model(ck.config, EngineConfig(device=str(dev)), ck.weights, kernels.ops(dev.type),
-                        ck.config.max_position_embeddings)
-    print(f"target {ck.config.name} on {dev}")
+    quant = args.quantization or default_quantization(args.model, dev.type, 1, False)
+    ck = load_checkpoint(args.model)
+    # The served model: on CPU with the C++ step (one call per step, aux features included) when it builds.
+    model = build_model(ck.config, EngineConfig(model=args.model, device=str(dev), quantization=quant), ck.weights,
+                        kernels.ops(dev.type), ck.config.max_position_embeddings)
+    print(f"target {ck.config.name} on {dev}, quantization {quant}"
+          + (" (the C++ step)" if isinstance(model, CpuModel) else ""))
     out = Path(args.out) if args.out else head_dir(ck.config.name)
     out.mkdir(parents=True, exist_ok=True)
     if args.fresh:
@@ -414,14 +470,15 @@ def main(argv=None) -> None:
     cfg = HeadConfig.for_target(ck.config, args.draft_vocab)
     prompts = load_prompts("train", args.prompts)
     prompts = prompts[: args.limit_prompts] if args.limit_prompts else prompts
-    key = data_key(ck.config.name, prompts, cfg.aux_layers, args.max_new_tokens, args.seed)
+    key = data_key(ck.config.name, prompts, cfg.aux_layers, args.max_new_tokens, args.seed, quant)
     data = load_data(out, key)
     if data is not None:
         print(f"data: {len(data['ids'])} conversations from {out / DATA_FILE}")
     else:
         for f in (DATA_FILE, STATE_FILE):  # new data: a checkpoint trained on the old one must not resume
             (out / f).unlink(missing_ok=True)
-        data = build_data(model, ck.tokenizer, prompts, cfg.aux_layers, args.max_new_tokens, seed=args.seed)
+        data = build_data(model, ck.tokenizer, prompts, cfg.aux_layers, args.max_new_tokens, seed=args.seed,
+                          batch_size=args.distill_batch)
         torch.save({**data, "key": key}, out / DATA_FILE)
     n_answer = sum(len(i) - n for i, n in zip(data["ids"], data["n_prompt"]))
     d2t = draft_vocab(data, cfg.draft_vocab_size, cfg.target_vocab_size)

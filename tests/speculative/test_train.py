@@ -6,14 +6,20 @@ import json
 import pytest
 import torch
 
+import kernels
 from replica.config import EngineConfig
 from replica.engine.llm_engine import LLMEngine
+from replica.engine.scheduler import Scheduler
+from replica.model.cpu_model import CpuModel
+from replica.model.plan import Sampling, StepPlan
+from replica.model.runner import Runner, build_model
 from wire import protocol as P
 from speculative.cache import head_dir
 from speculative.drafting import Drafter, TreeSpec
 from speculative.head import HeadConfig, aux_layers_for, load_head, save_head
 from speculative.train import (DATA_FILE, STATE_FILE, batches, data_key, draft_vocab, init_head, load_data,
-                               load_prompts, self_distill, train, ttt_unroll)
+                               load_prompts, output_weight, self_distill, train, ttt_unroll)
+from tests.replica.tiny import tiny_config, tiny_weights
 from tests.speculative.util import random_head, tiny_target
 
 
@@ -45,6 +51,58 @@ def test_self_distillation_records_what_the_target_computes(data):
     ref = self_distill(model, [d["ids"][0].tolist()], aux_layers_for(4), max_tokens=1, temperature=0.0, seed=0)[0]
     torch.testing.assert_close(ref["aux"], d["aux"][0], atol=2e-3, rtol=2e-3)  # prefill == decode-step features
     torch.testing.assert_close(ref["hidden"], d["hidden"][0], atol=2e-3, rtol=2e-3)
+
+
+def served_forward(model, ids: list[int], aux_layers):
+    """(aux (T, 3h), hidden (T, h), logits (T, V)) of one prefill of `ids` through a fresh Runner over `model`."""
+    blocks = -(-len(ids) // 16)
+    runner = Runner(EngineConfig(num_blocks=blocks, max_num_seqs=1, max_num_batched_tokens=len(ids)), model.cfg,
+                    model=model, ops=kernels.ops("cpu"))
+    runner.allocate_kv(aux_layers=aux_layers, keep_hidden=True)
+    greedy = Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, position=len(ids))
+    out = runner.execute(StepPlan(input_ids=ids, starts=[0], num_tokens=[len(ids)], block_tables=[list(range(blocks))],
+                                  sample_rows=[0], num_decodes=0, sampling=[greedy]))
+    return out.aux, out.hidden, runner.compute_logits(out.hidden)
+
+
+@pytest.mark.parametrize("temperature,num_blocks", [(0.0, 0), (0.7, 0), (0.0, 5)])
+def test_self_distillation_records_the_served_quantized_model(temperature, num_blocks, monkeypatch):
+    """Quantized as a replica serves it, the target answers through the C++ step (continuous
+    batching: prefills and decodes share steps; with 5 blocks for 4 requests, preemptions and
+    recomputes): every recorded aux row and hidden state is that of a separate forward of the
+    same model over the same ids, and top1 is its argmax wherever the target chooses the next
+    token (-1 inside the prompt)."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=4,
+                      eos_token_ids=())
+    model = build_model(cfg, EngineConfig(quantization="int4"), tiny_weights(cfg, seed=1), kernels.ops("cpu"), 512)
+    if not isinstance(model, CpuModel):
+        pytest.skip("the C++ step does not build on this CPU")
+    preempted = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq: preempted.append(seq.id) or preempt(self, seq))
+    recomputed = []  # the recorder's own lm head calls: answer rows that do not sample (recomputes only)
+    logits_of = Runner.compute_logits
+    monkeypatch.setattr(Runner, "compute_logits", lambda self, h: recomputed.append(len(h)) or logits_of(self, h))
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(12, 16, (4,), generator=g) if num_blocks else torch.randint(3, 30, (5,), generator=g)
+    prompts = [torch.randint(1, 96, (int(n),), generator=g).tolist() for n in lengths]
+    layers = aux_layers_for(4)
+    convs = self_distill(model, prompts, layers, max_tokens=10, temperature=temperature, seed=0,
+                         batch_size=4 if num_blocks else 2, num_blocks=num_blocks)
+    assert bool(preempted) == bool(recomputed) == bool(num_blocks)
+    for p, c in zip(prompts, convs):
+        ids, n = c["ids"].tolist(), c["n_prompt"]
+        assert ids[:n] == p and len(ids) == n + 9
+        aux, hidden, logits = served_forward(model, ids, layers)
+        torch.testing.assert_close(c["aux"].float(), aux, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(c["hidden"].float(), hidden, atol=2e-3, rtol=2e-3)
+        assert (c["top1"][: n - 1] == -1).all()
+        assert c["top1"][n - 1 :].tolist() == logits[n - 1 :].argmax(-1).tolist()
+        if temperature == 0.0:  # greedy: each answer token is the argmax after the one before
+            assert c["top1"][n - 1 : -1].tolist() == ids[n:]
+    # The head trains on the served lm head: its dequantized rows give the served logits.
+    _, hidden, logits = served_forward(model, convs[0]["ids"].tolist(), layers)
+    torch.testing.assert_close(hidden @ output_weight(model).T, logits, atol=5e-2, rtol=1e-2)
 
 
 def test_ttt_unroll_matches_chain_drafting(data):
@@ -117,9 +175,12 @@ def test_paths_and_prompts(monkeypatch, tmp_path):
 
 
 def test_cached_data_is_reused_only_for_what_it_was_built_from(tmp_path):
-    key = data_key("m", ["a", "b"], (1, 2, 3), 128, 0)
+    key = data_key("m", ["a", "b"], (1, 2, 3), 128, 0, "gguf")
     assert load_data(tmp_path, key) is None
     torch.save({"ids": [torch.tensor([1, 2])], "key": key}, tmp_path / DATA_FILE)
     assert load_data(tmp_path, key)["ids"][0].tolist() == [1, 2]
-    for other in (data_key("m", ["a", "b", "c"], (1, 2, 3), 128, 0), data_key("m", ["a", "b"], (1, 2, 3), 64, 0)):
+    others = (data_key("m", ["a", "b", "c"], (1, 2, 3), 128, 0, "gguf"),
+              data_key("m", ["a", "b"], (1, 2, 3), 64, 0, "gguf"),
+              data_key("m", ["a", "b"], (1, 2, 3), 128, 0, "none"))  # the fp32 model's data is not the served one's
+    for other in others:
         assert other != key and load_data(tmp_path, other) is None
