@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import openai
@@ -34,6 +35,12 @@ PROMPTS = ["What is the capital of France?", "Name three colours.", "Count from 
            "Say hello in Spanish.", "What is two plus two?", "Name a large animal."]
 MAX_TOKENS = 40
 STREAMS_AT_ONCE = 4
+# The longest a stream may wait between two chunks while the replicas are replaced. A replica
+# that stops with no FIN is let go within 3-4 s (keepalive 1 + 2 s, or its DNS record gone within
+# --dns-interval 2 s), and its streams resume on another replica within about a second on two
+# busy cores: runs here saw 0.3-3.4 s. A stall of the network itself (the bridge's MAC moving
+# under the pods' ARP entries: deploy/podman_kube.py pin_bridge_mac) lasts 15-55 s.
+MAX_GAP_S = 10.0
 
 
 def _why_not() -> str:
@@ -140,6 +147,10 @@ def test_the_region_plays_with_probes_secret_resources_and_dns_discovery(e2e):
     assert m["edgechat_proxy_replicas_ready"] == 2
     assert m['edgechat_proxy_dns_refreshes_total{outcome="ok"}'] > 0
     assert set(_replica_loads(url)) == {p.name for p in replicas}  # --replica-id=$(POD_NAME)
+    # the network's bridge keeps its MAC when pods leave (podman_kube.pin_bridge_mac): "3", set by hand
+    # (where the bridge is in this network namespace, rootful podman; rootless podman's has its own)
+    assign = Path("/sys/class/net", podman_kube.bridge_of(), "addr_assign_type")
+    assert not assign.exists() or assign.read_text().strip() == "3"
     print(f"\nplayed: {e2e.started}")
 
 
@@ -223,14 +234,15 @@ async def test_rolling_replacement_under_streaming_load_loses_no_stream(e2e):
     expected = {p: (e["text"], e["tokens"]) for p, e in e2e.expected.items()}
     wrong = [(d["prompt"], d["text"], expected[d["prompt"]]) for d in done
              if (d["text"], d["tokens"]) != expected[d["prompt"]]]
-    max_gap = max(d["max_gap_s"] for d in done)
-    figures = {"streams": len(done), "failovers": failovers, "max_gap_ms": round(max_gap * 1000),
-               "seconds": round(seconds), "steps": steps}
+    gaps = sorted((d["max_gap_s"] for d in done), reverse=True)
+    figures = {"streams": len(done), "failovers": failovers, "max_gap_ms": round(gaps[0] * 1000),
+               "longest_gaps_ms": [round(g * 1000) for g in gaps[:5]], "seconds": round(seconds), "steps": steps}
     print(f"\nrolling replacement: {json.dumps(figures)}")
     assert not errors, errors
     assert not wrong, wrong  # token-exact: every stream as it streams with no replica replaced
     assert len(done) >= 2 * STREAMS_AT_ONCE
     assert sum(failovers.values()) >= 1  # streams did move: the old replicas were stopped holding streams
+    assert gaps[0] < MAX_GAP_S, figures  # no stream froze while its replica was replaced
     now = {p.name for p in region.pods("replica")}
     assert len(now) == 2 and not now & old  # both replaced
     assert _metrics(url)["edgechat_proxy_replicas_ready"] == 2 and now <= set(_replica_loads(url))
