@@ -45,7 +45,7 @@ from replica.config import EngineConfig  # noqa: E402
 from replica.engine.llm_engine import LLMEngine  # noqa: E402
 from replica.model.loader import PRESETS, random_weights  # noqa: E402
 from replica.model.runner import build_model  # noqa: E402
-from speculative.drafting import TreeSpec  # noqa: E402
+from speculative.tree_spec import TreeSpec  # noqa: E402
 from speculative.head import Eagle3Head, HeadConfig, save_head  # noqa: E402
 from speculative.policy import SpecPolicy  # noqa: E402
 

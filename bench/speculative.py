@@ -38,7 +38,7 @@ from replica.model.loader import load_checkpoint  # noqa: E402
 from replica.engine.offline import generate  # noqa: E402
 from replica.model.runner import build_model  # noqa: E402
 from speculative.cache import head_dir  # noqa: E402
-from speculative.drafting import TreeSpec  # noqa: E402
+from speculative.tree_spec import TreeSpec  # noqa: E402
 from speculative.ngram import NgramDrafter  # noqa: E402
 from speculative.policy import SpecPolicy  # noqa: E402
 from speculative.train import load_prompts  # noqa: E402

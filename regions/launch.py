@@ -111,14 +111,20 @@ class Component:
 def speculation_note(model: str) -> str:
     """What the replicas (`--speculative auto`) do about EAGLE-3 for `model`, and how to change it."""
     from speculative.cache import TRAIN_HINT, has_head, head_dir, model_name
+    from speculative.policy import SpecPolicy
 
     try:
         folder = head_dir(model_name(model))
+        policy = SpecPolicy.load(folder) if has_head(folder) else None
     except Exception as e:  # noqa: BLE001 - a note, never a reason not to serve
         return f"speculative decoding: unknown ({e})"
-    if has_head(folder):
-        return f"speculative decoding: EAGLE-3 head in {folder} (used where its measured policy speculates)"
-    return f"speculative decoding: off, no EAGLE-3 head for this model yet; train one with {TRAIN_HINT}"
+    if not has_head(folder):
+        return f"speculative decoding: off, no EAGLE-3 head for this model yet; train one with {TRAIN_HINT}"
+    if policy is None:
+        return (f"speculative decoding: EAGLE-3 head in {folder}, no measured policy yet, so the default taper "
+                f"(measure one: .venv/bin/python bench/speculative.py --write-policy --head {folder})")
+    measured = f"measured on {policy.measured_on or policy.device}"
+    return f"speculative decoding: EAGLE-3 head in {folder}; {policy.describe()} ({measured}, {folder}/policy.json)"
 
 
 class Stack:

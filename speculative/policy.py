@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculative.drafting import TreeSpec
+from speculative.tree_spec import TreeSpec
 
 POLICY_FILE = "policy.json"
 MIN_GAIN = 1.05  # speculation must be this much faster than plain decoding to be chosen
@@ -38,6 +38,23 @@ class SpecPolicy:
             if batch_size >= start:
                 chosen = spec
         return chosen
+
+    def describe(self) -> str:
+        """The policy in words, e.g. "on at batch 1-3 (chain of 3), off from 4", or "off at every
+        batch size measured"."""
+        if all(spec is None for _, spec in self.rules):
+            return "off at every batch size measured"
+        parts = []
+        for i, (start, spec) in enumerate(self.rules):
+            end = self.rules[i + 1][0] - 1 if i + 1 < len(self.rules) else None
+            if spec is None:
+                parts.append(f"off from {start}" if end is None else f"off at batch {_span(start, end)}")
+            else:
+                shape = f"chain of {spec.depth}" if spec.top_k == 1 else \
+                    f"tree of {spec.budget}, depth {spec.depth}"
+                where = f"from batch {start}" if end is None else f"at batch {_span(start, end)}"
+                parts.append(f"on {where} ({shape}{', sampled drafts' if spec.sample else ''})")
+        return ", ".join(parts)
 
     @classmethod
     def from_rates(cls, rates: dict[int, dict[TreeSpec | None, float]], device: str = "cpu",
@@ -66,3 +83,7 @@ class SpecPolicy:
         doc = json.loads(path.read_text())
         rules = tuple((r["from_batch"], None if r["spec"] is None else TreeSpec(**r["spec"])) for r in doc["rules"])
         return cls(rules, doc["device"], doc.get("measured_on", ""))
+
+
+def _span(a: int, b: int) -> str:
+    return str(a) if a == b else f"{a}-{b}"

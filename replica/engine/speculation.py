@@ -56,7 +56,8 @@ from kernels.sampling import probs_ref
 from replica.config import EngineConfig, ModelConfig
 from replica.model.plan import StepPlan, slot
 from speculative.cache import head_dir
-from speculative.drafting import DraftTree, Drafter, TreeSpec
+from speculative.drafting import DraftTree, Drafter
+from speculative.tree_spec import TreeSpec
 from speculative.head import load_head
 from speculative.ngram import NgramDrafter
 from speculative.policy import SpecPolicy

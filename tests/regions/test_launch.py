@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
-from regions.launch import LaunchError, PortsBusy, Stack
+from regions.launch import LaunchError, PortsBusy, Stack, speculation_note
 from regions.topology import parse
+from speculative.cache import head_dir, model_name
 from edge_proxy.select import ws_url
 
 from tests.regions.ports import free_block, stub_topology
@@ -289,3 +290,24 @@ async def test_proxies_can_find_their_replicas_by_dns(tmp_path):
     finally:
         await stack.stop()
     assert stack.zone is None
+
+
+@pytest.mark.parametrize("files, says", [
+    ({}, "off, no EAGLE-3 head for this model yet; train one with python -m speculative.train"),
+    ({"config.json": "{}", "model.safetensors": ""}, "no measured policy yet, so the default taper"),
+    ({"config.json": "{}", "model.safetensors": "", "policy.json": (
+        '{"device": "cpu", "measured_on": "AMD EPYC", "rules": [{"from_batch": 1, "spec": {"depth": 3, "top_k": 1, '
+        '"budget": 3, "sample": false}}, {"from_batch": 2, "spec": null}]}')},
+     "on at batch 1 (chain of 3), off from 2 (measured on AMD EPYC"),
+    ({"config.json": "{}", "model.safetensors": "", "policy.json": (
+        '{"device": "cpu", "measured_on": "AMD EPYC", "rules": [{"from_batch": 1, "spec": null}]}')},
+     "off at every batch size measured (measured on AMD EPYC"),
+])
+def test_make_run_says_whether_speculation_is_on_and_why(tmp_path, monkeypatch, files, says):
+    monkeypatch.setenv("EDGECHAT_EAGLE3_DIR", str(tmp_path))
+    folder = head_dir(model_name("default"))
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    note = speculation_note("default")
+    assert note.startswith("speculative decoding: ") and says in note, note

@@ -6,7 +6,8 @@ import torch
 
 from kernels.paged import attend_ref, gather_kv
 from replica.model.runner import ancestor_mask
-from speculative.drafting import DraftTree, Drafter, TreeSpec, chain
+from speculative.drafting import DraftTree, Drafter, chain
+from speculative.tree_spec import TreeSpec
 from tests.speculative.util import random_head, tiny_target
 
 

@@ -15,7 +15,8 @@ from replica.model.plan import Sampling, StepPlan
 from replica.model.runner import Runner, build_model
 from wire import protocol as P
 from speculative.cache import head_dir
-from speculative.drafting import Drafter, TreeSpec
+from speculative.drafting import Drafter
+from speculative.tree_spec import TreeSpec
 from speculative.head import HeadConfig, aux_layers_for, load_head, save_head
 from speculative.train import (DATA_FILE, STATE_FILE, batches, data_key, draft_vocab, init_head, load_data,
                                load_prompts, output_weight, self_distill, train, ttt_unroll)

@@ -13,7 +13,7 @@ from replica.engine.block_manager import BlockManager
 from replica.config import EngineConfig
 from replica.engine.llm_engine import LLMEngine
 from replica.engine.sequence import Sequence
-from speculative.drafting import TreeSpec
+from speculative.tree_spec import TreeSpec
 from speculative.head import save_head
 from speculative.policy import SpecPolicy
 from tests.replica.spec_engines import CFG, DRAFTERS, W, engine

@@ -12,7 +12,7 @@ from kernels.sampling import probs_ref
 from replica.engine import speculation
 from replica.config import EngineConfig
 from replica.engine.llm_engine import LLMEngine
-from speculative.drafting import TreeSpec
+from speculative.tree_spec import TreeSpec
 from speculative.head import save_head
 from speculative.policy import SpecPolicy
 from speculative.verify import Verdict
