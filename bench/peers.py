@@ -418,11 +418,15 @@ def bench_serve(port: int, model: str, streams: int, prompts: int, pids: list[in
             raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}):\n{tail}")
         res = json.loads(saved.read_text())
     tokens = res["total_output_tokens"]
-    if res["failed"] or not tokens:
-        raise RuntimeError(f"vllm bench serve: {res['failed']} of {prompts} requests failed:\n{tail}")
+    errors = [e for e in res.get("errors", []) if e]
+    if not tokens:
+        raise RuntimeError(f"vllm bench serve: {res['failed']} of {prompts} requests failed:\n{tail}\n{errors[:3]}")
+    if res["failed"]:  # said beside the figures, which are those of the requests that completed
+        log(f"vllm bench serve: {res['failed']} of {prompts} requests failed, e.g. {errors[:1]}")
     cpu0, cpu1 = marks.values()
     return {"tok_s": res["output_throughput"], "ttft_p50": res["p50_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
             "itl_p50": res["p50_itl_ms"], "itl_p99": res["p99_itl_ms"], "prompts": res["completed"],
+            "failed": res["failed"], "error": errors[0][:200] if errors else "",
             "duration_s": res["duration"], "cpu_ms": [(b - a) * 1e3 / tokens for a, b in zip(cpu0, cpu1)],
             # the mean context a token was decoded at, as for chat
             "context": (res["total_input_tokens"] + tokens / 2) / res["completed"]}
@@ -511,6 +515,11 @@ def print_serve(rows: list[dict], streams: list[int]) -> None:
         cells = " | ".join(f"{v[n]['tok_s']:.1f} | {v[n]['ttft_p50']:.0f} / {v[n]['ttft_p99']:.0f} | "
                            f"{v[n]['itl_p50']:.1f} / {v[n]['itl_p99']:.1f}" for n in streams)
         print(f"| {row['name']} | {cells} |")
+    for row in rows:
+        for n in streams:
+            if row["serve"][n].get("failed"):
+                print(f"- {row['name']}, {n} streams: {row['serve'][n]['failed']} requests failed (figures: the "
+                      f"{row['serve'][n]['prompts']} that completed): {row['serve'][n]['error']}")
 
 
 def print_engine(rows: list[dict], args: argparse.Namespace) -> None:
