@@ -489,32 +489,29 @@ def measure(server: Server, procs: list[subprocess.Popen], args: argparse.Namesp
     return row
 
 
-def print_chat(rows: list[dict], streams: list[int], turns: int) -> None:
-    print(f"\nchat: {NEW_TOKENS} new tokens per turn, {turns} turns per session, greedy\n")
-    head = " | ".join(f"{n} stream{'s' if n > 1 else ''}: ITL p50 / p99 ms | tok/s | TTFT first / later ms"
-                      for n in streams)
+def print_table(rows: list[dict], workload: str, streams: list[int], columns: str, cell) -> None:
+    """One markdown row per server: for each stream count, the three `columns`, as `cell` writes them."""
+    head = " | ".join(f"{n} stream{'s' if n > 1 else ''}: {columns}" for n in streams)
     print(f"| server | {head} |")
     print("|---|" + "---:|---:|---:|" * len(streams))
     for row in rows:
-        c = row["chat"]
-        cells = " | ".join(f"{c[n]['itl_p50']:.1f} / {c[n]['itl_p99']:.1f} | {c[n]['tok_s']:.1f} | "
-                           f"{c[n]['ttft_first']:.0f} / {c[n]['ttft_later']:.0f}" for n in streams)
-        print(f"| {row['name']} | {cells} |")
+        print(f"| {row['name']} | " + " | ".join(cell(row[workload][n]) for n in streams) + " |")
+
+
+def print_chat(rows: list[dict], streams: list[int], turns: int) -> None:
+    print(f"\nchat: {NEW_TOKENS} new tokens per turn, {turns} turns per session, greedy\n")
+    print_table(rows, "chat", streams, "ITL p50 / p99 ms | tok/s | TTFT first / later ms",
+                lambda c: f"{c['itl_p50']:.1f} / {c['itl_p99']:.1f} | {c['tok_s']:.1f} | "
+                          f"{c['ttft_first']:.0f} / {c['ttft_later']:.0f}")
 
 
 def print_serve(rows: list[dict], streams: list[int]) -> None:
     print(f"\nserve (`vllm bench serve`): random {SERVE_INPUT}-token prompts, {SERVE_OUTPUT} new tokens, "
           f"/v1/completions, greedy, prompts per run: "
           + ", ".join(f"{rows[0]['serve'][n]['prompts']} at {n}" for n in streams) + "\n")
-    head = " | ".join(f"{n} stream{'s' if n > 1 else ''}: output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms"
-                      for n in streams)
-    print(f"| server | {head} |")
-    print("|---|" + "---:|---:|---:|" * len(streams))
-    for row in rows:
-        v = row["serve"]
-        cells = " | ".join(f"{v[n]['tok_s']:.1f} | {v[n]['ttft_p50']:.0f} / {v[n]['ttft_p99']:.0f} | "
-                           f"{v[n]['itl_p50']:.1f} / {v[n]['itl_p99']:.1f}" for n in streams)
-        print(f"| {row['name']} | {cells} |")
+    print_table(rows, "serve", streams, "output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms",
+                lambda v: f"{v['tok_s']:.1f} | {v['ttft_p50']:.0f} / {v['ttft_p99']:.0f} | "
+                          f"{v['itl_p50']:.1f} / {v['itl_p99']:.1f}")
     for row in rows:
         for n in streams:
             if row["serve"][n].get("failed"):
