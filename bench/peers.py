@@ -515,8 +515,9 @@ def print_serve(rows: list[dict], streams: list[int]) -> None:
     for row in rows:
         for n in streams:
             if row["serve"][n].get("failed"):
-                print(f"- {row['name']}, {n} streams: {row['serve'][n]['failed']} requests failed (figures: the "
-                      f"{row['serve'][n]['prompts']} that completed): {row['serve'][n]['error']}")
+                v = row["serve"][n]
+                print(f"- {row['name']}, {n} streams: {v['failed']} requests failed (figures: the {v['prompts']} "
+                      f"that completed)" + (f": {v['error']}" if v["error"] else ""))
 
 
 def print_engine(rows: list[dict], args: argparse.Namespace) -> None:

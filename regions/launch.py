@@ -115,10 +115,11 @@ def speculation_note(model: str) -> str:
 
     try:
         folder = head_dir(model_name(model))
-        policy = SpecPolicy.load(folder) if has_head(folder) else None
+        head = has_head(folder)
+        policy = SpecPolicy.load(folder) if head else None
     except Exception as e:  # noqa: BLE001 - a note, never a reason not to serve
         return f"speculative decoding: unknown ({e})"
-    if not has_head(folder):
+    if not head:
         return f"speculative decoding: off, no EAGLE-3 head for this model yet; train one with {TRAIN_HINT}"
     if policy is None:
         return (f"speculative decoding: EAGLE-3 head in {folder}, no measured policy yet, so the default taper "

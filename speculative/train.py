@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.config import EngineConfig
-from replica.model.cpu_model import CpuModel
+from replica.model.cpu_model import CpuModel, llama_of
 from replica.model.llama import LlamaModel
 from replica.model.quant import QWeight
 from speculative.cache import head_dir
@@ -73,14 +73,9 @@ def load_prompts(split: str = "train", path: str | os.PathLike = PROMPTS) -> lis
 # -- 1. self-distillation data ----------------------------------------------------------------
 
 
-def llama(model) -> LlamaModel:
-    """The LlamaModel of a built target: itself, or the one a CpuModel (the C++ step) wraps."""
-    return model.model if isinstance(model, CpuModel) else model
-
-
 def output_weight(model) -> torch.Tensor:
     """(V, h) fp32: the target's lm head as it serves (a quantized head dequantized)."""
-    m = llama(model)
+    m = llama_of(model)
     if m.lm_head is None:  # tied, unquantized
         return m.embed_tokens.weight.detach().float()
     w = m.lm_head.weight
@@ -160,7 +155,7 @@ def self_distill(model, prompts: list[list[int]], aux_layers, max_tokens: int, t
                        num_blocks=num_blocks or batch_size * blocks_per_seq, max_num_seqs=batch_size,
                        max_num_batched_tokens=max(2048, batch_size), graph_mode="off", overlap=False, seed=seed)
     recorder = FeatureRecorder(aux_layers)
-    engine = LLMEngine(cfg, model.cfg, model=model, ops=llama(model).ops, features=recorder)
+    engine = LLMEngine(cfg, model.cfg, model=model, ops=llama_of(model).ops, features=recorder)
     recorder.runner = engine.runner
     for i, p in enumerate(prompts):  # a salt each: no request skips computing a prefix another one computed
         sp = P.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
@@ -360,7 +355,7 @@ def init_head(cfg: HeadConfig, model: LlamaModel, d2t: torch.Tensor, seed: int =
             head.fc.weight.div_(scale[None, :])
         head.d2t.copy_(d2t)
         head.lm_head.weight.copy_(output_weight(model)[d2t])  # start from the target's own output layer
-        head.norm.weight.copy_(llama(model).norm.weight.float())
+        head.norm.weight.copy_(llama_of(model).norm.weight.float())
     return head.to(model.embed_tokens.weight.device)
 
 

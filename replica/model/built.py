@@ -32,7 +32,7 @@ from torch import nn
 
 from replica.config import EngineConfig, ModelConfig
 from replica.hf_checkpoint import resolve_model
-from replica.model.cpu_model import CpuModel
+from replica.model.cpu_model import llama_of
 from replica.model.llama import LlamaModel
 from replica.model.quant import QLinear
 from replica.presets import PRESETS
@@ -79,7 +79,7 @@ def keep(cfg: EngineConfig, model_cfg: ModelConfig, model: nn.Module) -> None:
     it, atomically; a failure to write only costs the next start its shortcut."""
     from safetensors.torch import save_file
 
-    inner = model.model if isinstance(model, CpuModel) else model
+    inner = llama_of(model)
     k = key(cfg, inner.ops)
     if k is None:
         return

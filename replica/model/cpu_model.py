@@ -31,6 +31,11 @@ def supports(model: nn.Module, dtype: torch.dtype) -> bool:
             and c.head_dim in (16, 32, 64, 128))
 
 
+def llama_of(model: nn.Module) -> LlamaModel:
+    """The LlamaModel of a built model: itself, or the one a CpuModel (the C++ step) wraps."""
+    return model.model if isinstance(model, CpuModel) else model
+
+
 class CpuModel(nn.Module):
     def __init__(self, model: LlamaModel, threads: int):
         super().__init__()
