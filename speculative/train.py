@@ -12,9 +12,18 @@
    state h_T and (from the last prompt token on) the served model's argmax; the
    target's output distribution over the draft vocabulary is
    softmax(h_T W_head[d2t]^T) (the served lm head, dequantized), recomputed per
-   batch, which keeps the data 8x smaller than storing it. Cached as data.pt
-   with a key of what it was built from (target, quantization, prompts, feature
-   layers, answer length, seed); any change rebuilds it.
+   batch, which keeps the data 8x smaller than storing it. Then conversations
+   the target writes itself (Magpie, Xu et al. 2024, arXiv 2406.08464): given
+   only its chat template's opening of a user turn, an instruction-tuned model
+   writes a user message from its own distribution of them (T=1). `--self-written`
+   such first messages are answered greedy, and `--follow-ups` of the greedy
+   conversations get a second user turn written the same way after the first
+   answer, answered greedy with the whole conversation as context (what a chat
+   replica serves: later turns over a growing context). 570 templated seed
+   prompts alone were too narrow (the head reached tau 2.9 on its own training
+   prompts and 2.1 held out, docs/perf.md). Cached as data.pt with a key of what
+   it was built from (target, quantization, prompts, recipe, feature layers,
+   answer length, seed); any change rebuilds it.
 2. Draft vocabulary: the `--draft-vocab` most frequent tokens of the data; the
    head's final norm and lm head start from the target's rows for them.
 3. Training-time test (EAGLE-3, sec. 3.2). For every position r at once, step 0
@@ -132,6 +141,20 @@ class FeatureRecorder:
         return {k: torch.cat(rec[k]) for k in ("aux", "hidden", "top1")}
 
 
+def _engine(model, prompts: list[list[int]], max_tokens: int, batch_size: int, seed: int, num_blocks: int = 0,
+            features=None):
+    """An engine over `model` answering up to batch_size of `prompts` at once (room for each whole answer)."""
+    from replica.engine.llm_engine import LLMEngine
+
+    bs = 16
+    blocks_per_seq = -(-(max(map(len, prompts)) + max_tokens) // bs)
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    cfg = EngineConfig(device=str(model.embed_tokens.weight.device), dtype=dtype, block_size=bs,
+                       num_blocks=num_blocks or batch_size * blocks_per_seq, max_num_seqs=batch_size,
+                       max_num_batched_tokens=max(2048, batch_size), graph_mode="off", overlap=False, seed=seed)
+    return LLMEngine(cfg, model.cfg, model=model, ops=llama_of(model).ops, features=features)
+
+
 def self_distill(model, prompts: list[list[int]], aux_layers, max_tokens: int, temperature: float, seed: int,
                  batch_size: int = DISTILL_BATCH, progress: bool = False, num_blocks: int = 0) -> list[dict]:
     """The target answers the prompts: the engine (continuous batching, its seeded
@@ -145,17 +168,10 @@ def self_distill(model, prompts: list[list[int]], aux_layers, max_tokens: int, t
     whole answer; fewer makes the engine preempt and recompute)."""
     from tqdm import tqdm
 
-    from replica.engine.llm_engine import LLMEngine
     from wire import protocol as P
 
-    bs = 16
-    blocks_per_seq = -(-(max(map(len, prompts)) + max_tokens) // bs)
-    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-    cfg = EngineConfig(device=str(model.embed_tokens.weight.device), dtype=dtype, block_size=bs,
-                       num_blocks=num_blocks or batch_size * blocks_per_seq, max_num_seqs=batch_size,
-                       max_num_batched_tokens=max(2048, batch_size), graph_mode="off", overlap=False, seed=seed)
     recorder = FeatureRecorder(aux_layers)
-    engine = LLMEngine(cfg, model.cfg, model=model, ops=llama_of(model).ops, features=recorder)
+    engine = _engine(model, prompts, max_tokens, batch_size, seed, num_blocks, features=recorder)
     recorder.runner = engine.runner
     for i, p in enumerate(prompts):  # a salt each: no request skips computing a prefix another one computed
         sp = P.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
@@ -177,26 +193,88 @@ def self_distill(model, prompts: list[list[int]], aux_layers, max_tokens: int, t
     return [out[i] for i in range(len(prompts))]
 
 
+USER_TURN_TOKENS = 64  # a written user message longer than this is dropped (cut off mid-sentence)
+_MARK = "\x00edgechat-user-turn\x00"
+
+
+def user_turn_opening(tokenizer, messages: list[dict]) -> list[int]:
+    """The ids of `messages` rendered by the chat template up to where the next user
+    message's text would start (its role header written, no text yet)."""
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": _MARK}], add_generation_prompt=False)
+    return tokenizer.encode(text[: text.index(_MARK)], add_special_tokens=False)
+
+
+def write_user_turns(model, tokenizer, conversations: list[list[dict]], seed: int, batch_size: int = DISTILL_BATCH,
+                     max_tokens: int = USER_TURN_TOKENS, exclude: frozenset[str] = frozenset()) -> list[str | None]:
+    """For each conversation so far (messages; [] for a new one), the next user message as
+    the target writes it at T=1 from the template's opening of a user turn (Magpie).
+    None where the message did not end within max_tokens, is shorter than 8 characters,
+    or is one of `exclude` (the held-out prompts are never trained on)."""
+    from replica.engine.offline import generate
+    from wire import protocol as P
+
+    openings = [user_turn_opening(tokenizer, c) for c in conversations]
+    engine = _engine(model, openings, max_tokens, batch_size, seed)
+    eos = set(tokenizer.eos_token_ids)
+    sampling = [P.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i) for i in range(len(openings))]
+    out = []
+    for ids in generate(engine, openings, sampling).outputs:
+        text = tokenizer.decode([t for t in ids if t not in eos]).strip()
+        ended = bool(ids) and ids[-1] in eos
+        out.append(text if ended and len(text) >= 8 and text not in exclude else None)
+    return out
+
+
 def build_data(model, tokenizer, prompts: list[str], aux_layers, max_tokens: int, temperatures=(0.0, 0.7),
-               sampled_every: int = 3, seed: int = 0, batch_size: int = DISTILL_BATCH, log=print) -> dict:
+               sampled_every: int = 3, seed: int = 0, batch_size: int = DISTILL_BATCH, self_written: int = 0,
+               follow_ups: float = 0.0, exclude: frozenset[str] = frozenset(), log=print) -> dict:
     """Answers to every prompt at temperatures[0], and to every `sampled_every`-th
-    prompt at each further temperature (varied text at a fraction of the cost)."""
+    prompt at each further temperature (varied text at a fraction of the cost); then
+    `self_written` first user messages the target writes, answered at temperatures[0],
+    and a second user turn the target writes after the first answer of a `follow_ups`
+    share of the greedy seed conversations, answered at temperatures[0]."""
     chats = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     convs = []
-    for j, temp in enumerate(temperatures):
+
+    def answer(part_chats, temp, part_seed, what):
         t0 = time.perf_counter()
-        part = self_distill(model, chats[j - 1 :: sampled_every] if j else chats, aux_layers, max_tokens, temp,
-                            seed + 1000 * j, batch_size=batch_size, progress=True)
+        part = self_distill(model, part_chats, aux_layers, max_tokens, temp, part_seed, batch_size=batch_size,
+                            progress=True)
         n = sum(len(c["ids"]) - c["n_prompt"] + 1 for c in part)
-        log(f"answered {len(part)} prompts at temperature {temp}: {n} tokens in {time.perf_counter() - t0:.0f} s")
-        convs += part
+        log(f"answered {len(part)} {what} at temperature {temp}: {n} tokens in {time.perf_counter() - t0:.0f} s")
+        convs.extend(part)
+        return part
+
+    greedy = []
+    for j, temp in enumerate(temperatures):
+        part = answer(chats[j - 1 :: sampled_every] if j else chats, temp, seed + 1000 * j, "prompts")
+        greedy = greedy or part
+    if self_written:
+        t0 = time.perf_counter()
+        written = [w for w in write_user_turns(model, tokenizer, [[]] * self_written, seed + 7000, batch_size,
+                                               exclude=exclude) if w]
+        log(f"the target wrote {len(written)} of {self_written} first user messages in {time.perf_counter() - t0:.0f} s")
+        answer([tokenizer.encode_chat([{"role": "user", "content": w}]) for w in written], temperatures[0],
+               seed + 8000, "self-written first messages")
+    if follow_ups > 0:
+        every = max(1, round(1 / follow_ups))
+        firsts = [[{"role": "user", "content": p},
+                   {"role": "assistant", "content": tokenizer.decode(
+                       [t for t in c["ids"][c["n_prompt"]:].tolist() if t not in tokenizer.eos_token_ids]).strip()}]
+                  for p, c in list(zip(prompts, greedy))[::every]]
+        t0 = time.perf_counter()
+        nexts = write_user_turns(model, tokenizer, firsts, seed + 9000, batch_size, exclude=exclude)
+        seconds = [conv + [{"role": "user", "content": w}] for conv, w in zip(firsts, nexts) if w]
+        log(f"the target wrote {len(seconds)} of {len(firsts)} second user turns in {time.perf_counter() - t0:.0f} s")
+        answer([tokenizer.encode_chat(conv) for conv in seconds], temperatures[0], seed + 10000, "second turns")
     convs.sort(key=lambda c: len(c["ids"]))  # similar lengths share a training batch
     return {k: [c[k] for c in convs] for k in ("ids", "n_prompt", "aux", "hidden", "top1")}
 
 
-def data_key(target: str, prompts: list[str], aux_layers, max_tokens: int, seed: int, quantization: str) -> str:
+def data_key(target: str, prompts: list[str], aux_layers, max_tokens: int, seed: int, quantization: str,
+             recipe: tuple = ()) -> str:
     """What a cached data.pt was built from: reused only when all of it is unchanged."""
-    doc = json.dumps([target, prompts, list(aux_layers), max_tokens, seed, quantization])
+    doc = json.dumps([target, prompts, list(aux_layers), max_tokens, seed, quantization, *recipe])
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
@@ -441,6 +519,10 @@ def main(argv=None) -> None:
                          "for --model on --device: a GGUF file's own blocks or int4 on CPU, none on CUDA); the head "
                          "learns the features and distributions of exactly that model")
     ap.add_argument("--distill-batch", type=int, default=DISTILL_BATCH, help="requests the target answers at once")
+    ap.add_argument("--self-written", type=int, default=570,
+                    help="first user messages the target writes itself (Magpie) and then answers; 0: none")
+    ap.add_argument("--follow-ups", type=float, default=0.5,
+                    help="share of the greedy seed conversations given a second user turn the target writes; 0: none")
     args = ap.parse_args(argv)
 
     import kernels
@@ -465,7 +547,8 @@ def main(argv=None) -> None:
     cfg = HeadConfig.for_target(ck.config, args.draft_vocab)
     prompts = load_prompts("train", args.prompts)
     prompts = prompts[: args.limit_prompts] if args.limit_prompts else prompts
-    key = data_key(ck.config.name, prompts, cfg.aux_layers, args.max_new_tokens, args.seed, quant)
+    recipe = ("magpie", args.self_written, args.follow_ups)
+    key = data_key(ck.config.name, prompts, cfg.aux_layers, args.max_new_tokens, args.seed, quant, recipe)
     data = load_data(out, key)
     if data is not None:
         print(f"data: {len(data['ids'])} conversations from {out / DATA_FILE}")
@@ -473,7 +556,8 @@ def main(argv=None) -> None:
         for f in (DATA_FILE, STATE_FILE):  # new data: a checkpoint trained on the old one must not resume
             (out / f).unlink(missing_ok=True)
         data = build_data(model, ck.tokenizer, prompts, cfg.aux_layers, args.max_new_tokens, seed=args.seed,
-                          batch_size=args.distill_batch)
+                          batch_size=args.distill_batch, self_written=args.self_written, follow_ups=args.follow_ups,
+                          exclude=frozenset(json.loads(Path(args.prompts).read_text()).get("heldout", [])))
         torch.save({**data, "key": key}, out / DATA_FILE)
     n_answer = sum(len(i) - n for i, n in zip(data["ids"], data["n_prompt"]))
     d2t = draft_vocab(data, cfg.draft_vocab_size, cfg.target_vocab_size)

@@ -18,9 +18,11 @@ from speculative.cache import head_dir
 from speculative.drafting import Drafter
 from speculative.tree_spec import TreeSpec
 from speculative.head import HeadConfig, aux_layers_for, load_head, save_head
-from speculative.train import (DATA_FILE, STATE_FILE, batches, data_key, draft_vocab, init_head, load_data,
-                               load_prompts, output_weight, self_distill, train, ttt_unroll)
-from tests.replica.tiny import tiny_config, tiny_weights
+from replica.tokenizer import Tokenizer
+from speculative.train import (DATA_FILE, STATE_FILE, batches, build_data, data_key, draft_vocab, init_head,
+                               load_data, load_prompts, output_weight, self_distill, train, ttt_unroll,
+                               user_turn_opening, write_user_turns)
+from tests.replica.tiny import tiny_config, tiny_tokenizer, tiny_weights
 from tests.speculative.util import random_head, tiny_target
 
 
@@ -182,6 +184,56 @@ def test_cached_data_is_reused_only_for_what_it_was_built_from(tmp_path):
     assert load_data(tmp_path, key)["ids"][0].tolist() == [1, 2]
     others = (data_key("m", ["a", "b", "c"], (1, 2, 3), 128, 0, "gguf"),
               data_key("m", ["a", "b"], (1, 2, 3), 64, 0, "gguf"),
-              data_key("m", ["a", "b"], (1, 2, 3), 128, 0, "none"))  # the fp32 model's data is not the served one's
+              data_key("m", ["a", "b"], (1, 2, 3), 128, 0, "none"),  # the fp32 model's data is not the served one's
+              data_key("m", ["a", "b"], (1, 2, 3), 128, 0, "gguf", ("magpie", 570, 0.5)))
     for other in others:
         assert other != key and load_data(tmp_path, other) is None
+
+
+CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def chat_tokenizer():
+    """The tiny byte-level tokenizer with a chat template (role headers written out in bytes)."""
+    tok = tiny_tokenizer()
+    return Tokenizer(tok.backend, eos_token_ids=tok.eos_token_ids, eos_token=tok.eos_token, chat_template=CHATML)
+
+
+def test_user_turn_opening_is_where_a_user_message_starts():
+    tok = chat_tokenizer()
+    conv = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello!"}]
+    for messages in ([], conv):
+        opening = user_turn_opening(tok, messages)
+        full = tok.encode_chat([*messages, {"role": "user", "content": "What now?"}])
+        assert full[: len(opening)] == opening and tok.decode(full[len(opening):]).startswith("What now?")
+        assert tok.decode(opening).endswith("<|user|>\n")
+
+
+def test_the_target_writes_user_turns_it_then_answers():
+    """Magpie data: written messages are the target's own sampled text after a user turn's
+    opening (seeded: the same twice), dropped when cut off or held out; build_data answers
+    the seed prompts, the written first messages and the written second turns, each second
+    turn with the first answer in its context."""
+    model, tok = tiny_target(), chat_tokenizer()
+    convs = [[]] * 6 + [[{"role": "user", "content": "abc"}, {"role": "assistant", "content": "def"}]] * 2
+    written = write_user_turns(model, tok, convs, seed=3, batch_size=4)
+    assert written == write_user_turns(model, tok, convs, seed=3, batch_size=4)
+    kept = [w for w in written if w]
+    assert kept and all(len(w) >= 8 for w in kept)
+    assert write_user_turns(model, tok, convs, seed=3, batch_size=4, exclude=frozenset(kept)) == [None] * len(convs)
+    assert write_user_turns(model, tok, convs, seed=3, batch_size=4, max_tokens=1) == [None] * len(convs)
+
+    prompts = ["what is a cat?", "name two colors", "count to five", "say hello"]
+    log = []
+    data = build_data(model, tok, prompts, aux_layers_for(4), max_tokens=12, temperatures=(0.0,), seed=0,
+                      batch_size=4, self_written=8, follow_ups=0.5, log=log.append)
+    firsts = write_user_turns(model, tok, [[]] * 8, seed=7000, batch_size=4)
+    texts = [tok.decode(ids[:n].tolist()) for ids, n in zip(data["ids"], data["n_prompt"])]
+    seconds = [t for t in texts if t.count("<|user|>") == 2]
+    assert len(texts) == len(prompts) + sum(map(bool, firsts)) + len(seconds) and seconds
+    assert all(any(t == tok.apply_chat_template([{"role": "user", "content": w}]) for t in texts) for w in firsts if w)
+    for t in seconds:  # the first turn is a seed prompt, then the target's answer to it, then a written turn
+        first = t.split("<|assistant|>\n")[0]
+        assert first in [tok.apply_chat_template([{"role": "user", "content": p}], False) for p in prompts[::2]]
+    assert any("second turns" in line for line in log) and any("first user messages" in line for line in log)
