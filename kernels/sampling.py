@@ -47,19 +47,34 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def uniforms_ref(seeds, positions, index):
-    """fp32 in (0, 1): u = hash(seed, position, token index) per row.
-
-    seeds, positions (B,) int64; index (V,) or (B, n) int64 token ids -> (B, V) or (B, n).
-    """
+def row_keys(seeds, positions):
+    """(h1, h2) (B,) int64: the per-row keys of the token hash, from (seed, position)."""
     seeds, positions = seeds.long(), positions.long()
     h1 = _mix32((seeds & _M32) ^ 0x3C6EF372)
     h1 = _mix32(h1 ^ ((seeds >> 32) & _M32))
     h1 = _mix32(h1 ^ (positions & _M32))
     h1 = _mix32(h1 ^ ((positions >> 32) & _M32))
-    h2 = _mix32(h1 ^ 0x2545F491)
-    r = _mix32((((index * _WEYL) + h1[:, None]) & _M32) ^ h2[:, None])
-    return unit_float(r)
+    return h1, _mix32(h1 ^ 0x2545F491)
+
+
+def token_uniforms(index, h1, h2):
+    """fp32 in (0, 1) of token ids `index` under row keys h1, h2 (broadcast together)."""
+    return unit_float(_mix32((((index * _WEYL) + h1) & _M32) ^ h2))
+
+
+def uniforms_ref(seeds, positions, index):
+    """fp32 in (0, 1): u = hash(seed, position, token index) per row.
+
+    seeds, positions (B,) int64; index (V,) or (B, n) int64 token ids -> (B, V) or (B, n).
+    """
+    h1, h2 = row_keys(seeds, positions)
+    return token_uniforms(index, h1[:, None], h2[:, None])
+
+
+# The Gumbel noise -log(-log(u)) of the largest uniform, plus a margin for rounding: no token's
+# noise exceeds it, so a token whose logit / T trails the top logit's score by more cannot win.
+_G_MAX = 16.7
+assert _G_MAX > -torch.log(-torch.log(torch.tensor(_U_MAX))).item() + 1e-3
 
 
 def unit_float(bits):
@@ -118,6 +133,25 @@ def probs_ref(logits, temperature, top_k, top_p):
     return torch.where((temperature > 0)[:, None], p, greedy)
 
 
+def _gumbel_argmax(x, t, seeds, positions):
+    """argmax_i(x_i / t + g_i) over each row's whole vocabulary, hashing only the tokens
+    that can win: the top logit's score s0 = x_top / t + g_top is a lower bound of the
+    winner's, and a token's noise is at most _G_MAX, so only x_i / t >= s0 - _G_MAX can
+    reach it (at T=0.7 over the default model's logits, a median of ~500 of 49,152). Their
+    scores are computed exactly as over the whole row, and ties go to the lowest id, so
+    the token is the one the full computation picks."""
+    b, v = x.shape
+    z = x / t
+    h1, h2 = row_keys(seeds, positions)
+    top = x.argmax(-1, keepdim=True)
+    s0 = z.gather(1, top) - torch.log(-torch.log(token_uniforms(top, h1[:, None], h2[:, None])))
+    row, col = (z >= s0 - _G_MAX).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    score = z[row, col] - torch.log(-torch.log(token_uniforms(col, h1[row], h2[row])))
+    best = torch.full((b,), float("-inf"), device=x.device).scatter_reduce(0, row, score, "amax")
+    win = score == best[row]
+    return torch.full((b,), v, device=x.device).scatter_reduce(0, row[win], col[win], "amin")
+
+
 def sample_ref(logits, temperature, top_k, top_p, seeds, positions):
     """logits (B, V) fp32; temperature (B,) fp32; top_k (B,) int32; top_p (B,) fp32;
     seeds, positions (B,) int64 -> (B,) int64 token ids.
@@ -132,8 +166,7 @@ def sample_ref(logits, temperature, top_k, top_p, seeds, positions):
     filtered = ((top_k > 0) & (top_k < v)) | (top_p < 1)
     rows = ((temperature > 0) & ~filtered).nonzero()[:, 0]
     if rows.numel():  # softmax(x / T) over the whole vocabulary
-        u = uniforms_ref(seeds[rows], positions[rows], torch.arange(v, device=x.device))
-        tokens[rows] = (x[rows] / t[rows] - torch.log(-torch.log(u))).argmax(-1)
+        tokens[rows] = _gumbel_argmax(x[rows], t[rows], seeds[rows], positions[rows])
     rows = ((temperature > 0) & filtered).nonzero()[:, 0]
     if rows.numel():  # only the kept tokens: the first n_keep of each row's sorted ids
         si, n_keep, _ = _kept(x[rows], t[rows], top_k[rows], top_p[rows])

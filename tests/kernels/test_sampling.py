@@ -172,3 +172,38 @@ def test_candidate_shortcut_matches_full_sort():
         assert thr_fast.item() == thr_full[i].item() and n_fast.item() == n_full[i].item()
         shortcut += si.shape[1] < 300
     assert shortcut >= 4
+
+
+def test_unfiltered_rows_hash_only_tokens_that_can_win():
+    """The Gumbel-max over the whole vocabulary, computed only for the tokens within the
+    noise's range of the top score, picks exactly the token the full computation picks:
+    peaked and flat rows, temperatures from 0.2 to 5, duplicate logits, a real-sized
+    vocabulary; where one token stands out, a small share of the vocabulary is hashed."""
+    from kernels import sampling
+
+    def full(logits, temperature, seeds, positions):
+        u = uniforms_ref(seeds, positions, torch.arange(logits.shape[1]))
+        return (logits / temperature[:, None] - torch.log(-torch.log(u))).argmax(-1)
+
+    def sampled(logits, temperature, seeds, positions):
+        hashed = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sampling, "token_uniforms", lambda i, *k: hashed.append(i.numel()) or token_uniforms(i, *k))
+            b = len(logits)
+            out = sample_ref(logits, temperature, torch.zeros(b, dtype=torch.int32), torch.ones(b), seeds, positions)
+        return out, sum(hashed)
+
+    token_uniforms = sampling.token_uniforms
+    g = torch.Generator().manual_seed(8)
+    for v, b in ((49152, 24), (1000, 64)):
+        logits = torch.randn(b, v, generator=g) * torch.rand(b, 1, generator=g) * 8
+        logits[::5] = torch.randn(1, v, generator=g) * 0.01  # flat rows: every token is a candidate
+        logits[1::7, : v // 2] = logits[1::7, v // 2 :]  # every logit twice
+        temperature = torch.rand(b, generator=g) * 4.8 + 0.2
+        seeds, positions = torch.randint(0, 2**40, (b,), generator=g), torch.arange(b) * 13
+        assert torch.equal(sampled(logits, temperature, seeds, positions)[0], full(logits, temperature, seeds, positions))
+        peaked = torch.randn(b, v, generator=g)
+        peaked[torch.arange(b), torch.randint(0, v, (b,), generator=g)] += 18
+        t = torch.full((b,), 0.7)
+        tokens, hashed = sampled(peaked, t, seeds, positions)
+        assert torch.equal(tokens, full(peaked, t, seeds, positions)) and hashed < b * v / 50
