@@ -2,6 +2,13 @@
 
     .venv/bin/python bench/sampling.py                # both tables, default model
     .venv/bin/python bench/sampling.py --batch 8 --steps 24
+    .venv/bin/python bench/sampling.py --sampler-only        # the sampler alone (table 0)
+
+Table 0: the sampler alone at T > 0 over the default model's own logits (one
+forward over a held-out prompt and the start of an answer, its rows repeated to the
+batch): `kernels.sampling.sample_ref` as the engine calls it, against the definition
+it must equal (Gumbel noise hashed for every vocabulary entry), one thread, the
+best of 5, and whether the tokens are identical.
 
 Table 1: decode ms per step of the default model at one batch size, every request
 plain versus every request asking for one parameter (penalties, logit_bias, min_p,
@@ -80,6 +87,54 @@ def first_tokens(eng: LLMEngine, n: int, prompt_len: int, fork: bool) -> tuple[i
     return computed, elapsed
 
 
+def sampler_table(ckpt) -> None:
+    from kernels.sampling import sample_ref, uniforms_ref
+
+    prompt = ckpt.tokenizer.encode_chat([{"role": "user", "content": "Explain how a rocket reaches orbit."}])
+    ids = prompt + ckpt.tokenizer.encode("A rocket reaches orbit by burning fuel to push", add_special_tokens=False)
+    logits = prompt_logits(engine(ckpt), ids)
+    torch.set_num_threads(1)
+    print("| batch | temperature | every token hashed, ms | kernels.sampling, ms | speed-up | same tokens |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for b in (16, 192):
+        x = logits.repeat(-(-b // len(logits)), 1)[:b].contiguous()
+        for t in (0.7, 1.0):
+            temp, seeds, pos = torch.full((b,), t), torch.arange(b), torch.arange(b) + len(ids)
+            top_k, top_p = torch.zeros(b, dtype=torch.int32), torch.ones(b)
+
+            def full():
+                u = uniforms_ref(seeds, pos, torch.arange(x.shape[1]))
+                return (x / temp[:, None] - torch.log(-torch.log(u))).argmax(-1)
+
+            def ours():
+                return sample_ref(x, temp, top_k, top_p, seeds, pos)
+
+            ms = {}
+            for name, f in (("full", full), ("ours", ours)):
+                ms[name] = min(timed(f) for _ in range(5))
+            print(f"| {b} | {t} | {ms['full']:.1f} | {ms['ours']:.1f} | {ms['full'] / ms['ours']:.1f}x | "
+                  f"{torch.equal(full(), ours())} |")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+
+
+def timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return (time.perf_counter() - t) * 1e3
+
+
+@torch.inference_mode()
+def prompt_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """(len(ids) - 8 .. len(ids), V) logits of one forward over ids: rows of a real answer's first tokens."""
+    from replica.model.runner import StepPlan
+
+    r = eng.runner
+    plan = StepPlan(input_ids=ids, starts=[0], num_tokens=[len(ids)], block_tables=[list(range(-(-len(ids) // 16)))],
+                    sample_rows=[0], num_decodes=0)
+    input_ids, positions, ctx, _ = r.prepare(plan)
+    return r.model.compute_logits(r.model(input_ids, positions, ctx, r.kv_cache)[-8:]).float()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -88,11 +143,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--fork-prompt", type=int, default=1000)
+    ap.add_argument("--sampler-only", action="store_true", help="only table 0: the sampler alone")
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     ckpt = load_checkpoint("default")
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; default model on CPU, float32\n")
+    sampler_table(ckpt)
+    if args.sampler_only:
+        return
     eng = engine(ckpt)
     decode_ms(eng, args.batch, args.prompt, 4, {})  # warm-up
     best = {name: float("inf") for name in PARAMS}
