@@ -10,11 +10,13 @@ real vocabulary), so the time per step is the engine's own host work.
 Table 2 runs the default model (SmolLM2-135M-Instruct) on this machine's device:
 decode ms per step and tokens/s at batch 1 and 16 after the prompts are prefilled,
 the KV pool sized to hold every row's whole context. Where a variant runs as the C++
-CPU step its KV pool is fp16 (the served default) unless `--cpu-kv` asks for fp32
-(`--cpu-kv float16 float32` times both, side by side):
+CPU step its KV pool is fp16 (the served default) unless `--cpu-kv` asks for fp32 or
+int8 (`--cpu-kv float16 int8` times both, side by side; with `--rounds N` every row
+N times, the dtypes alternated, so a busy machine's load falls on each alike; with
+`--threads 1 --clock cpu` a step's CPU time, which a busy machine disturbs far less):
 
     .venv/bin/python bench/engine.py --model-only --variants float32/gguf --batches 1 16 \
-        --prompt-lens 16 1024 2000 --cpu-kv float16 float32
+        --prompt-lens 16 2000 --cpu-kv float16 int8 --rounds 3
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class ZeroCostModel(torch.nn.Module):
 
 
 def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int, temperature: float,
-                 **params) -> list[float]:
-    """Prefill `batch` requests, then time `steps` decode steps (seconds each); `params`:
+                 clock=time.perf_counter, **params) -> list[float]:
+    """Prefill `batch` requests, then time `steps` decode steps (seconds each, by `clock`); `params`:
     more SamplingParams fields (bench/sampling.py)."""
     sp = P.SamplingParams(max_tokens=steps + 4, temperature=temperature, top_p=0.9 if temperature else 1.0,
                           ignore_eos=True, seed=1, **params)
@@ -69,9 +71,9 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int, tem
         engine.step()  # prefill
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     for rid in list(engine.seqs):
         engine.abort(rid)
     return times
@@ -127,35 +129,40 @@ DECODE_STEPS = 48
 
 
 def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16), threads: int = 1,
-                prompt_lens: tuple[int, ...] = (128,), cpu_kv: tuple[str, ...] = ("float16",)) -> None:
-    """One row per (variant, KV dtype, prompt length, batch); a variant is "dtype/quantization",
-    e.g. bfloat16/gguf; the KV dtype applies where the variant runs as the C++ CPU step (else
-    the pool is in the variant's dtype: the last column says which). 48 decode steps after the
-    prompt: the context grows by 48 while timed. The pool holds every row's whole context
-    (no row waits for blocks, none is preempted)."""
+                prompt_lens: tuple[int, ...] = (128,), cpu_kv: tuple[str, ...] = ("float16",),
+                rounds: int = 1, clock=time.perf_counter) -> None:
+    """One row per (round, variant, prompt length, batch, KV dtype); a variant is
+    "dtype/quantization", e.g. bfloat16/gguf; the KV dtype applies where the variant runs as
+    the C++ CPU step (else the pool is in the variant's dtype: the last column says which).
+    A variant's engines (one per KV dtype) are built once and timed in turn. 48 decode steps
+    after the prompt: the context grows by 48 while timed. The pool holds every row's whole
+    context (no row waits for blocks, none is preempted)."""
     ckpt = load_checkpoint("default", dtype=torch.float32)
     blocks = max(batches) * -(-(max(prompt_lens) + DECODE_STEPS + 8) // 16) + 64
     print(f"\n## Default model decode ({ckpt.config.name}, {device}, {threads} threads)\n")
     print("| dtype / quantization | prompt tokens | batch | ms/step | ms/token | tokens/s | KV |")  # bench/peers.py reads
     print("|---|---:|---:|---:|---:|---:|---|")
     for variant in variants:
-        for kv in cpu_kv:
-            dtype, _, quant = variant.partition("/")
-            cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=blocks,
-                               max_num_seqs=64, max_num_batched_tokens=2048, cpu_threads=threads)
-            weights = ckpt.weights if cfg.quantization != "none" else \
-                {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
-            ops = kernels.ops(torch.device(device).type, cpu_step_kv=getattr(torch, kv))
-            engine = LLMEngine(cfg, ckpt.config, weights, ops=ops)
-            kv_name = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
+        dtype, _, quant = variant.partition("/")
+        cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=blocks,
+                           max_num_seqs=64, max_num_batched_tokens=2048, cpu_threads=threads)
+        weights = ckpt.weights if cfg.quantization != "none" else \
+            {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
+        engines = [LLMEngine(cfg, ckpt.config, weights, ops=kernels.ops(torch.device(device).type,
+                                                                        cpu_step_kv=kernels.CPU_STEP_KV[kv]))
+                   for kv in cpu_kv]
+        for _ in range(rounds):
             for plen in prompt_lens:
                 for batch in batches:
-                    decode_steps(engine, batch, prompt_len=plen, steps=4, temperature=0.0)  # warm-up
-                    t = decode_steps(engine, batch, prompt_len=plen, steps=DECODE_STEPS, temperature=0.0)
-                    step = statistics.median(t)
-                    print(f"| {variant} | {plen} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | "
-                          f"{batch / step:.1f} | {kv_name} |", flush=True)
-            del engine
+                    for engine in engines:
+                        kv_name = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
+                        decode_steps(engine, batch, prompt_len=plen, steps=4, temperature=0.0)  # warm-up
+                        t = decode_steps(engine, batch, prompt_len=plen, steps=DECODE_STEPS, temperature=0.0,
+                                         clock=clock)
+                        step = statistics.median(t)
+                        print(f"| {variant} | {plen} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | "
+                              f"{batch / step:.1f} | {kv_name} |", flush=True)
+        del engines
 
 
 def main() -> None:
@@ -170,11 +177,18 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128],
                     help="prompt tokens before the timed decode steps (the context a served turn decodes at)")
-    ap.add_argument("--cpu-kv", nargs="+", default=["float16"], choices=["float16", "float32"],
+    ap.add_argument("--cpu-kv", nargs="+", default=["float16"], choices=["float16", "float32", "int8"],
                     help="the KV pool's dtype where a variant runs as the C++ CPU step (default: float16, served)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every (prompt length, batch, KV dtype) row this many times, in turn")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: a step's time is the CPU time of the thread running it (with --threads 1 the whole "
+                         "C++ step runs on it): what a step costs, whatever else the machine runs")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="the engine's threads on CPU (default: what the engine process uses, every core)")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu times one thread: use --threads 1")
     torch.set_num_threads(max(1, args.threads - 1))  # as the engine process: torch's own pool leaves a core
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} engine threads "
           f"({torch.get_num_threads()} for torch's own ops), "
@@ -185,7 +199,8 @@ def main() -> None:
         host_overhead(args.device)
     if not args.host:
         model_speed(args.device, args.variants or ["bfloat16" if args.device == "cuda" else "float32"],
-                    tuple(args.batches), args.threads, tuple(args.prompt_lens), tuple(args.cpu_kv))
+                    tuple(args.batches), args.threads, tuple(args.prompt_lens), tuple(args.cpu_kv),
+                    args.rounds, time.thread_time if args.clock == "cpu" else time.perf_counter)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     .venv/bin/python bench/quality.py                       # none, gguf, int4, int8
     .venv/bin/python bench/quality.py --tokens 64 --variants gguf int8
     .venv/bin/python bench/quality.py --variants gguf --cpu-kv float32 float16   # the KV pool's dtype
+    .venv/bin/python bench/quality.py --variants gguf --cpu-kv float16 int8 --long 4
 
 For each held-out prompt of speculative/data/prompts.json (chat-formatted), the
 fp32 unquantized engine answers greedily (`--tokens` new tokens, EOS ignored);
@@ -11,8 +12,14 @@ answers identical to fp32's, the share of answer tokens before the first
 divergence, and the perplexity of the fp32 conversations (prompt + fp32 answer,
 answer tokens scored) under the variant, computed in one teacher-forced forward.
 A quantized variant runs as the C++ CPU step, whose KV pool is fp16 unless
-`--cpu-kv` says fp32 (each variant runs once per dtype given; the reference's pool
-is fp32: it runs op by op).
+`--cpu-kv` says fp32 or int8 (each variant runs once per dtype given; the reference's
+pool is fp32: it runs op by op).
+
+Those answers are short (prompts of ~30 tokens). `--long N` adds a long-context table:
+N windows of 1,536 tokens of one text (the training prompts of prompts.json, joined),
+each continued greedily by fp32 and by each variant (identical continuations, tokens
+before the first divergence), and the perplexity of its last 1,024 tokens, each
+predicted from everything before it in the window (one teacher-forced forward).
 """
 
 from __future__ import annotations
@@ -63,12 +70,40 @@ def nll(engine: LLMEngine, ids: list[int], scored_from: int) -> tuple[float, int
     return -logp.gather(1, target[:, None]).sum().item(), len(target)
 
 
+LONG_WINDOW, LONG_SCORED_FROM = 1536, 512
+
+
+def long_windows(ckpt, n: int) -> list[list[int]]:
+    """n windows of LONG_WINDOW tokens of the training prompts joined into one text."""
+    train = json.loads((ROOT / "speculative" / "data" / "prompts.json").read_text())["train"]
+    ids = ckpt.tokenizer.encode("\n\n".join(train), add_special_tokens=False)
+    assert len(ids) >= n * LONG_WINDOW, f"the text holds {len(ids) // LONG_WINDOW} windows, not {n}"
+    return [ids[i * LONG_WINDOW:(i + 1) * LONG_WINDOW] for i in range(n)]
+
+
+def agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[int, float]:
+    """(answers identical to ref's, share of ref's tokens before each first divergence)."""
+    same = sum(a == b for a, b in zip(got, ref))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(got, ref))
+    return same, prefix / sum(len(b) for b in ref)
+
+
+def perplexity(engine: LLMEngine, seqs: list[list[int]], scored_from: list[int]) -> float:
+    total, n = 0.0, 0
+    for ids, start in zip(seqs, scored_from):
+        s, k = nll(engine, ids, start)
+        total, n = total + s, n + k
+    return math.exp(total / n)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["none", "gguf", "int4", "int8"])
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--cpu-kv", nargs="+", default=["float16"], choices=["float16", "float32"],
+    ap.add_argument("--cpu-kv", nargs="+", default=["float16"], choices=["float16", "float32", "int8"],
                     help="the KV pool's dtype where a variant runs as the C++ CPU step (default: float16, served)")
+    ap.add_argument("--long", type=int, default=0, metavar="N",
+                    help=f"also N windows of {LONG_WINDOW} tokens: greedy continuations and perplexity")
     args = ap.parse_args()
     ckpt = load_checkpoint("default", dtype=torch.float32)
     heldout = json.loads((ROOT / "speculative" / "data" / "prompts.json").read_text())["heldout"]
@@ -77,6 +112,10 @@ def main() -> None:
     reference = LLMEngine(EngineConfig(**cfg), ckpt.config, ckpt.weights)
     assert reference.runner.kv_cache.dtype == torch.float32, "the reference keeps an fp32 KV pool"
     ref = answers(reference, prompts, args.tokens)
+    windows = long_windows(ckpt, args.long) if args.long else []
+    long_ref = answers(reference, windows, args.tokens) if windows else []
+    long_rows = [("none (fp32)", "float32", agreement(long_ref, long_ref),
+                  perplexity(reference, windows, [LONG_SCORED_FROM] * len(windows)))] if windows else []
     del reference
     print(f"machine: {platform.machine()}; {time.strftime('%Y-%m-%d')}; {len(prompts)} held-out prompts, "
           f"{args.tokens} greedy tokens each, fp32 answers as the reference\n")
@@ -87,16 +126,22 @@ def main() -> None:
             ops = kernels.ops("cpu", cpu_step_kv=getattr(torch, kv))
             engine = LLMEngine(EngineConfig(quantization=variant, **cfg), ckpt.config, ckpt.weights, ops=ops)
             got = answers(engine, prompts, args.tokens)
-            same = sum(a == b for a, b in zip(got, ref))
-            prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(got, ref))
-            total, n = 0.0, 0
-            for p, a in zip(prompts, ref):
-                s, k = nll(engine, p + a, len(p))
-                total, n = total + s, n + k
+            same, prefix = agreement(got, ref)
+            ppl = perplexity(engine, [p + a for p, a in zip(prompts, ref)], [len(p) for p in prompts])
             kv_name = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
-            print(f"| {variant} | {kv_name} | {same}/{len(ref)} | {prefix / (len(ref) * args.tokens):.1%} | "
-                  f"{math.exp(total / n):.3f} |", flush=True)
+            print(f"| {variant} | {kv_name} | {same}/{len(ref)} | {prefix:.1%} | {ppl:.3f} |", flush=True)
+            if windows:
+                long_rows.append((variant, kv_name, agreement(answers(engine, windows, args.tokens), long_ref),
+                                  perplexity(engine, windows, [LONG_SCORED_FROM] * len(windows))))
             del engine
+    if long_rows:
+        print(f"\nLong context: {len(windows)} windows of {LONG_WINDOW} tokens (training prompts joined), "
+              f"{args.tokens} greedy tokens each against fp32's; perplexity of each window's last "
+              f"{LONG_WINDOW - LONG_SCORED_FROM} tokens\n")
+        print("| quantization | KV | identical continuations | tokens before first divergence | perplexity |")
+        print("|---|---|---:|---:|---:|")
+        for variant, kv_name, (same, prefix), ppl in long_rows:
+            print(f"| {variant} | {kv_name} | {same}/{len(windows)} | {prefix:.1%} | {ppl:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

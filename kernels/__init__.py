@@ -6,7 +6,7 @@ decode step's small ops (`name_cpu`, fp32); `qgemm_cpu` the packed int8/int4 GEM
 `cpu_forward` the whole decoder step as one C++ call. What runs where is decided
 here, once at start-up, by `ops(device_type)`: the model's layers, its quantized
 linears (packed or not), the Runner's choice of the C++ step and that step's KV
-pool dtype (fp16 unless `cpu_step_kv=` says fp32) all read the one `Ops` it
+pool dtype (fp16 unless `cpu_step_kv=` says fp32 or int8) all read the one `Ops` it
 returns; tests force one with `impl=`.
 """
 
@@ -32,6 +32,11 @@ _SOURCES = {
 }
 
 
+# The C++ step's KV pool dtypes by name (EngineConfig.kv_cache_dtype, "auto" the default; the
+# benches' --cpu-kv).
+CPU_STEP_KV = {"auto": torch.float16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8}
+
+
 @dataclass(frozen=True)
 class Ops:
     """The kernel set a process runs with; signatures are documented on the `_ref`s."""
@@ -52,7 +57,8 @@ class Ops:
     packed_qgemm: bool = False
     cpu_step: bool = False
     # The KV pool's dtype under the C++ step: fp16 halves the bytes a long context's decode
-    # reads (kernels/csrc/include/edgechat/attention.h); fp32 is served too.
+    # reads (kernels/csrc/include/edgechat/attention.h); fp32 is served too, and int8 (a
+    # scale per token and kv head, rows of head_dim + 4 bytes: kernels/paged.py) on request.
     cpu_step_kv: torch.dtype = torch.float16
 
 
@@ -63,10 +69,11 @@ def ops(device_type: str, impl: str | None = None, cpu_step_kv: torch.dtype = to
     references for ops they lack); the PyTorch references otherwise. impl="triton",
     "cpu" or "ref" forces one (Triton on CPU tensors needs TRITON_INTERPRET=1 set
     before triton is first imported, as tests/conftest.py does). cpu_step_kv: the
-    KV pool's dtype where a model runs as the C++ step (torch.float16 or torch.float32).
+    KV pool's dtype where a model runs as the C++ step (torch.float16, torch.float32 or torch.int8).
     """
-    if cpu_step_kv not in (torch.float16, torch.float32):
-        raise ValueError(f"kernels.ops: cpu_step_kv must be torch.float16 or torch.float32, got {cpu_step_kv}")
+    if cpu_step_kv not in CPU_STEP_KV.values():
+        raise ValueError(f"kernels.ops: cpu_step_kv must be torch.float16, torch.float32 or torch.int8, "
+                         f"got {cpu_step_kv}")
     if impl is None:
         from kernels import cpu_ops
 

@@ -14,14 +14,16 @@ each phase finished before the next starts (six a layer). The residual stream x 
 values from the paged pool through the block tables (decode rows, prefill chunks
 with their causal lengths, draft trees with their masks), so the KV pool and the
 block tables are passed in and nothing is gathered. The pool is fp16 (the default,
-`kernels.Ops.cpu_step_kv`: half the bytes a long context's decode reads) or fp32:
-k and v are rounded to it when stored, and attention reads them as stored,
-widening to fp32 as it loads them; the scores, softmax and sums are fp32.
+`kernels.Ops.cpu_step_kv`: half the bytes a long context's decode reads), fp32, or
+int8 with a scale per (token, kv head) (kernels/paged.py: a row is head_dim codes and
+4 bytes of scale): k and v are rounded to it when stored, and attention reads them
+as stored, widening to fp32 as it loads them (the int8 scales folded into the scores
+and the probability weights); the scores, softmax and sums are fp32.
 
 Same math as `replica.model.llama.LlamaModel` over `replica.model.quant.QLinear`s (the
 reference, over a pool of the same dtype: its store rounds to nearest even as the
 step's does; tests/kernels/test_cpu_forward.py compares them within 3e-4 of the
-values' scale over fp32, 1e-3 over fp16): the same int16 activation rounding, norm, rotate-half RoPE, SwiGLU
+values' scale over fp32, 1e-3 over fp16 and int8): the same int16 activation rounding, norm, rotate-half RoPE, SwiGLU
 and softmax formulas (exp vectorized), summed in other orders. A row's result
 never depends on the other rows of its step nor on the thread count (per-row
 arithmetic only), so batching keeps seeded samples.

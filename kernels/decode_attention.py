@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import dot_dtype, dot_precision, tl, triton
+from kernels.paged import dequantize_kv_ref
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale: float):
@@ -28,8 +29,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     if n_blocks == 0:
         return torch.zeros_like(q)
     ids = block_tables[:, :n_blocks].long().clamp_min(0)  # padding entries may be -1
-    k = k_cache[ids].flatten(1, 2).transpose(1, 2).float()  # (B, Hkv, L, D)
-    v = v_cache[ids].flatten(1, 2).transpose(1, 2).float()
+    k = dequantize_kv_ref(k_cache[ids].flatten(1, 2).transpose(1, 2))  # (B, Hkv, L, D)
+    v = dequantize_kv_ref(v_cache[ids].flatten(1, 2).transpose(1, 2))
     valid = torch.arange(k.shape[2], device=q.device) < seq_lens[:, None]  # (B, L)
     o = F.scaled_dot_product_attention(
         q.float()[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True

@@ -9,15 +9,17 @@ of a CUDA-graph batch).
 import torch
 
 from kernels._triton import tl, triton
+from kernels.paged import to_pool
 
 
 def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """k, v (T, Hkv, D) -> k_cache, v_cache (num_blocks, block_size, Hkv, D) in place."""
+    """k, v (T, Hkv, D) -> k_cache, v_cache (num_blocks, block_size, Hkv, D) in place
+    (an int8 pool: rows of D + 4, quantized as kernels.paged.quantize_kv_ref says)."""
     num_blocks, block_size, hkv, d = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(num_blocks * block_size, hkv, d)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, hkv, d)[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(num_blocks * block_size, hkv, d)[slots] = to_pool(k[keep], k_cache.dtype)
+    v_cache.view(num_blocks * block_size, hkv, d)[slots] = to_pool(v[keep], v_cache.dtype)
 
 
 @triton.jit

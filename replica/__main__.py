@@ -43,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-memory-gb", type=float, default=0.0,
                     help="KV pool budget (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "float32", "int8"],
+                    help="the KV pool's dtype under the C++ CPU step (auto: float16). int8 keeps a scale per "
+                         "token and kv head: about half fp16's bytes, so long contexts decode faster "
+                         "(docs/perf.md, long conversations); elsewhere the pool is in the model's dtype")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--graph-mode", default="auto", choices=["auto", "off", "buffers"],
                     help="CUDA graphs for decode steps (auto: on CUDA)")
@@ -116,7 +120,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     quantization = args.quantization or default_quantization(args.model, device, args.tp, args.random_weights)
     return EngineConfig(model=args.model, device=device, dtype=dtype, quantization=quantization,
                         block_size=args.block_size,
-                        kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), max_num_seqs=args.max_num_seqs,
+                        kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), kv_cache_dtype=args.kv_cache_dtype,
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens or (512 if device == "cuda" else 64),
                         prefill_only_tokens=args.prefill_only_tokens or 512,
                         max_model_len=args.max_model_len,

@@ -70,6 +70,9 @@ class EngineConfig:
     quantization: str = "none"  # "none" | "int8" | "int4" | "gguf" (weight-only, CPU; see replica.model.quant)
     block_size: int = 16
     kv_memory_bytes: int = 0  # KV pool budget; 0 -> 1 GiB on CPU, gpu_memory_utilization on CUDA
+    # The KV pool's dtype under the C++ CPU step: "auto" (float16), "float16", "float32" or "int8"
+    # (a scale per token and kv head; kernels/paged.py). Elsewhere the pool is in the model's dtype.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.85  # fraction of the GPU this replica may fill (weights + KV + graphs)
     num_blocks: int = 0  # >0 overrides the memory budget
     max_num_seqs: int = 64  # running sequences at once
@@ -112,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"graph_mode must be auto, off or buffers, got {self.graph_mode!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float16", "float32", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, float16, float32 or int8, got {self.kv_cache_dtype!r}")
         if self.quantization not in ("none", "int8", "int4", "gguf"):
             raise ValueError(f"quantization must be none, int8, int4 or gguf, got {self.quantization!r}")
         if self.quantization != "none" and (self.device != "cpu" or self.tp > 1):

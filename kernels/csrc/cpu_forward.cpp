@@ -113,9 +113,15 @@ class Decoder {
                                      c10::optional<torch::Tensor> tree_mask, c10::optional<torch::Tensor> tree_prefix,
                                      torch::Tensor kv, std::vector<int64_t> aux_layers) {
     const int64_t T = ids.size(0);
-    TORCH_CHECK(kv.is_contiguous() && (kv.scalar_type() == torch::kHalf || kv.scalar_type() == torch::kFloat) &&
-                    kv.dim() == 6 && kv.size(0) == L_ && kv.size(4) == Hkv_ && kv.size(5) == D_,
-                "Decoder: kv must be a contiguous fp16 or fp32 (L, 2, blocks, page, Hkv, D)");
+    // the pool's elements: fp16 (its bits), fp32, or int8 rows of D codes and a 4-byte scale
+    const attn::Kind kind = kv.scalar_type() == torch::kHalf   ? attn::Kind::f16
+                            : kv.scalar_type() == torch::kChar ? attn::Kind::i8
+                                                               : attn::Kind::f32;
+    const int64_t rd = kind == attn::Kind::i8 ? D_ + attn::kScaleBytes : D_;  // elements a (token, kv head)
+    TORCH_CHECK(kv.is_contiguous() && (kind != attn::Kind::f32 || kv.scalar_type() == torch::kFloat) && kv.dim() == 6 &&
+                    kv.size(0) == L_ && kv.size(4) == Hkv_ && kv.size(5) == rd,
+                "Decoder: kv must be a contiguous fp16 or fp32 (L, 2, blocks, page, Hkv, D), or int8 "
+                "(L, 2, blocks, page, Hkv, D + 4)");
     ids = ids.contiguous();
     positions = positions.contiguous();
     slots = slots.contiguous();
@@ -164,9 +170,8 @@ class Decoder {
     float* ap = attn.data_ptr<float>();
     float* gup = gu.data_ptr<float>();
     float* actp = act.data_ptr<float>();
-    // the pool's elements: fp16 (its bits) or fp32; `pool` of them per layer's K (or V)
-    const bool f16 = kv.scalar_type() == torch::kHalf;
-    const int64_t page = kv.size(3), pool = kv.size(2) * page * Hkv_ * D_, esize = f16 ? 2 : 4;
+    // `pool` elements per layer's K (or V)
+    const int64_t page = kv.size(3), pool = kv.size(2) * page * Hkv_ * rd, esize = kv.element_size();
     const float* emb = embed_.data_ptr<float>();
     const float* cs = cos_sin_.data_ptr<float>();
     const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2;
@@ -220,19 +225,21 @@ class Decoder {
         const float* c = cs + pos[t] * cs_stride;
         for (int64_t hh = 0; hh < H_ + Hkv_; ++hh) rotate(row + hh * D_, c, half);
         if (slp[t] < 0) return;
-        const int64_t at = slp[t] * Hkv_ * D_;  // element offset of the slot's rows
+        const int64_t at = slp[t] * Hkv_ * rd;  // element offset of the slot's rows
         const float* k = row + H_ * D_;
         const float* v = row + (H_ + Hkv_) * D_;
-        if (f16) {
-          attn::store_row((uint16_t*)kc + at, k, Hkv_ * D_);
-          attn::store_row((uint16_t*)vc + at, v, Hkv_ * D_);
-        } else {
-          attn::store_row((float*)kc + at, k, Hkv_ * D_);
-          attn::store_row((float*)vc + at, v, Hkv_ * D_);
+        auto store = [&](auto* pool_k, auto* pool_v) {
+          attn::store_heads(pool_k + at, k, Hkv_, D_);
+          attn::store_heads(pool_v + at, v, Hkv_, D_);
+        };
+        switch (kind) {
+          case attn::Kind::f16: store((uint16_t*)kc, (uint16_t*)vc); break;
+          case attn::Kind::i8: store((int8_t*)kc, (int8_t*)vc); break;
+          default: store((float*)kc, (float*)vc); break;
         }
       });
       // attention: chunk partials per token, then merged per (token, kv head) into its G heads' outputs
-      const attn::Cache cache{kc, vc, page, Hkv_, D_, f16};
+      const attn::Cache cache{kc, vc, page, Hkv_, D_, kind};
       pool_->run(items.size(), [&](int64_t i, int w) {
         const Item& it = items[i];
         attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n, (int)G, scale, cache, scores[w].data(),

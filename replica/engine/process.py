@@ -43,7 +43,8 @@ def build_engine(cfg: EngineConfig, stages: Stages | None = None):
 
         import kernels
 
-        ops = kernels.ops(torch.device(cfg.device).type)  # builds them once per machine (kernels.cpu_build)
+        # builds them once per machine (kernels.cpu_build)
+        ops = kernels.ops(torch.device(cfg.device).type, cpu_step_kv=kernels.CPU_STEP_KV[cfg.kv_cache_dtype])
     from replica.engine.llm_engine import LLMEngine
     from replica.model import built
     from replica.model import tp as TP

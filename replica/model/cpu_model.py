@@ -6,7 +6,7 @@ runs every step (decode rows, prefill chunks, draft trees, EAGLE-3 features)
 through it unchanged: on CPU this is where CUDA would replay a graph. The wrapped
 model stays the reference and keeps the weights; the C++ `Decoder` reads the same
 packed tensors (gate/up repacked with its rows interleaved). Its KV pool is fp16 by
-default (the Runner allocates it in `kernels.Ops.cpu_step_kv`); fp32 is served too.
+default (the Runner allocates it in `kernels.Ops.cpu_step_kv`); fp32 and int8 are served too.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ forward is then one C++ call (graph_mode "auto"; "off" keeps op by op).
 
 KV pool: one tensor, layers x {k, v} x blocks x block_size x Hkv x D, in the model's
 dtype, except under the C++ CPU step: there in the kernel set's `cpu_step_kv` (fp16
-by default, half the bytes a long context's decode reads); plus the EAGLE-3 head's
+by default, half the bytes a long context's decode reads; int8 on request, each
+(token, kv head) row its D codes and a 4-byte scale, so D + 4: kernels/paged.py,
+and a block copied or moved carries its scales); plus the EAGLE-3 head's
 one layer (`draft_kv`, same blocks, the head's dtype) when a head drafts: the head
 addresses its KV through the sequence's own block table.
 
@@ -30,6 +32,7 @@ import msgspec
 import torch
 
 import kernels
+from kernels.paged import pool_row
 from replica.model import sampler
 from replica.config import EngineConfig, ModelConfig
 from replica.model.graphs import DecodeGraphs, resolve_placeholders
@@ -61,7 +64,8 @@ class StepOutput:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.kv_size * dtype.itemsize
+    row = pool_row(cfg.head_dim, dtype)  # elements a (token, kv head): D, or D + 4 in int8
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row * dtype.itemsize
 
 
 def kv_budget(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
@@ -110,7 +114,9 @@ class Runner:
         self.cfg, self.tp = cfg, tp or TensorParallel()
         self.model_cfg = local_config(model_cfg, self.tp.world) if self.tp.world > 1 else model_cfg  # this rank's
         self.device, self.dtype, self.block_size = torch.device(cfg.device), DTYPES[cfg.dtype], cfg.block_size
-        self.ops = ops if ops is not None else kernels.ops(self.device.type)
+        if ops is None:
+            ops = kernels.ops(self.device.type, cpu_step_kv=kernels.CPU_STEP_KV[cfg.kv_cache_dtype])
+        self.ops = ops
         self.sampler = sampler.Sampler(self.ops, self.device)
         mpe = model_cfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or mpe, mpe)  # cut to the pool's size by allocate_kv
@@ -157,8 +163,8 @@ class Runner:
         # with noise first), and zeroing 1 GiB up front cost 1-2 s of every start. Its pages
         # are faulted in as blocks are first used. Zeros elsewhere (graph padding on CUDA).
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
-        self.kv_cache = alloc(c.num_layers, 2, n, bs, c.num_kv_heads, c.head_dim, dtype=kv_dtype,
-                              device=self.device)
+        self.kv_cache = alloc(c.num_layers, 2, n, bs, c.num_kv_heads, pool_row(c.head_dim, kv_dtype),
+                              dtype=kv_dtype, device=self.device)
         if draft_kv is not None:
             self.draft_kv = alloc(2, n, bs, *draft_kv, dtype=self.dtype, device=self.device)
         self.max_model_len = min(self.max_model_len, n * bs)
@@ -185,7 +191,7 @@ class Runner:
         destination is written, so overlapping moves are safe."""
         if not src:
             return
-        flat = self.kv_cache.flatten(2, 3)  # (L, 2, slots, Hkv, D), a view
+        flat = self.kv_cache.flatten(2, 3)  # (L, 2, slots, Hkv, D), a view (int8: D + 4, the scale moves too)
         flat[:, :, self._tensor(dst, torch.int64)] = flat[:, :, self._tensor(src, torch.int64)]
 
     # -- the step --------------------------------------------------------------------------

@@ -4,21 +4,22 @@ model whose shapes exercise partial supertiles, GQA and a qkv bias: prefill
 chunks over a cached prefix, a mixed decode + prefill step, a draft-tree verify
 step, EAGLE-3 features, a padding row, contexts of several attention chunks; and a
 row's logits bit for bit alone or batched. The reference reads a KV pool of the
-step's dtype (fp16 by default, fp32 on request). Tolerance: 3e-4 of the values'
+step's dtype (fp16 by default, fp32 or int8 on request). Tolerance: 3e-4 of the values'
 scale. Only fp32 summation orders differ, but an input that moves in its last bit
-can round an int16 activation code (or a stored fp16 key) the other way; the
-op-by-op model with the PyTorch reference ops differs from itself with the C++ ops
-by the same 1e-4."""
+can round an int16 activation code (or a stored fp16 key, or an int8 code) the other
+way; the op-by-op model with the PyTorch reference ops differs from itself with the
+C++ ops by the same 1e-4."""
 
 import pytest
 import torch
 
 import kernels
 from replica.config import EngineConfig
+from kernels.paged import dequantize_kv_ref, quantize_kv_ref
 from replica.model.cpu_model import CpuModel
 from replica.model.llama import LlamaModel
 from replica.model.plan import Sampling, StepPlan
-from replica.model.runner import Runner, build_model
+from replica.model.runner import Runner, build_model, kv_bytes_per_block
 from tests.replica.tiny import tiny_config, tiny_weights
 
 pytestmark = pytest.mark.usefixtures("cpu_forward_built")
@@ -26,10 +27,21 @@ pytestmark = pytest.mark.usefixtures("cpu_forward_built")
 GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, position=0)
 
 
-KV_DTYPES = [torch.float16, torch.float32]
+KV_DTYPES = [torch.float16, torch.float32, torch.int8]
 # Of the values' scale. A key or value that the two paths compute a few fp32 ulps apart can
-# round to fp16 ulps apart (2^-11 of it): with an fp16 pool the outputs move ~3x more.
-TOL = {torch.float32: 3e-4, torch.float16: 1e-3}
+# round to fp16 ulps apart (2^-11 of it): with an fp16 pool the outputs move ~3x more. In
+# int8 such a value can round to the next code (1/127 of its row's largest): both paths
+# quantize by the same formula, yet 20-40 of a step's 37k stored codes flipped, and the
+# outputs moved by up to 2.5e-3 (the long-context test's by 4e-4).
+TOL = {torch.float32: 3e-4, torch.float16: 1e-3, torch.int8: 4e-3}
+
+
+def fill_noise(kv: torch.Tensor, seed: int = 5):
+    """Random keys and values in every slot, stored as the pool's dtype stores them."""
+    g = torch.Generator().manual_seed(seed)
+    if kv.dtype != torch.int8:
+        return kv.normal_(generator=g)
+    kv.copy_(quantize_kv_ref(torch.randn(*kv.shape[:-1], kv.shape[-1] - 4, generator=g)))
 
 
 def runners(bias: bool, aux=(), kv=torch.float16, num_blocks=12, **shape):
@@ -43,7 +55,7 @@ def runners(bias: bool, aux=(), kv=torch.float16, num_blocks=12, **shape):
                                 max_num_seqs=4, max_num_batched_tokens=64), cfg, w,
                    ops=kernels.ops("cpu", cpu_step_kv=kv))
         r.allocate_kv(aux_layers=aux, kv_dtype=out[0].kv_cache.dtype if out else None)
-        r.kv_cache.normal_(generator=torch.Generator().manual_seed(5))  # stale pool contents must not matter
+        fill_noise(r.kv_cache)  # stale pool contents must not matter
         out.append(r)
     assert isinstance(out[0].model, CpuModel) and not isinstance(out[1].model, CpuModel)
     assert out[0].kv_cache.dtype == out[1].kv_cache.dtype == kv
@@ -57,10 +69,17 @@ def plan(ids, starts, num_tokens, tables, sample_rows, num_decodes, trees=()):
 
 
 def same(a: torch.Tensor, b: torch.Tensor, tol: float = 3e-4):
-    """Within tol of b's scale; a stored fp16 value may also round the other way (one ulp, 2^-10 of it)."""
-    half = a.dtype == torch.float16
-    a, b = a.float(), b.float()
-    ulp = 2.0**-10 * b.abs() if half else 0.0
+    """Within tol of b's scale; a stored fp16 value may also round the other way (one ulp, 2^-10 of it),
+    an int8 one to the next code (its row's scale); int8 pools compare as their values."""
+    half, codes = a.dtype == torch.float16, a.dtype == torch.int8
+    if codes:
+        ulp = 1.001 * b[..., -4:].contiguous().view(torch.float32)  # (..., 1) the row's scale
+        assert (a[..., :-4] == b[..., :-4]).float().mean() > 0.99  # almost every code the same
+    a, b = dequantize_kv_ref(a), dequantize_kv_ref(b)
+    if half:
+        ulp = 2.0**-10 * b.abs()
+    elif not codes:
+        ulp = 0.0
     excess = (a - b).abs() - ulp - tol * b.abs().max()
     assert excess.max().item() <= 0, excess.max().item()
 
@@ -102,6 +121,41 @@ def test_long_contexts_match_the_op_by_op_model(hidden, heads, kv_heads, kv):
     a, b = fast.execute(p), ref.execute(p)
     same(a.logits, b.logits, TOL[kv])
     same(fast.kv_cache, ref.kv_cache, TOL[kv])
+
+
+def test_int8_rows_round_trip():
+    """An int8 row is its codes round(x 127 / max|x|) and the fp32 scale max|x| / 127: every value
+    comes back within half a code, the largest exactly, a row of zeros as zeros."""
+    x = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[7, 1] = 0.0
+    rows = quantize_kv_ref(x)
+    assert rows.dtype == torch.int8 and rows.shape == (50, 3, 68)
+    scale = rows[..., 64:].contiguous().view(torch.float32)
+    assert torch.equal(scale, x.abs().amax(-1, keepdim=True) / 127)
+    assert rows[..., :64].abs().max() == 127 and (rows[..., :64].abs().amax(-1) == 127).sum() == 149
+    back = dequantize_kv_ref(rows)
+    assert ((back - x).abs() <= scale / 2 * 1.0001).all()
+    assert torch.equal(back[7, 1], torch.zeros(64))
+
+
+def test_the_int8_step_reads_each_rows_scales():
+    """Scales rewritten per row in both pools (keys and values, every layer): the step and the
+    reference still agree; rewritten in the step's pool alone, they do not. A kernel reading a
+    neighbour's scale, or none, fails the first; one ignoring scales, the second."""
+    fast, ref = runners(False, kv=torch.int8, num_blocks=40, hidden_size=128, num_heads=4, num_kv_heads=2,
+                        num_layers=2, max_position_embeddings=1024)
+    factor = torch.rand(*fast.kv_cache.shape[:-1], 1, generator=torch.Generator().manual_seed(2)) * 1.5 + 0.5
+    for r in (fast, ref):
+        scales = r.kv_cache[..., -4:].contiguous().view(torch.float32)
+        r.kv_cache[..., -4:] = (scales * factor).view(torch.int8)
+    tables = [list(range(0, 20)), list(range(20, 40))]
+    p = plan([5, 6], [300, 290], [1, 1], tables, [0, 1], 2)  # decodes over the rewritten rows, 2 chunks each
+    a, b = fast.execute(p), ref.execute(p)
+    same(a.logits, b.logits, TOL[torch.int8])
+    fast.kv_cache[..., -4:] = (fast.kv_cache[..., -4:].contiguous().view(torch.float32) * factor).view(torch.int8)
+    a, b = fast.execute(p), ref.execute(p)
+    with pytest.raises(AssertionError):
+        same(a.logits, b.logits, TOL[torch.int8])
 
 
 def test_a_rows_logits_do_not_depend_on_its_batch():
@@ -166,3 +220,18 @@ def test_the_kernel_set_decides_packing_and_the_cpu_step_once():
     assert isinstance(ref, LlamaModel) and ref.lm_head.packed is None
     assert all(layer.mlp.down_proj.packed is None for layer in ref.layers)
     assert isinstance(build_model(cfg, ecfg, tiny_weights(cfg), cpu_ops, 64), CpuModel)
+
+
+@pytest.mark.parametrize("name,dtype,row", [("auto", torch.float16, 16), ("float32", torch.float32, 16),
+                                            ("int8", torch.int8, 20)])
+def test_the_engine_config_chooses_the_steps_pool(name, dtype, row):
+    """EngineConfig.kv_cache_dtype (--kv-cache-dtype) picks the C++ step's pool; an int8 row is
+    head_dim codes and a 4-byte scale, and the block accounting counts those bytes."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=2)
+    r = Runner(EngineConfig(quantization="int4", kv_cache_dtype=name, kv_memory_bytes=1 << 20, cpu_threads=1), cfg,
+               tiny_weights(cfg))
+    r.allocate_kv()
+    kv = r.kv_cache
+    assert r.ops.cpu_step_kv == dtype and kv.dtype == dtype and kv.shape[-1] == row
+    assert kv.numel() * kv.element_size() == kv.shape[2] * kv_bytes_per_block(cfg, r.block_size, dtype)
+    assert kv.shape[2] == (1 << 20) // kv_bytes_per_block(cfg, r.block_size, dtype)

@@ -40,3 +40,28 @@ def test_odd_head_dim_and_cast(device):
     """head_dim 40 (not a power of two); fp32 k/v stored into an fp16 pool."""
     k, v = torch.randn(3, 2, 40, device=device), torch.randn(3, 2, 40, device=device)
     _run(device, torch.float16, 2, 40, [62, -1, 1], src=(k, v))
+
+
+def test_the_reference_stores_int8_rows_and_the_references_read_them():
+    """An int8 pool (the C++ step's, kernels/paged.py): each stored (token, kv head) row is
+    quantize_kv_ref of it, other slots untouched; the attention references read the values back."""
+    from kernels.decode_attention import paged_decode_attention_ref
+    from kernels.paged import attend_ref, dequantize_kv_ref, gather_kv, quantize_kv_ref
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 3, 64, generator=g), torch.randn(5, 3, 64, generator=g)
+    k_cache = torch.zeros(4, 16, 3, 68, dtype=torch.int8)
+    v_cache = torch.zeros(4, 16, 3, 68, dtype=torch.int8)
+    slots = torch.tensor([3, 17, -1, 18, 40])
+    store_kvcache_ref(k, v, k_cache, v_cache, slots)
+    keep = slots >= 0
+    assert torch.equal(k_cache.view(64, 3, 68)[slots[keep]], quantize_kv_ref(k[keep]))
+    assert torch.equal(v_cache.view(64, 3, 68)[slots[keep]], quantize_kv_ref(v[keep]))
+    assert (k_cache.view(64, -1).ne(0).any(-1).nonzero().flatten() == torch.tensor([3, 17, 18, 40])).all()
+    table = torch.tensor([1, 2], dtype=torch.int32)  # positions 0..2: slots 16, 17, 18
+    kk, vv = gather_kv(k_cache, v_cache, table, 3)
+    assert torch.equal(kk[1:], dequantize_kv_ref(quantize_kv_ref(k[[1, 3]])))
+    assert (kk[1:] - k[[1, 3]]).abs().max() <= k.abs().max() / 254 * 1.001
+    q = torch.randn(1, 6, 64, generator=g)
+    out = paged_decode_attention_ref(q, k_cache, v_cache, table[None], torch.tensor([3], dtype=torch.int32), 0.125)
+    torch.testing.assert_close(out, attend_ref(q, kk, vv, torch.ones(1, 3, dtype=torch.bool), 0.125))

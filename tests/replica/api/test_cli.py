@@ -15,6 +15,11 @@ def test_cpu_threads_reach_the_engine_config():
     assert cfg.cpu_threads == 0 and cfg.engine_threads() >= 1  # every core
 
 
+def test_the_kv_cache_dtype_reaches_the_engine_config():
+    assert engine_config(parse_args(["--device", "cpu"])).kv_cache_dtype == "auto"
+    assert engine_config(parse_args(["--device", "cpu", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+
+
 def test_without_a_device_flag_a_cpu_torch_build_serves_on_cpu_and_the_api_process_never_imports_torch():
     code = ("import sys; from replica.__main__ import engine_config, parse_args; "
             "cfg = engine_config(parse_args([])); print(cfg.device, 'torch' in sys.modules)")

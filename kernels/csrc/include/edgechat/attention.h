@@ -2,10 +2,17 @@
 //
 // Decode reads every cached key and value once per layer. At 2,000 tokens of context
 // that is ~46 KB a token in fp32, as many bytes a step as the weights, so the pool is
-// kept in fp16 (half those bytes; `Cache::half`, fp32 still served): keys and values
-// are rounded to nearest on store (`store_row`, as torch's `.half()`) and widened while
-// loaded (`load16`), everything else in fp32. The work is split for both cores and for
-// one pass over memory:
+// kept in fp16 (half those bytes; fp32 still served) or in 8 bits (a quarter, plus a
+// scale): keys and values are rounded on store (`store_heads`: fp16 to nearest even, as
+// torch's `.half()`; int8 as below) and widened while loaded (`load16`), everything else
+// in fp32. The int8 pool (`Kind::i8`) keeps each (token, kv head) row as its D codes
+// followed by its fp32 scale, D + 4 bytes (`kScaleBytes`; kernels/paged.py's
+// `quantize_kv_ref` is the definition): scale = max |x| / 127, code = round(x 127 / max |x|),
+// so x ~ code scale to 1/254 of the row's largest. Attention never dequantizes a row: the
+// key scale multiplies the row's score (q . code) ks, the value scale the probability weight
+// (e vs) code. The scale sits beside its codes, so block copies, prefix sharing and moves of
+// a slot carry it with them (the pool is one tensor, its last dimension D + 4). The work is
+// split for both cores and for one pass over memory:
 //
 //   * an item is (token, chunk of 256 keys), every kv head's: the G query heads of a kv head
 //     share each key and value row it reads, converted once; 16 rows at a time are first
@@ -20,8 +27,8 @@
 // row's result does not depend on what else the step holds. `Keys` describes which
 // positions a query sees: [0, plain) of its sequence (a decode row; a prefill token's
 // causal prefix), then `extra` positions (a draft tree's prefix is `plain`, its
-// allowed nodes the extras). The pool is (blocks, page, Hkv, D), read through the
-// sequence's block table. `exp512` (also the step's SiLU) is exp on 16 lanes to about
+// allowed nodes the extras). The pool is (blocks, page, Hkv, D) (D + 4 bytes in int8), read
+// through the sequence's block table. `exp512` (also the step's SiLU) is exp on 16 lanes to about
 // 2 ulp: 2^n by `scalef`, 2^f for |f| <= 1/2 by its degree-6 Taylor polynomial.
 
 #pragma once
@@ -32,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace attn {
@@ -51,16 +59,56 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 16 pool elements as fp32: fp32 as is, fp16 (its bits in a uint16_t) widened exactly.
+// 16 pool elements as fp32: fp32 as is, fp16 (its bits in a uint16_t) widened exactly, int8 codes
+// as their integer values (the row's scale applied by the caller).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 
-// A key or value row of n (a multiple of 16) into the pool: fp16 rounded to nearest even.
-inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void store_row(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16)
+// An int8 row's D codes are followed by its fp32 scale (unaligned: rows are D + 4 bytes).
+constexpr int64_t kScaleBytes = 4;
+// Pool elements per (token, kv head) row: D, or D codes and the scale's 4 bytes in int8.
+template <typename E>
+constexpr int64_t row_elems(int64_t D) {
+  return std::is_same_v<E, int8_t> ? D + kScaleBytes : D;
+}
+// The scale of a row (1 outside int8, where the elements are the values).
+template <typename E>
+inline float row_scale(const E* row, int64_t D) {
+  if constexpr (std::is_same_v<E, int8_t>) {
+    float s;
+    std::memcpy(&s, row + D, sizeof s);
+    return s;
+  } else {
+    return 1.f;
+  }
+}
+
+// A token's Hkv rows of D keys or values (src: Hkv D floats, D a multiple of 16) into the
+// pool: fp32 as is; fp16 rounded to nearest even; int8 as codes round(x 127 / max |x|) (to
+// nearest even) and scale max |x| / 127 per row, a row of zeros as zeros and scale 0.
+inline void store_heads(float* dst, const float* src, int64_t Hkv, int64_t D) {
+  std::memcpy(dst, src, Hkv * D * sizeof(float));
+}
+inline void store_heads(uint16_t* dst, const float* src, int64_t Hkv, int64_t D) {
+  for (int64_t i = 0; i < Hkv * D; i += 16)
     _mm256_storeu_si256((__m256i*)(dst + i),
                         _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store_heads(int8_t* dst, const float* src, int64_t Hkv, int64_t D) {
+  for (int64_t h = 0; h < Hkv; ++h, src += D, dst += D + kScaleBytes) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
+    const float amax = _mm512_reduce_max_ps(mx), inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+    for (int64_t i = 0; i < D; i += 16) {  // |x inv| <= 127 (to an ulp): rounds into [-127, 127]
+      const __m512i c = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), _mm512_set1_ps(inv)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128((__m128i*)(dst + i), _mm512_cvtepi32_epi8(c));
+    }
+    std::memcpy(dst + D, &scale, sizeof scale);
+  }
 }
 
 // out[l] = the sum of a[kSlot[l]]'s 16 lanes: a transposed reduction of 16 vectors in 15 adds
@@ -90,25 +138,29 @@ struct Keys {
 
 constexpr int64_t kChunk = 256;
 
-// One layer's K and V pools, (blocks, page, Hkv, D) each, fp16 (half) or fp32; page a power of two.
+enum class Kind { f32, f16, i8 };
+
+// One layer's K and V pools, (blocks, page, Hkv, row_elems(D)) each, of `kind`; page a power of two.
 struct Cache {
   const void* k;
   const void* v;
   int64_t page, Hkv, D;
-  bool half;
+  Kind kind;
 };
 
 // s[g kChunk + j] = scale q_g . k_j for GB heads (q: GB rows of D = 16 NV) and the m <= 16 keys
-// at element offsets off[0, m) of kb.
+// at element offsets off[0, m) of kb; in int8, scale ks_j q_g . code_j.
 template <int NV, int GB, typename E>
 inline void scores16(const int64_t* off, int64_t m, const float* q, float scale, const E* kb, float* s) {
   constexpr int64_t D = 16 * NV;
+  alignas(64) float ks[16];  // the keys' scales times `scale` (int8)
   __m512 qv[GB][NV];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NV; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
   __m512 a[GB][16];
   for (int64_t j = 0; j < m; ++j) {
     const E* k = kb + off[j];
+    if constexpr (std::is_same_v<E, int8_t>) ks[j] = row_scale(k, D) * scale;
     __m512 kv[NV];
     for (int c = 0; c < NV; ++c) kv[c] = load16(k + 16 * c);
     for (int g = 0; g < GB; ++g) {
@@ -120,12 +172,13 @@ inline void scores16(const int64_t* off, int64_t m, const float* q, float scale,
   for (int64_t j = m; j < 16; ++j)
     for (int g = 0; g < GB; ++g) a[g][kSlot[j]] = _mm512_setzero_ps();
   const __mmask16 keep = (__mmask16)((1u << m) - 1);
-  for (int g = 0; g < GB; ++g)
-    _mm512_mask_storeu_ps(s + g * kChunk, keep, _mm512_mul_ps(sum16(a[g]), _mm512_set1_ps(scale)));
+  __m512 sv = _mm512_set1_ps(scale);
+  if constexpr (std::is_same_v<E, int8_t>) sv = _mm512_maskz_load_ps(keep, ks);
+  for (int g = 0; g < GB; ++g) _mm512_mask_storeu_ps(s + g * kChunk, keep, _mm512_mul_ps(sum16(a[g]), sv));
 }
 
 // acc_g += sum_j e[g kChunk + j] v_j for GB heads (acc: GB rows, D + 2 floats apart) and the
-// m <= 16 values at element offsets off[0, m) of vb.
+// m <= 16 values at element offsets off[0, m) of vb; in int8, (e vs_j) code_j.
 template <int NV, int GB, typename E>
 inline void values16(const int64_t* off, int64_t m, const float* e, const E* vb, float* acc) {
   constexpr int64_t D = 16 * NV;
@@ -134,10 +187,11 @@ inline void values16(const int64_t* off, int64_t m, const float* e, const E* vb,
     for (int c = 0; c < NV; ++c) av[g][c] = _mm512_loadu_ps(acc + g * (D + 2) + 16 * c);
   for (int64_t j = 0; j < m; ++j) {
     const E* v = vb + off[j];
+    const float vs = row_scale(v, D);
     __m512 vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
     for (int g = 0; g < GB; ++g) {
-      const __m512 w = _mm512_set1_ps(e[g * kChunk + j]);
+      const __m512 w = _mm512_set1_ps(std::is_same_v<E, int8_t> ? e[g * kChunk + j] * vs : e[g * kChunk + j]);
       for (int c = 0; c < NV; ++c) av[g][c] = _mm512_fmadd_ps(w, vv[c], av[g][c]);
     }
   }
@@ -159,7 +213,8 @@ void partial_heads(const Keys& keys, int64_t i0, int64_t i1, const float* q, int
   constexpr int kMaxGB = NV <= 4 ? 4 : 2;
   int64_t off[kChunk];  // element offset of each key's pool row (its block from the table)
   const int64_t n = i1 - i0, shift = __builtin_ctzll(pool.page), mask = pool.page - 1;  // page: a power of two
-  const int64_t Hkv = pool.Hkv, row = Hkv * D, bytes = row * (int64_t)sizeof(E);
+  constexpr int64_t RD = row_elems<E>(D);  // a (token, kv head) row's elements
+  const int64_t Hkv = pool.Hkv, row = Hkv * RD, bytes = row * (int64_t)sizeof(E);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = keys.pos(i0 + i);
     off[i] = (((int64_t)keys.table[p >> shift] << shift) + (p & mask)) * row;
@@ -190,7 +245,7 @@ void partial_heads(const Keys& keys, int64_t i0, int64_t i1, const float* q, int
     const int64_t m = std::min<int64_t>(16, n - i);
     touch(kp, i, m);
     each([&](int64_t kvh, int64_t h, int gb) {
-      const E* kb = kp + kvh * D;
+      const E* kb = kp + kvh * RD;
       const float* qh = q + h * D;
       float* s = sc + h * kChunk + i;
       switch (gb) {
@@ -221,7 +276,7 @@ void partial_heads(const Keys& keys, int64_t i0, int64_t i1, const float* q, int
     const int64_t m = std::min<int64_t>(16, n - i);
     touch(vp, i, m);
     each([&](int64_t kvh, int64_t h, int gb) {
-      const E* vb = vp + kvh * D;
+      const E* vb = vp + kvh * RD;
       const float* e = sc + h * kChunk + i;
       float* o = out + h * (D + 2);
       switch (gb) {
@@ -249,10 +304,11 @@ void partial_dim(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G
 // out: per head acc[D], m, l; sc: scratch of Hkv G kChunk floats.
 inline void partial_any(const Keys& keys, int64_t i0, int64_t i1, const float* q, int G, float scale, const Cache& pool,
                         float* sc, float* out) {
-  if (pool.half)
-    partial_dim<uint16_t>(keys, i0, i1, q, G, scale, pool, sc, out);
-  else
-    partial_dim<float>(keys, i0, i1, q, G, scale, pool, sc, out);
+  switch (pool.kind) {
+    case Kind::f16: partial_dim<uint16_t>(keys, i0, i1, q, G, scale, pool, sc, out); break;
+    case Kind::i8: partial_dim<int8_t>(keys, i0, i1, q, G, scale, pool, sc, out); break;
+    default: partial_dim<float>(keys, i0, i1, q, G, scale, pool, sc, out); break;
+  }
 }
 
 // parts: nchunks partials of G heads, `stride` floats apart; out: G rows of D (the heads' outputs).
