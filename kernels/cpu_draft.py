@@ -6,8 +6,8 @@ target meanwhile runs each step as one C++ call (kernels/cpu_forward.py). `Draft
 holds a snapshot of the head's fp32 weights (q/k/v and gate/up stacked) and runs one
 head step -- fc when given the target's features, the decoder layer attending to the
 head's paged KV layer (a causal commit chunk, or a draft level's tree entries under
-their ancestor mask), the final norm and the draft lm_head for the rows asked -- as
-one call (kernels/csrc/cpu_draft.cpp), its phases shared out by the same
+their ancestor mask), the final norm, the draft lm_head and its log-softmax for the
+rows asked -- as one call (kernels/csrc/cpu_draft.cpp), its phases shared out by the same
 work-claiming pool as the target's step (csrc/include/edgechat/pool.h).
 
 Same math as `speculative.head.Eagle3Head` with its `attend` over the paged layer
@@ -62,7 +62,7 @@ class DraftStep:
         tables (B, W) int32; cu (B + 1,) int32 rows per sequence; lens (B,) int32: without tree_mask, each
         sequence's length after this causal chunk; with it (T, E) bool, the committed entries the tree follows,
         tree_n (B,) int32 its entries so far; kv (2, blocks, page, Hkv, D); logit_rows (R,) ->
-        (o (T, h), logits (R, draft_vocab))."""
+        (o (T, h), logp (R, draft_vocab): the rows' log-softmaxed draft logits, log q)."""
         i64, i32 = torch.int64, torch.int32
         return self._head.forward(ids.to(i64), inp.float(), positions.to(i64), slots.to(i64), tables.to(i32),
                                   cu.to(i32), lens.to(i32), tree_mask, None if tree_n is None else tree_n.to(i32),

@@ -6,7 +6,13 @@
 //     z = [norm(E x) ; norm(g)]                       per row
 //     qkv = z Wqkv^T, RoPE, k and v into the head's paged layer, attention (edgechat/attention.h)
 //     u = g + attn Wo^T ; o = u + down(silu(gate(norm(u))) * up(...))
-//     logits = norm(o) Wlm^T                          for the rows asked (a commit: each sequence's newest)
+//     logp = log_softmax(norm(o) Wlm^T)               for the rows asked (a commit: each sequence's newest)
+//
+// The draft distribution comes out normalized: what the Drafter ranks (EAGLE-2 scores are sums of log q) and
+// samples from (softmax(logp / T) = softmax(logits / T)). In PyTorch that log-softmax is one more op, and a
+// costly one here: torch splits it over its OpenMP threads, whose barrier waits for a core that the pools'
+// helpers (this one's and the target step's) have just been spinning on -- 7 ms a call on the busy 2-core VM,
+// against 0.06 ms with one torch thread.
 //
 // kernels/cpu_draft.py binds it and states its contract. fp32 weights, as the PyTorch head holds them: the head is
 // ~7 M parameters (~28 MB), so a step streams about what a quarter of the target's 4-bit step does, and its
@@ -88,6 +94,21 @@ inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, f
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
 
+// x <- x - max - log(sum exp(x - max)) over n values.
+inline void log_softmax_row(float* x, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail(n - i), x + i));
+  const float mx = _mm512_reduce_max_ps(mv);
+  __m512 sv = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail(n - i);
+    const __m512 e = attn::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(mx)));
+    sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(m, e));
+  }
+  const float shift = mx + std::log(_mm512_reduce_add_ps(sv));
+  for (int64_t i = 0; i < n; ++i) x[i] -= shift;
+}
+
 inline void rotate(float* p, const float* cs, int64_t half) {
   const float* c = cs;
   const float* s = cs + half;
@@ -146,7 +167,7 @@ class DraftHead {
   // cu[e] .. cu[e+1]) reads its sequence's block table row; without tree_mask it is a causal chunk whose
   // sequence then holds lens[e] entries; with it (T, E) the token sees the lens[e] committed entries and the
   // draft entries lens[e] + c (c < tree_n[e]) its mask row allows. k, v go to `slots` (-1: not stored) of kv
-  // (2, blocks, page, Hkv, D), fp32 or fp16. Returns {o (T, h), logits (R, V) of rows logit_rows}.
+  // (2, blocks, page, Hkv, D), fp32 or fp16. Returns {o (T, h), logp (R, V): log q of rows logit_rows}.
   std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor inp, torch::Tensor positions, torch::Tensor slots,
                                      torch::Tensor tables, torch::Tensor cu, torch::Tensor lens,
                                      c10::optional<torch::Tensor> tree_mask, c10::optional<torch::Tensor> tree_n,
@@ -288,6 +309,7 @@ class DraftHead {
     matmul(actp, T, I_, wp(7), h_, op, true);  // o = u + act Wdown^T
     rows(R, [&](int64_t r, int) { rms_norm_row(op + lrp[r] * h_, wp(8), h_, eps_, xnp + r * h_); });
     if (R) matmul(xnp, R, h_, wp(9), V_, logits.data_ptr<float>(), false);
+    rows(R, [&](int64_t r, int) { log_softmax_row(logits.data_ptr<float>() + r * V_, V_); });
     pool_->end_step();
     return {o, logits};
   }
