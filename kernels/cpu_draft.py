@@ -34,11 +34,12 @@ def available() -> bool:
 
 
 def supports(head, kv: torch.Tensor) -> bool:
-    """An fp32 head on CPU whose attention shape the C++ kernels handle, over an fp32/fp16 pool."""
+    """An fp32 head on CPU over its fp32 layer (the Drafter's pool is in the head's dtype; the C++
+    also reads an fp16 one, as the target step does), an attention shape the C++ handles."""
     c = head.cfg
     page = kv.shape[2]
     return (head.fc.weight.dtype == torch.float32 and head.fc.weight.device.type == "cpu"
-            and kv.dtype in (torch.float32, torch.float16) and kv.is_contiguous()
+            and kv.dtype == torch.float32 and kv.is_contiguous()
             and c.head_dim in (16, 32, 64, 128) and page & (page - 1) == 0)
 
 
