@@ -6,9 +6,12 @@ target meanwhile runs each step as one C++ call (kernels/cpu_forward.py). `Draft
 holds a snapshot of the head's fp32 weights (q/k/v and gate/up stacked) and runs one
 head step -- fc when given the target's features, the decoder layer attending to the
 head's paged KV layer (a causal commit chunk, or a draft level's tree entries under
-their ancestor mask), the final norm, the draft lm_head and its log-softmax for the
-rows asked -- as one call (kernels/csrc/cpu_draft.cpp), its phases shared out by the same
-work-claiming pool as the target's step (csrc/include/edgechat/pool.h).
+their ancestor mask), the final norm, the draft lm_head and its log-softmax -- as one
+call (kernels/csrc/cpu_draft.cpp), its phases shared out by the same work-claiming pool
+as the target's step (csrc/include/edgechat/pool.h). Every row's k and v are stored;
+past that only the rows asked are computed: a commit keeps its entries' KV and needs
+o and log q of each sequence's newest entry only (a 300-token prompt's first commit:
+the attention and MLP of 1 row, not 300).
 
 Same math as `speculative.head.Eagle3Head` with its `attend` over the paged layer
 (the reference; `speculative.drafting.Drafter` runs either): fp32 weights and
@@ -58,13 +61,14 @@ class DraftStep:
         self._head = _ext().DraftHead(list(shape), c.rms_norm_eps, head.embed_weight.float(), cos_sin.float(),
                                       [w.detach().float().contiguous() for w in weights], threads)
 
-    def __call__(self, ids, inp, positions, slots, tables, cu, lens, kv, logit_rows, tree_mask=None, tree_n=None):
+    def __call__(self, ids, inp, positions, slots, tables, cu, lens, kv, out_rows, tree_mask=None, tree_n=None):
         """ids (T,) target ids; inp (T, 3h) target features (fused by fc) or (T, h) g; positions, slots (T,);
         tables (B, W) int32; cu (B + 1,) int32 rows per sequence; lens (B,) int32: without tree_mask, each
         sequence's length after this causal chunk; with it (T, E) bool, the committed entries the tree follows,
-        tree_n (B,) int32 its entries so far; kv (2, blocks, page, Hkv, D); logit_rows (R,) ->
-        (o (T, h), logp (R, draft_vocab): the rows' log-softmaxed draft logits, log q)."""
+        tree_n (B,) int32 its entries so far; kv (2, blocks, page, Hkv, D); out_rows (R,): the rows whose
+        outputs are wanted (every row's k and v are stored; past them only these rows are computed) ->
+        (o (R, h), logp (R, draft_vocab): their outputs and log-softmaxed draft logits, log q)."""
         i64, i32 = torch.int64, torch.int32
         return self._head.forward(ids.to(i64), inp.float(), positions.to(i64), slots.to(i64), tables.to(i32),
                                   cu.to(i32), lens.to(i32), tree_mask, None if tree_n is None else tree_n.to(i32),
-                                  kv, logit_rows.to(i64))
+                                  kv, out_rows.to(i64))

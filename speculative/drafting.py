@@ -143,8 +143,7 @@ class Drafter:
         last = cu[1:].long() - 1  # each sequence's newest entry
         feats = torch.cat(feats).to(dev)
         if self.cpp is not None:
-            o, logp = self.cpp(ids, feats, pos, slots, block_tables, cu, lens, self.kv, last)
-            o = o[last]  # (B, h)
+            o, logp = self.cpp(ids, feats, pos, slots, block_tables, cu, lens, self.kv, last)  # (B, h), (B, V)
         else:
 
             def attend(q, k, v):  # causal over the committed entries, as a prefill chunk

@@ -2,11 +2,15 @@
 // head's fp32 weights and runs a step's T entries -- a commit chunk from the target's features, or a draft level's
 // nodes -- from fc to the draft logits, in phases shared out by the work-claiming pool (edgechat/pool.h):
 //
-//     g = fc(aux)                                     (a commit; a draft level passes its parents' o as g)
-//     z = [norm(E x) ; norm(g)]                       per row
-//     qkv = z Wqkv^T, RoPE, k and v into the head's paged layer, attention (edgechat/attention.h)
-//     u = g + attn Wo^T ; o = u + down(silu(gate(norm(u))) * up(...))
-//     logp = log_softmax(norm(o) Wlm^T)               for the rows asked (a commit: each sequence's newest)
+//     g = fc(aux)                        (a commit; a draft level passes its parents' o as g)
+//     z = [norm(E x) ; norm(g)]
+//     qkv = z Wqkv^T, RoPE, k and v into the head's paged layer
+//     attention (edgechat/attention.h), u = g + attn Wo^T
+//     o = u + down(silu(gate(norm(u))) * up(norm(u)))
+//     logp = log_softmax(norm(o) Wlm^T)
+//
+// The first three lines run for every row: its k and v are what a commit keeps. The rest runs only for the rows
+// asked (`out_rows`): a commit's newest entry per sequence, whose o seeds the draft; a draft level's every node.
 //
 // The draft distribution comes out normalized: what the Drafter ranks (EAGLE-2 scores are sums of log q) and
 // samples from (softmax(logp / T) = softmax(logits / T)). In PyTorch that log-softmax is one more op, and a
@@ -119,7 +123,7 @@ inline void rotate(float* p, const float* cs, int64_t half) {
   }
 }
 
-// One attention work item: a token's heads (every kv head's) over one chunk of its keys.
+// One attention work item: an out row's heads (every kv head's) over one chunk of its token's keys.
 struct Item {
   int64_t t, i0, i1;
 };
@@ -167,11 +171,11 @@ class DraftHead {
   // cu[e] .. cu[e+1]) reads its sequence's block table row; without tree_mask it is a causal chunk whose
   // sequence then holds lens[e] entries; with it (T, E) the token sees the lens[e] committed entries and the
   // draft entries lens[e] + c (c < tree_n[e]) its mask row allows. k, v go to `slots` (-1: not stored) of kv
-  // (2, blocks, page, Hkv, D), fp32 or fp16. Returns {o (T, h), logp (R, V): log q of rows logit_rows}.
+  // (2, blocks, page, Hkv, D), fp32 or fp16. Returns {o (R, h), logp (R, V): log q} of rows out_rows (R).
   std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor inp, torch::Tensor positions, torch::Tensor slots,
                                      torch::Tensor tables, torch::Tensor cu, torch::Tensor lens,
                                      c10::optional<torch::Tensor> tree_mask, c10::optional<torch::Tensor> tree_n,
-                                     torch::Tensor kv, torch::Tensor logit_rows) {
+                                     torch::Tensor kv, torch::Tensor out_rows) {
     ids = ids.contiguous();
     inp = inp.contiguous();
     positions = positions.contiguous();
@@ -179,11 +183,11 @@ class DraftHead {
     tables = tables.contiguous();
     cu = cu.contiguous();
     lens = lens.contiguous();
-    logit_rows = logit_rows.contiguous();
-    const int64_t T = ids.size(0), R = logit_rows.size(0);
+    out_rows = out_rows.contiguous();
+    const int64_t T = ids.size(0), R = out_rows.size(0);
     TORCH_CHECK(ids.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong &&
-                    slots.scalar_type() == torch::kLong && logit_rows.scalar_type() == torch::kLong,
-                "DraftHead: ids, positions, slots and logit_rows are int64");
+                    slots.scalar_type() == torch::kLong && out_rows.scalar_type() == torch::kLong,
+                "DraftHead: ids, positions, slots and out_rows are int64");
     TORCH_CHECK(
         tables.scalar_type() == torch::kInt && cu.scalar_type() == torch::kInt && lens.scalar_type() == torch::kInt,
         "DraftHead: tables, cu and lens are int32");
@@ -198,25 +202,28 @@ class DraftHead {
     TORCH_CHECK(page > 0 && (page & (page - 1)) == 0, "DraftHead: the page size must be a power of two");
     std::vector<torch::Tensor> keep;
     const std::vector<attn::Keys> keys = key_sets(T, tables, cu, lens, tree_mask, tree_n, keep);
-    std::vector<Item> items;
-    std::vector<int64_t> first(T + 1, 0);
-    for (int64_t t = 0; t < T; ++t) {
-      first[t] = items.size();
-      for (int64_t i0 = 0; i0 < keys[t].size(); i0 += attn::kChunk)
-        items.push_back({t, i0, std::min<int64_t>(keys[t].size(), i0 + attn::kChunk)});
+    const int64_t* orp = out_rows.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(orp[r] >= 0 && orp[r] < T, "DraftHead: out row out of range");
+    std::vector<Item> items;  // (out row r, chunk of its token's keys); r's chunks are items [first[r], first[r+1])
+    std::vector<int64_t> first(R + 1, 0);
+    for (int64_t r = 0; r < R; ++r) {
+      first[r] = items.size();
+      const attn::Keys& k = keys[orp[r]];
+      for (int64_t i0 = 0; i0 < k.size(); i0 += attn::kChunk)
+        items.push_back({r, i0, std::min<int64_t>(k.size(), i0 + attn::kChunk)});
     }
-    first[T] = items.size();
+    first[R] = items.size();
 
     auto opts = embed_.options();
     const int64_t qkv_n = (H_ + 2 * Hkv_) * D_;
     auto g = inp.size(1) == h_ ? inp : torch::empty({T, h_}, opts);
     auto z = torch::empty({T, 2 * h_}, opts);
     auto qkv = torch::empty({T, qkv_n}, opts);
-    auto attn = torch::empty({T, H_ * D_}, opts);
-    auto o = torch::empty({T, h_}, opts);  // u, then o
-    auto xn = torch::empty({std::max(T, R), h_}, opts);
-    auto gu = torch::empty({T, 2 * I_}, opts);
-    auto act = torch::empty({T, I_}, opts);
+    auto attn = torch::empty({R, H_ * D_}, opts);
+    auto o = torch::empty({R, h_}, opts);  // u, then o
+    auto xn = torch::empty({R, h_}, opts);
+    auto gu = torch::empty({R, 2 * I_}, opts);
+    auto act = torch::empty({R, I_}, opts);
     auto logits = torch::empty({R, V_}, opts);
     const int W = pool_->workers();
     const int64_t G = H_ / Hkv_, part = H_ * (D_ + 2);  // an item's partials: every head's acc[D], m, l
@@ -226,7 +233,6 @@ class DraftHead {
     const int64_t* idp = ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* slp = slots.data_ptr<int64_t>();
-    const int64_t* lrp = logit_rows.data_ptr<int64_t>();
     float* gp = g.data_ptr<float>();
     float* zp = z.data_ptr<float>();
     float* qkvp = qkv.data_ptr<float>();
@@ -239,7 +245,6 @@ class DraftHead {
     const float* cs = cos_sin_.data_ptr<float>();
     const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2, vocab = embed_.size(0);
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(idp[t] >= 0 && idp[t] < vocab, "DraftHead: token id out of range");
-    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(lrp[r] >= 0 && lrp[r] < T, "DraftHead: logit row out of range");
     const bool f16 = kv.scalar_type() == torch::kHalf;
     const int64_t esize = f16 ? 2 : 4, pool = kv.size(1) * page * Hkv_ * D_;
     char* kc = (char*)kv.data_ptr();
@@ -285,30 +290,32 @@ class DraftHead {
         attn::store_row((float*)vc + at, v, Hkv_ * D_);
       }
     });
-    // attention: chunk partials per token, then merged per (token, kv head) into its G heads' outputs
+    // attention of the out rows: chunk partials per row, then merged per (row, kv head) into its G heads' outputs
     const attn::Cache cache{kc, vc, page, Hkv_, D_, f16};
     pool_->run(items.size(), [&](int64_t i, int w) {
       const Item& it = items[i];
-      attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n, (int)G, scale, cache, scores[w].data(),
+      attn::partial_any(keys[orp[it.t]], it.i0, it.i1, qkvp + orp[it.t] * qkv_n, (int)G, scale, cache, scores[w].data(),
                         parts.data() + i * part);
     });
-    rows(T * Hkv_, [&](int64_t j, int) {  // j = t * Hkv + kv head
-      const int64_t t = j / Hkv_, kh = j % Hkv_;
-      attn::merge(parts.data() + first[t] * part + kh * G * (D_ + 2), first[t + 1] - first[t], part, (int)G, D_,
+    rows(R * Hkv_, [&](int64_t j, int) {  // j = r * Hkv + kv head
+      const int64_t r = j / Hkv_, kh = j % Hkv_;
+      attn::merge(parts.data() + first[r] * part + kh * G * (D_ + 2), first[r + 1] - first[r], part, (int)G, D_,
                   ap + j * G * D_);
     });
-    std::memcpy(op, gp, T * h_ * sizeof(float));  // u = g + attn Wo^T
-    matmul(ap, T, H_ * D_, wp(4), h_, op, true);
-    rows(T, [&](int64_t t, int) { rms_norm_row(op + t * h_, wp(5), h_, eps_, xnp + t * h_); });
-    matmul(xnp, T, h_, wp(6), 2 * I_, gup, false);
-    rows(T, [&](int64_t t, int) {  // act = silu(gate) up = gate / (1 + e^-gate) up
-      const float* gr = gup + t * 2 * I_;
-      float* ar = actp + t * I_;
-      for (int64_t i = 0; i < I_; ++i) ar[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I_ + i];
-    });
-    matmul(actp, T, I_, wp(7), h_, op, true);  // o = u + act Wdown^T
-    rows(R, [&](int64_t r, int) { rms_norm_row(op + lrp[r] * h_, wp(8), h_, eps_, xnp + r * h_); });
-    if (R) matmul(xnp, R, h_, wp(9), V_, logits.data_ptr<float>(), false);
+    for (int64_t r = 0; r < R; ++r) std::memcpy(op + r * h_, gp + orp[r] * h_, h_ * sizeof(float));
+    if (R) {
+      matmul(ap, R, H_ * D_, wp(4), h_, op, true);  // u = g + attn Wo^T
+      rows(R, [&](int64_t r, int) { rms_norm_row(op + r * h_, wp(5), h_, eps_, xnp + r * h_); });
+      matmul(xnp, R, h_, wp(6), 2 * I_, gup, false);
+      rows(R, [&](int64_t r, int) {  // act = silu(gate) up = gate / (1 + e^-gate) up
+        const float* gr = gup + r * 2 * I_;
+        float* ar = actp + r * I_;
+        for (int64_t i = 0; i < I_; ++i) ar[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I_ + i];
+      });
+      matmul(actp, R, I_, wp(7), h_, op, true);  // o = u + act Wdown^T
+      rows(R, [&](int64_t r, int) { rms_norm_row(op + r * h_, wp(8), h_, eps_, xnp + r * h_); });
+      matmul(xnp, R, h_, wp(9), V_, logits.data_ptr<float>(), false);
+    }
     rows(R, [&](int64_t r, int) { log_softmax_row(logits.data_ptr<float>() + r * V_, V_); });
     pool_->end_step();
     return {o, logits};
