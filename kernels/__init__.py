@@ -2,12 +2,13 @@
 
 Each module holds `name_ref` (PyTorch, the definition) beside `name_triton` (the
 kernel and its wrapper, same signature); `cpu_ops` holds C++ versions of the
-decode step's small ops (`name_cpu`, fp32); `qgemm_cpu` the packed int8/int4 GEMM and
-`cpu_forward` the whole decoder step as one C++ call. What runs where is decided
-here, once at start-up, by `ops(device_type)`: the model's layers, its quantized
-linears (packed or not), the Runner's choice of the C++ step and that step's KV
-pool dtype (fp16 unless `cpu_step_kv=` says fp32 or int8) all read the one `Ops` it
-returns; tests force one with `impl=`.
+decode step's small ops (`name_cpu`, fp32); `qgemm_cpu` the packed int8/int4 GEMM,
+`cpu_forward` the whole decoder step as one C++ call and `cpu_draft` the EAGLE-3 head's
+step as another. What runs where is decided here, once at start-up, by
+`ops(device_type)`: the model's layers, its quantized linears (packed or not), the
+Runner's choice of the C++ step and that step's KV pool dtype (fp16 unless
+`cpu_step_kv=` says fp32 or int8), and the Drafter's choice of the C++ head step all
+read the one `Ops` it returns; tests force one with `impl=`.
 """
 
 import os
@@ -56,6 +57,9 @@ class Ops:
     # a step at a time as one C++ call (kernels.cpu_forward; else op by op).
     packed_qgemm: bool = False
     cpu_step: bool = False
+    # impl "cpu" where it builds: the EAGLE-3 head's step as one C++ call (kernels.cpu_draft;
+    # else speculative.drafting.Drafter runs the head op by op).
+    cpu_draft: bool = False
     # The KV pool's dtype under the C++ step: fp16 halves the bytes a long context's decode
     # reads (kernels/csrc/include/edgechat/attention.h); fp32 is served too, and int8 (a
     # scale per token and kv head, rows of head_dim + 4 bytes: kernels/paged.py) on request.
@@ -81,12 +85,13 @@ def ops(device_type: str, impl: str | None = None, cpu_step_kv: torch.dtype = to
     if impl not in ("triton", "cpu", "ref"):
         raise ValueError(f"kernels.ops: impl must be 'triton', 'cpu' or 'ref', got {impl!r}")
     if impl == "cpu":
-        from kernels import cpu_forward, cpu_ops, qgemm_cpu
+        from kernels import cpu_draft, cpu_forward, cpu_ops, qgemm_cpu
 
         packed = qgemm_cpu.available()
         return Ops(impl=impl, **{name: getattr(cpu_ops, f"{name}_cpu", None) or getattr(mod, f"{name}_ref")
                                  for name, mod in _SOURCES.items()},
-                   packed_qgemm=packed, cpu_step=packed and cpu_forward.available(), cpu_step_kv=cpu_step_kv)
+                   packed_qgemm=packed, cpu_step=packed and cpu_forward.available(), cpu_step_kv=cpu_step_kv,
+                   cpu_draft=cpu_draft.available())
     if impl == "triton":
         if not HAS_TRITON:
             raise RuntimeError("kernels.ops: impl='triton' needs the triton package; install it or use impl='ref'")

@@ -22,6 +22,12 @@ expanded (one head step for all of them together), each proposing its top_k
 children; after `depth` levels the `budget` best-scored candidates form the tree.
 A child never outscores its parent, so the kept set contains every kept node's
 ancestors (ties go to the earlier-created node, the parent). A chain is top_k = 1.
+
+Head steps. A commit and each draft level is one head step over all its rows, yielding
+the rows' outputs o and log q (log-softmaxed draft logits): on CPU one C++ call where the
+kernel set has it (`kernels.Ops.cpu_draft`, kernels/cpu_draft.py: fc, the decoder layer
+over the paged layer, norm, lm_head and log-softmax fused), else the PyTorch head with
+the kernel set's paged attention (the reference; same drafts to float rounding).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import cpu_draft
 from speculative.head import Eagle3Head
 from speculative.tree_spec import TreeSpec
 from speculative.verify import DRAFT_STREAM, gumbel_draw
@@ -93,11 +100,15 @@ class Drafter:
     kv (2, num_blocks, block_size, Hkv, D): the head's layer of the paged pool
     (replica.model.runner.Runner.draft_kv), in the head's dtype."""
 
-    def __init__(self, head: Eagle3Head, cos_sin: torch.Tensor, kv: torch.Tensor, ops):
+    def __init__(self, head: Eagle3Head, cos_sin: torch.Tensor, kv: torch.Tensor, ops, threads: int | None = None):
+        """threads: the C++ head step's (default torch's thread count)."""
         assert kv.shape[-2:] == head.kv_shape() and kv.dtype == head.fc.weight.dtype, "the head's KV layer"
         self.head, self.cos_sin, self.ops, self.block_size = head, cos_sin, ops, kv.shape[2]
-        self.k_cache, self.v_cache = kv[0], kv[1]
+        self.kv, self.k_cache, self.v_cache = kv, kv[0], kv[1]
         self.scale = head.cfg.head_dim**-0.5
+        self.cpp = None  # the C++ head step (kernels.cpu_draft.DraftStep), where the kernel set has it
+        if getattr(ops, "cpu_draft", False) and cpu_draft.supports(head, kv):
+            self.cpp = cpu_draft.DraftStep(head, cos_sin, threads or torch.get_num_threads())
 
     def new_state(self, cached: int = 0) -> HeadState:
         """State for a sequence whose first `cached` tokens already have head KV in
@@ -129,22 +140,29 @@ class Drafter:
         slots = self._slots(block_tables, rows, pos)
         cu = torch.tensor(cu, dtype=torch.int32, device=dev)
         lens = torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=dev)
+        last = cu[1:].long() - 1  # each sequence's newest entry
+        feats = torch.cat(feats).to(dev)
+        if self.cpp is not None:
+            o, logp = self.cpp(ids, feats, pos, slots, block_tables, cu, lens, self.kv, last)  # (B, h), (B, V)
+        else:
 
-        def attend(q, k, v):  # causal over the committed entries, as a prefill chunk
-            self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, slots)
-            return self.ops.paged_extend_attention(q, self.k_cache, self.v_cache, block_tables, cu, lens, self.scale)
+            def attend(q, k, v):  # causal over the committed entries, as a prefill chunk
+                self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, slots)
+                return self.ops.paged_extend_attention(q, self.k_cache, self.v_cache, block_tables, cu, lens,
+                                                       self.scale)
 
-        o = self.head(ids, self.head.fuse(torch.cat(feats).to(dev)), pos, self.cos_sin, attend)
+            o = self.head(ids, self.head.fuse(feats), pos, self.cos_sin, attend)[last]  # (B, h)
+            logp = self.head.logits(o).float().log_softmax(-1)
         for st, toks in zip(states, tokens):
             st.length, st.feats = len(toks), []
-        o = o[cu[1:].long() - 1]  # (B, h): each sequence's newest entry
-        return o, self.head.logits(o).float()
+        return o, logp
 
     # -- one draft level ----------------------------------------------------------------------
     def _step(self, tok, g, lens, level: int, e0: int, anc, block_tables):
         """Head step for K nodes per sequence at depth `level`: tok (B, K) target ids,
         g (B, K, h) their parents' outputs. Their entries go to scratch slots
-        n + e0 .. n + e0 + K - 1; anc (B, E, E) says which scratch entries each sees."""
+        n + e0 .. n + e0 + K - 1; anc (B, E, E) says which scratch entries each sees.
+        Returns the nodes' outputs o (B, K, h) and log q (B, K, V), fp32."""
         B, K = tok.shape
         dev = tok.device
         pos = (lens - 1 + level)[:, None].expand(B, K)  # RoPE position of the drafted token
@@ -158,14 +176,18 @@ class Drafter:
         prefix = lens.to(torch.int32)
         n_tree = torch.full((B,), e0 + K, dtype=torch.int32, device=dev)
         mask = anc[:, e0 : e0 + K].reshape(B * K, anc.shape[-1]).contiguous()  # (B*K, E)
+        if self.cpp is not None:
+            o, logp = self.cpp(tok.flatten(), g.flatten(0, 1), pos.flatten(), slots, block_tables, cu, prefix,
+                               self.kv, torch.arange(B * K, device=dev), tree_mask=mask, tree_n=n_tree)
+            return o.view(B, K, -1), logp.view(B, K, -1)
 
         def attend(q, k, v):  # q (B*K, H, D)
             self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, slots)
             return self.ops.paged_tree_attention(q, self.k_cache, self.v_cache, block_tables, cu, prefix, mask,
                                                  self.scale, n_tree)
 
-        o = self.head(tok.flatten(), g.flatten(0, 1), pos.flatten(), self.cos_sin, attend)
-        return o.view(B, K, -1)
+        o = self.head(tok.flatten(), g.flatten(0, 1), pos.flatten(), self.cos_sin, attend).view(B, K, -1)
+        return o, self.head.logits(o).float().log_softmax(-1)
 
     # -- public -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -173,17 +195,17 @@ class Drafter:
                 temperatures=None, seeds=None) -> list[DraftTree]:
         """One draft tree per sequence. block_tables (B, W) int32 must cover positions
         [0, len + spec.lookahead). temperatures/seeds: for spec.sample only."""
-        o, logits = self._commit(tokens, states, block_tables)
+        o, logp = self._commit(tokens, states, block_tables)
         lens = torch.tensor([len(t) for t in tokens], device=o.device)
         if spec.sample:
-            return self._sample_chain(tokens, o, logits, lens, block_tables, spec, temperatures, seeds)
-        return self._tree(tokens, o, logits, lens, block_tables, spec)
+            return self._sample_chain(tokens, o, logp, lens, block_tables, spec, temperatures, seeds)
+        return self._tree(tokens, o, logp, lens, block_tables, spec)
 
-    def _tree(self, tokens, o, logits, lens, block_tables, spec: TreeSpec) -> list[DraftTree]:
+    def _tree(self, tokens, o, logp, lens, block_tables, spec: TreeSpec) -> list[DraftTree]:
         B, K, d2t = len(tokens), spec.top_k, self.head.d2t
         E = K * (spec.depth - 1)
         anc = torch.zeros(B, E, E, dtype=torch.bool, device=o.device)
-        top = logits.log_softmax(-1).topk(K, dim=-1)
+        top = logp.topk(K, dim=-1)
         # Candidates in creation order, per sequence: draft token, score, parent candidate
         # (-1: the root) and the scratch entry of that parent (-1: the root).
         c_tok, c_score = [top.indices], [top.values]
@@ -202,8 +224,8 @@ class Drafter:
                 parent_rows = anc[torch.arange(B), f_pe[:, r].clamp_min(0)] & (f_pe[:, r] >= 0)[:, None]
                 anc[:, e0 + r] = parent_rows
                 anc[:, e0 + r, e0 + r] = True
-            o_f = self._step(d2t[f_tok], g, lens, level, e0, anc, block_tables)  # (B, K, h)
-            lp = self.head.logits(o_f).float().log_softmax(-1).topk(K, dim=-1)  # (B, K, K)
+            o_f, logp_f = self._step(d2t[f_tok], g, lens, level, e0, anc, block_tables)  # (B, K, h), (B, K, V)
+            lp = logp_f.topk(K, dim=-1)  # (B, K, K)
             new_score = (f_score[..., None] + lp.values).flatten(1)  # (B, K*K)
             c_tok.append(lp.indices.flatten(1))
             c_score.append(new_score)
@@ -229,8 +251,8 @@ class Drafter:
             trees.append(DraftTree([tokens[b][-1]] + [tok_t[b][c] for c in keep], parents))
         return trees
 
-    def _sample_chain(self, tokens, o, logits, lens, block_tables, spec, temperatures, seeds) -> list[DraftTree]:
-        """Chain drafts x_k ~ q_k = softmax(head logits / T), recorded for verification."""
+    def _sample_chain(self, tokens, o, logp, lens, block_tables, spec, temperatures, seeds) -> list[DraftTree]:
+        """Chain drafts x_k ~ q_k = softmax(head logits / T) = softmax(log q / T), recorded for verification."""
         B, dev, d2t = len(tokens), o.device, self.head.d2t
         V = self.head.cfg.target_vocab_size
         temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev)
@@ -239,15 +261,15 @@ class Drafter:
         qs, drafts, g = [torch.zeros(B, V, device=dev)], [], o[:, None]
         for level in range(1, spec.depth + 1):
             t = torch.where(temps > 0, temps, 1.0)[:, None]
-            q = torch.softmax(logits / t, dim=-1)
-            greedy = torch.nn.functional.one_hot(logits.argmax(-1), q.shape[-1]).float()
+            q = torch.softmax(logp / t, dim=-1)
+            greedy = torch.nn.functional.one_hot(logp.argmax(-1), q.shape[-1]).float()
             q = torch.where((temps > 0)[:, None], q, greedy)
             x = gumbel_draw(q, seeds, lens - 1 + level, DRAFT_STREAM)  # (B,) draft ids
             qs.append(torch.zeros(B, V, device=dev).index_copy_(1, d2t, q))
             drafts.append(d2t[x])
             if level < spec.depth:
-                o_f = self._step(d2t[x][:, None], g, lens, level, level - 1, anc, block_tables)
-                g, logits = o_f, self.head.logits(o_f[:, 0]).float()
+                g, logp_f = self._step(d2t[x][:, None], g, lens, level, level - 1, anc, block_tables)
+                logp = logp_f[:, 0]
         q_all = torch.stack(qs, 1)  # (B, depth + 1, V)
         drafts = torch.stack(drafts, 1).tolist()
         return [chain(tokens[b][-1], drafts[b], q=q_all[b]) for b in range(B)]

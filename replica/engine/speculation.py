@@ -110,6 +110,7 @@ class Speculator:
         """embed_weight: the target's embedding (an EAGLE-3 head shares it)."""
         self.kind, self.ops, self.block_size = cfg.speculative, ops, cfg.block_size
         self.max_batch = cfg.spec_max_batch
+        self.threads = cfg.engine_threads()  # the C++ head step's, as the target step's
         self.sample = cfg.spec_sample
         self.head = self.drafter = self.policy = None
         self.aux_layers: tuple[int, ...] = ()  # the target features the head reads (Runner.allocate_kv)
@@ -130,7 +131,7 @@ class Speculator:
         """The head's KV layer in the Runner's pool, and the target's rotary table."""
         # The head rotates q/k with the table as given: in its own dtype, so a bf16 head stays bf16
         # (drafts only; the target keeps its fp32 table).
-        self.drafter = Drafter(self.head, cos_sin.to(self.head.fc.weight.dtype), kv, self.ops)
+        self.drafter = Drafter(self.head, cos_sin.to(self.head.fc.weight.dtype), kv, self.ops, self.threads)
 
     # -- draft shape per batch size -----------------------------------------------------------
     def _shape(self, cfg: EngineConfig, depth: int):

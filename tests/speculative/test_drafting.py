@@ -109,7 +109,8 @@ class DenseDrafter(Drafter):
             return out
 
         pos = (lens - 1 + level)[:, None].expand(B, K)
-        return self.head(tok.flatten(), g.flatten(0, 1), pos.flatten(), self.cos_sin, attend).view(B, K, -1)
+        o = self.head(tok.flatten(), g.flatten(0, 1), pos.flatten(), self.cos_sin, attend).view(B, K, -1)
+        return o, self.head.logits(o).float().log_softmax(-1)
 
 
 @pytest.mark.parametrize("spec", [TreeSpec(depth=4, top_k=3, budget=12), TreeSpec.chain(3, sample=True)])

@@ -122,12 +122,12 @@ def test_ttt_unroll_matches_chain_drafting(data):
     st.add_features(aux[: n - 1])
     tokens = ids[:n].tolist()
     with torch.inference_mode():
-        o, logits = drafter._commit([tokens], [st], tables)
-        torch.testing.assert_close(logits[0], steps[0][0, n - 1], rtol=1e-4, atol=1e-4)
+        o, logp = drafter._commit([tokens], [st], tables)  # log q: the logits log-softmaxed
+        torch.testing.assert_close(logp[0], steps[0][0, n - 1].log_softmax(-1), rtol=1e-4, atol=1e-4)
         anc = torch.ones(1, 3, 3, dtype=torch.bool).tril()
         g = o[:, None]
         for k in (1, 2):  # draft the true next token x_{n-1+k} at depth k
-            g = drafter._step(ids[n - 1 + k].view(1, 1), g, torch.tensor([n]), k, k - 1, anc, tables)
+            g, _ = drafter._step(ids[n - 1 + k].view(1, 1), g, torch.tensor([n]), k, k - 1, anc, tables)
             torch.testing.assert_close(head.logits(g[:, 0])[0], steps[k][0, n - 1], rtol=1e-4, atol=1e-4)
 
 

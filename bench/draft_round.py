@@ -1,0 +1,138 @@
+"""Where a speculative round's time goes at batch 1 on the engine that serves (issue 27).
+
+    python bench/draft_round.py --head DIR [--limit 4] [--new-tokens 48] [--rounds 2]
+
+Per configuration (plain decoding, chain 3, tree 16, each speculating one with the head
+as one C++ call per step (kernels/cpu_draft.py; "1-thread head": its pool without a
+helper) and op by op in PyTorch ("torch head")),
+the same held-out prompts one after another, greedy: decode tokens/s, and per speculative
+round the mean time of the draft (the head's commit, its steps -- of which the PyTorch
+head's logits --, the rest: log-softmax, top-k, tree bookkeeping) and of the target's verify
+forward, in ms. Configurations alternate for --rounds rounds so a busy
+machine's drift falls on all of them; the figures are means over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import cpu_draft  # noqa: E402
+from bench.speculative import Engines  # noqa: E402
+from replica.__main__ import default_quantization  # noqa: E402
+from replica.config import EngineConfig  # noqa: E402
+from replica.engine.offline import generate  # noqa: E402
+from replica.model.loader import load_checkpoint  # noqa: E402
+from replica.model.runner import build_model  # noqa: E402
+from speculative.train import load_prompts  # noqa: E402
+from speculative.tree_spec import TreeSpec  # noqa: E402
+from wire.protocol import SamplingParams  # noqa: E402
+
+SPECS = {"no speculation": None, "chain 3": TreeSpec.chain(3), "tree 16": TreeSpec(depth=5, top_k=4, budget=16)}
+SPECS |= {f"{k} ({how})": v for k, v in SPECS.items() if v is not None for how in ("torch head", "1-thread head")}
+
+
+def timed(obj, name: str, acc: dict, key: str) -> None:
+    """Wrap obj.name so each call adds its wall time to acc[key] (and counts it)."""
+    f = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        r = f(*a, **kw)
+        acc[key] += time.perf_counter() - t0
+        acc[key + " #"] += 1
+        return r
+
+    setattr(obj, name, wrapper)
+
+
+def instrument(engine, acc: dict) -> None:
+    spec = engine.speculator
+    timed(engine, "_step_speculative", acc, "round")
+    timed(spec, "draft", acc, "draft")
+    timed(engine.runner, "execute", acc, "target forward")
+    d = spec.drafter
+    for name in ("_commit", "_step"):
+        if hasattr(d, name):
+            timed(d, name, acc, f"head {name[1:]}")
+    timed(d, "_rerank", acc, "rerank")
+    timed(d.head, "logits", acc, "head logits (torch)")  # inside the PyTorch head's commit and steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head", required=True)
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--specs", default="no speculation,chain 3,tree 16,chain 3 (torch head),tree 16 (torch head)")
+    args = ap.parse_args()
+
+    ck = load_checkpoint("default")
+    ops = kernels.ops("cpu")
+    quant = default_quantization("default", "cpu", 1, False)
+    model = build_model(ck.config, EngineConfig(device="cpu", dtype="float32", quantization=quant), ck.weights, ops,
+                        2048)
+    prompts = [ck.tokenizer.encode_chat([{"role": "user", "content": p}])
+               for p in load_prompts("heldout")[: args.limit]]
+    engines = Engines(ck, model, ops, Path(args.head), "cpu", "float32", args.new_tokens)
+    greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    labels = [s.strip() for s in args.specs.split(",")]
+    built = {}
+    for label in labels:
+        e = built[label] = engines(SPECS[label], 1, max(map(len, prompts)))
+        d = e.speculator.drafter if e.speculator is not None else None
+        if label.endswith("(torch head)"):
+            d.cpp = None  # the reference: the head op by op
+        elif label.endswith("(1-thread head)"):
+            d.cpp = cpu_draft.DraftStep(d.head, d.cos_sin, 1)  # no helper thread beside the target step's
+        generate(e, prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    rates, accs, outs = defaultdict(list), {lab: defaultdict(float) for lab in labels}, {}
+    for lab in labels:
+        if SPECS[lab] is not None:
+            instrument(built[lab], accs[lab])
+    print(f"# {ck.config.name}, {quant}, CPU {torch.get_num_threads()} threads; head {args.head}; "
+          f"{len(prompts)} held-out prompts one at a time, {args.new_tokens} new tokens, greedy")
+    for r in range(args.rounds):
+        for lab in labels:
+            made = secs = 0.0
+            gens = []
+            for p in prompts:
+                g = generate(built[lab], [p], greedy)
+                made, secs = made + g.decode_tokens, secs + g.decode_s
+                gens.append(g.outputs[0])
+            rates[lab].append(made / secs)
+            if lab in outs:
+                assert outs[lab] == gens, f"{lab}: output changed between rounds"
+            outs[lab] = gens
+    ref = outs.get("no speculation")
+    print("\n| batch 1 | decode tokens/s per round | mean | output = plain |")
+    print("|---|---|---:|---|")
+    for lab in labels:
+        same = "" if ref is None else "yes" if outs[lab] == ref else "NO"
+        print(f"| {lab} | {', '.join(f'{x:.1f}' for x in rates[lab])} | {sum(rates[lab]) / len(rates[lab]):.1f} "
+              f"| {same} |")
+    for lab in labels:
+        acc = accs[lab]
+        if not acc:
+            continue
+        n = acc["round #"]
+        print(f"\n{lab}: {int(n)} speculative rounds; ms per round (calls per round)")
+        acc["rest of draft"] = acc["draft"] - acc["head commit"] - acc["head step"] - acc["rerank"]
+        acc["rest of draft #"] = n
+        for key in ("round", "draft", "head commit", "head step", "head logits (torch)", "rerank", "rest of draft",
+                    "target forward"):
+            if acc.get(key + " #"):
+                print(f"  {key:22s} {1e3 * acc[key] / n:7.2f}  ({acc[key + ' #'] / n:.1f})")
+
+
+if __name__ == "__main__":
+    main()
