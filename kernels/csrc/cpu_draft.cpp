@@ -283,15 +283,15 @@ class DraftHead {
       const float* k = row + H_ * D_;
       const float* v = row + (H_ + Hkv_) * D_;
       if (f16) {
-        attn::store_row((uint16_t*)kc + at, k, Hkv_ * D_);
-        attn::store_row((uint16_t*)vc + at, v, Hkv_ * D_);
+        attn::store_heads((uint16_t*)kc + at, k, Hkv_, D_);
+        attn::store_heads((uint16_t*)vc + at, v, Hkv_, D_);
       } else {
-        attn::store_row((float*)kc + at, k, Hkv_ * D_);
-        attn::store_row((float*)vc + at, v, Hkv_ * D_);
+        attn::store_heads((float*)kc + at, k, Hkv_, D_);
+        attn::store_heads((float*)vc + at, v, Hkv_, D_);
       }
     });
     // attention of the out rows: chunk partials per row, then merged per (row, kv head) into its G heads' outputs
-    const attn::Cache cache{kc, vc, page, Hkv_, D_, f16};
+    const attn::Cache cache{kc, vc, page, Hkv_, D_, f16 ? attn::Kind::f16 : attn::Kind::f32};
     pool_->run(items.size(), [&](int64_t i, int w) {
       const Item& it = items[i];
       attn::partial_any(keys[orp[it.t]], it.i0, it.i1, qkvp + orp[it.t] * qkv_n, (int)G, scale, cache, scores[w].data(),
