@@ -38,6 +38,7 @@
 
 #include "edgechat/attention.h"
 #include "edgechat/pool.h"
+#include "edgechat/rows.h"
 
 namespace {
 
@@ -90,13 +91,8 @@ void matmul_rows(const float* x, int64_t T, int64_t K, const float* W, int64_t n
   }
 }
 
-inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / n + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
-}
+using rowops::rms_norm_row;
+using rowops::rotate;
 
 // x <- x - max - log(sum exp(x - max)) over n values.
 inline void log_softmax_row(float* x, int64_t n) {
@@ -111,16 +107,6 @@ inline void log_softmax_row(float* x, int64_t n) {
   }
   const float shift = mx + std::log(_mm512_reduce_add_ps(sv));
   for (int64_t i = 0; i < n; ++i) x[i] -= shift;
-}
-
-inline void rotate(float* p, const float* cs, int64_t half) {
-  const float* c = cs;
-  const float* s = cs + half;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = p[i], b = p[i + half];
-    p[i] = a * c[i] - b * s[i];
-    p[i + half] = b * c[i] + a * s[i];
-  }
 }
 
 // One attention work item: an out row's heads (every kv head's) over one chunk of its token's keys.

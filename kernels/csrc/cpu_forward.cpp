@@ -15,6 +15,7 @@
 #include "edgechat/attention.h"
 #include "edgechat/pool.h"
 #include "edgechat/qgemm.h"
+#include "edgechat/rows.h"
 
 namespace {
 
@@ -46,23 +47,8 @@ struct Buf {
 constexpr int64_t kSplitRows = 16;       // from this many tokens on, the activation prep is shared out too
 constexpr int64_t kChunksPerWorker = 8;  // a matmul's supertiles in about this many claims per thread
 
-inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / n + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
-}
-
-inline void rotate(float* p, const float* cs, int64_t half) {
-  const float* c = cs;
-  const float* s = cs + half;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = p[i], b = p[i + half];
-    p[i] = a * c[i] - b * s[i];
-    p[i + half] = b * c[i] + a * s[i];
-  }
-}
+using rowops::rms_norm_row;
+using rowops::rotate;
 
 }  // namespace
 
