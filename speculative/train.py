@@ -19,9 +19,10 @@
    such first messages are answered greedy, and `--follow-ups` of the greedy
    conversations get a second user turn written the same way after the first
    answer, answered greedy with the whole conversation as context (what a chat
-   replica serves: later turns over a growing context). 570 templated seed
-   prompts alone were too narrow (the head reached tau 2.9 on its own training
-   prompts and 2.1 held out, docs/perf.md). Cached as data.pt with a key of what
+   replica serves: later turns over a growing context). Both are off by
+   default: the head reached tau 2.9 on its own training prompts and 2.1 held
+   out, but the self-written data (1.9x the tokens) left held-out tau where it
+   was at the same step count (docs/perf.md). Cached as data.pt with a key of what
    it was built from (target, quantization, prompts, recipe, feature layers,
    answer length, seed); any change rebuilds it.
 2. Draft vocabulary: the `--draft-vocab` most frequent tokens of the data; the
@@ -519,10 +520,14 @@ def main(argv=None) -> None:
                          "for --model on --device: a GGUF file's own blocks or int4 on CPU, none on CUDA); the head "
                          "learns the features and distributions of exactly that model")
     ap.add_argument("--distill-batch", type=int, default=DISTILL_BATCH, help="requests the target answers at once")
-    ap.add_argument("--self-written", type=int, default=570,
-                    help="first user messages the target writes itself (Magpie) and then answers; 0: none")
-    ap.add_argument("--follow-ups", type=float, default=0.5,
-                    help="share of the greedy seed conversations given a second user turn the target writes; 0: none")
+    # Off by default: at the same 2,780 steps they left held-out tau where the seed prompts alone
+    # put it (docs/perf.md, "Conversations the target writes itself") and cost training time.
+    ap.add_argument("--self-written", type=int, default=0,
+                    help="first user messages the target writes itself (Magpie) and then answers (e.g. 570); "
+                         "default 0: none")
+    ap.add_argument("--follow-ups", type=float, default=0.0,
+                    help="share of the greedy seed conversations given a second user turn the target writes "
+                         "(e.g. 0.5); default 0: none")
     args = ap.parse_args(argv)
 
     import kernels
