@@ -30,7 +30,7 @@ from bench.speculative import Engines  # noqa: E402
 from replica.__main__ import default_quantization  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.engine.offline import generate  # noqa: E402
-from replica.model.loader import load_checkpoint  # noqa: E402
+from replica.model.loader import load_checkpoint, prepare_process  # noqa: E402
 from replica.model.runner import build_model  # noqa: E402
 from speculative.train import load_prompts  # noqa: E402
 from speculative.tree_spec import TreeSpec  # noqa: E402
@@ -77,6 +77,7 @@ def main() -> None:
     args = ap.parse_args()
 
     ck = load_checkpoint("default")
+    prepare_process(EngineConfig(device="cpu"))  # torch's threads as a replica's engine process sets them
     ops = kernels.ops("cpu")
     quant = default_quantization("default", "cpu", 1, False)
     model = build_model(ck.config, EngineConfig(device="cpu", dtype="float32", quantization=quant), ck.weights, ops,
