@@ -514,7 +514,8 @@ def print_serve(rows: list[dict], streams: list[int], rate: float = float("inf")
     arrivals = "all queued at once" if rate == float("inf") else f"Poisson arrivals, {rate:g} a second"
     print(f"\nserve (`vllm bench serve`): random {SERVE_INPUT}-token prompts, {SERVE_OUTPUT} new tokens, "
           f"/v1/completions, greedy, {arrivals}, prompts per run: "
-          + ", ".join(f"{rows[0]['serve'][n]['prompts']} at {n}" for n in streams) + "\n")
+          + ", ".join(f"{rows[0]['serve'][n]['prompts'] + rows[0]['serve'][n]['failed']} at {n}" for n in streams)
+          + "\n")
     print_table(rows, "serve", streams, "output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms",
                 lambda v: f"{v['tok_s']:.1f} | {v['ttft_p50']:.0f} / {v['ttft_p99']:.0f} | "
                           f"{v['itl_p50']:.1f} / {v['itl_p99']:.1f}")
