@@ -47,7 +47,7 @@ from kernels import qgemm_cpu  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.engine.llm_engine import LLMEngine  # noqa: E402
 from replica.model.loader import load_checkpoint  # noqa: E402
-from replica.model.runner import StepPlan  # noqa: E402
+from bench.quality import forward_logits as logits  # noqa: E402
 
 SCHEMES = ["a16", "a8", "a8-b16", "a8-outliers", "a8-exact", "a8-exact-outliers"]
 OUTLIERS = 8
@@ -94,16 +94,6 @@ class Gemm:
             return self.int8(x, w)
         e0 = x.shape[0] if self.exact_from is None else self.exact_from
         return torch.cat([self.int8(x[:e0], w), self.rounded(x[e0:], 32767, 32) @ w.T])
-
-
-@torch.inference_mode()
-def logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    r = engine.runner
-    blocks = list(range(-(-len(ids) // r.block_size)))
-    plan = StepPlan(input_ids=ids, starts=[0], num_tokens=[len(ids)], block_tables=[blocks], sample_rows=[0],
-                    num_decodes=0)
-    input_ids, positions, ctx, _ = r.prepare(plan)
-    return r.model.compute_logits(r.model(input_ids, positions, ctx, r.kv_cache)).float()
 
 
 def main() -> None:

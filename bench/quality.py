@@ -57,15 +57,22 @@ def answers(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[li
 
 
 @torch.inference_mode()
-def nll(engine: LLMEngine, ids: list[int], scored_from: int) -> tuple[float, int]:
-    """Sum of -log p(ids[t] | ids[:t]) for t >= scored_from, one forward over the whole sequence."""
+def forward_logits(engine: LLMEngine, ids: list[int], rows: slice = slice(None)) -> torch.Tensor:
+    """fp32 logits after ids[rows] from one forward over all of ids through the engine's runner
+    (its pool's first blocks, nothing else running; bench/activations.py and bench/sampling.py too)."""
     runner = engine.runner
     blocks = list(range(-(-len(ids) // runner.block_size)))
     plan = StepPlan(input_ids=ids, starts=[0], num_tokens=[len(ids)], block_tables=[blocks], sample_rows=[0],
                     num_decodes=0)
     input_ids, positions, ctx, _ = runner.prepare(plan)
     hidden = runner.model(input_ids, positions, ctx, runner.kv_cache)
-    logp = runner.model.compute_logits(hidden[scored_from - 1:-1]).float().log_softmax(-1)
+    return runner.model.compute_logits(hidden[rows]).float()
+
+
+@torch.inference_mode()
+def nll(engine: LLMEngine, ids: list[int], scored_from: int) -> tuple[float, int]:
+    """Sum of -log p(ids[t] | ids[:t]) for t >= scored_from, one forward over the whole sequence."""
+    logp = forward_logits(engine, ids, slice(scored_from - 1, -1)).log_softmax(-1)
     target = torch.tensor(ids[scored_from:])
     return -logp.gather(1, target[:, None]).sum().item(), len(target)
 

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import decode_steps  # noqa: E402  (bench/engine.py: this script's folder is on sys.path)
+from bench.quality import forward_logits  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.engine.llm_engine import LLMEngine  # noqa: E402
 from replica.model.loader import load_checkpoint  # noqa: E402
@@ -92,7 +93,7 @@ def sampler_table(ckpt) -> None:
 
     prompt = ckpt.tokenizer.encode_chat([{"role": "user", "content": "Explain how a rocket reaches orbit."}])
     ids = prompt + ckpt.tokenizer.encode("A rocket reaches orbit by burning fuel to push", add_special_tokens=False)
-    logits = prompt_logits(engine(ckpt), ids)
+    logits = forward_logits(engine(ckpt), ids, slice(-8, None))  # the rows of a real answer's first tokens
     torch.set_num_threads(1)
     print("| batch | temperature | every token hashed, ms | kernels.sampling, ms | speed-up | same tokens |")
     print("|---:|---:|---:|---:|---:|---|")
@@ -121,18 +122,6 @@ def timed(f) -> float:
     t = time.perf_counter()
     f()
     return (time.perf_counter() - t) * 1e3
-
-
-@torch.inference_mode()
-def prompt_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """(len(ids) - 8 .. len(ids), V) logits of one forward over ids: rows of a real answer's first tokens."""
-    from replica.model.runner import StepPlan
-
-    r = eng.runner
-    plan = StepPlan(input_ids=ids, starts=[0], num_tokens=[len(ids)], block_tables=[list(range(-(-len(ids) // 16)))],
-                    sample_rows=[0], num_decodes=0)
-    input_ids, positions, ctx, _ = r.prepare(plan)
-    return r.model.compute_logits(r.model(input_ids, positions, ctx, r.kv_cache)[-8:]).float()
 
 
 def main() -> None:

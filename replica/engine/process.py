@@ -39,12 +39,9 @@ def build_engine(cfg: EngineConfig, stages: Stages | None = None):
     stages = stages or Stages()
     with stages.stage("building kernels", " (torch, and on CPU the C++ kernels: a first start compiles them, "
                                          "about a minute)"):
-        import torch
+        from replica.model.runner import kernel_set
 
-        import kernels
-
-        # builds them once per machine (kernels.cpu_build)
-        ops = kernels.ops(torch.device(cfg.device).type, cpu_step_kv=kernels.CPU_STEP_KV[cfg.kv_cache_dtype])
+        ops = kernel_set(cfg)
     from replica.engine.llm_engine import LLMEngine
     from replica.model import built
     from replica.model import tp as TP

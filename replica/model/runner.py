@@ -63,6 +63,12 @@ class StepOutput:
     prompt_logits: torch.Tensor | None = None  # (len(plan.extra_logits), V): prompt logprobs' positions
 
 
+def kernel_set(cfg: EngineConfig):
+    """The kernel set an engine with `cfg` runs: its device's, the C++ step's KV pool in
+    cfg.kv_cache_dtype (kernels.ops builds the C++ kernels once per machine)."""
+    return kernels.ops(torch.device(cfg.device).type, cpu_step_kv=kernels.CPU_STEP_KV[cfg.kv_cache_dtype])
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     row = pool_row(cfg.head_dim, dtype)  # elements a (token, kv head): D, or D + 4 in int8
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row * dtype.itemsize
@@ -114,9 +120,7 @@ class Runner:
         self.cfg, self.tp = cfg, tp or TensorParallel()
         self.model_cfg = local_config(model_cfg, self.tp.world) if self.tp.world > 1 else model_cfg  # this rank's
         self.device, self.dtype, self.block_size = torch.device(cfg.device), DTYPES[cfg.dtype], cfg.block_size
-        if ops is None:
-            ops = kernels.ops(self.device.type, cpu_step_kv=kernels.CPU_STEP_KV[cfg.kv_cache_dtype])
-        self.ops = ops
+        self.ops = ops if ops is not None else kernel_set(cfg)
         self.sampler = sampler.Sampler(self.ops, self.device)
         mpe = model_cfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or mpe, mpe)  # cut to the pool's size by allocate_kv
