@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
+from kernels.cpu_build import builds, load_cpp  # noqa: E402
 from wire import protocol as P  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.engine.llm_engine import LLMEngine  # noqa: E402
@@ -140,8 +141,14 @@ def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1,
     ckpt = load_checkpoint("default", dtype=torch.float32)
     blocks = max(batches) * -(-(max(prompt_lens) + DECODE_STEPS + 8) // 16) + 64
     print(f"\n## Default model decode ({ckpt.config.name}, {device}, {threads} threads)\n")
-    print("| dtype / quantization | prompt tokens | batch | ms/step | ms/token | tokens/s | KV |")  # bench/peers.py reads
-    print("|---|---:|---:|---:|---:|---:|---|")
+    bandwidth = 0.0
+    if device == "cpu" and builds(lambda: load_cpp("vnni_peak", "vnni_peak.cpp"), "the read-bandwidth probe",
+                                  "no KV floor column"):
+        bandwidth = load_cpp("vnni_peak", "vnni_peak.cpp").read_bandwidth(512 << 20, threads, 3)
+        print(f"{threads} threads stream {bandwidth / 1e9:.1f} GB/s from memory (kernels/csrc/vnni_peak.cpp "
+              "read_bandwidth); KV floor: the ms a step needs to read its rows' KV once at that rate\n")
+    print("| dtype / quantization | prompt tokens | batch | ms/step | ms/token | tokens/s | KV | KV floor ms |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")  # bench/peers.py reads the first six columns
     for variant in variants:
         dtype, _, quant = variant.partition("/")
         cfg = EngineConfig(device=device, dtype=dtype, quantization=quant or "none", num_blocks=blocks,
@@ -155,13 +162,19 @@ def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1,
             for plen in prompt_lens:
                 for batch in batches:
                     for engine in engines:
-                        kv_name = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
+                        kv = engine.runner.kv_cache
+                        kv_name = str(kv.dtype).removeprefix("torch.")
+                        # the pool's bytes per token slot (every layer, keys and values), times the mean
+                        # context of the timed steps
+                        per_token = kv.numel() * kv.element_size() / (kv.size(2) * kv.size(3))
+                        floor = batch * (plen + DECODE_STEPS / 2) * per_token / bandwidth * 1e3 if bandwidth else None
                         decode_steps(engine, batch, prompt_len=plen, steps=4, temperature=0.0)  # warm-up
                         t = decode_steps(engine, batch, prompt_len=plen, steps=DECODE_STEPS, temperature=0.0,
                                          clock=clock)
                         step = statistics.median(t)
                         print(f"| {variant} | {plen} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | "
-                              f"{batch / step:.1f} | {kv_name} |", flush=True)
+                              f"{batch / step:.1f} | {kv_name} | {'-' if floor is None else f'{floor:.2f}'} |",
+                              flush=True)
         del engines
 
 

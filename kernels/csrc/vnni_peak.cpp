@@ -1,13 +1,18 @@
-// The machine's VNNI peak, for bench/prefill.py: independent chains of one dot-product instruction on
-// registers (no memory traffic), on `threads` OpenMP threads at once. vpdpbusd is int8 x int8 (64
-// multiply-adds per 512-bit instruction), vpdpwssd int16 x int16 pairs (32), what kernels/qgemm.h uses.
+// The machine's roofline. peak_macs, for bench/prefill.py: independent chains of one dot-product
+// instruction on registers (no memory traffic), on `threads` OpenMP threads at once. vpdpbusd is int8 x
+// int8 (64 multiply-adds per 512-bit instruction), vpdpwssd int16 x int16 pairs (32), what
+// kernels/qgemm.h uses. read_bandwidth, for bench/engine.py: the rate at which `threads` threads
+// stream a buffer far larger than the caches (the floor under a decode step's KV reads).
 #include <immintrin.h>
 #include <omp.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -65,6 +70,43 @@ double peak_macs(const std::string& kind, int64_t iters, int64_t threads) {
   return (double)threads * iters * kChains * per_instr / seconds;
 }
 
+// Bytes per second `threads` threads read together, each streaming its share of `bytes` (rounded to 4 KB
+// shares) from memory with 512-bit loads in address order, the best of `reps` passes (the buffer is
+// written once first, so its pages exist).
+double read_bandwidth(int64_t bytes, int64_t threads, int64_t reps) {
+  TORCH_CHECK(bytes >= 4096 * threads && threads >= 1 && reps >= 1,
+              "read_bandwidth: a share of 4 KB a thread at least");
+  const int64_t share = bytes / threads / 4096 * 4096;
+  std::vector<char> buf((size_t)(share * threads), 1);
+  double best = 0.0;
+  for (int64_t r = 0; r < reps; ++r) {
+    double seconds = 0.0;
+    float sink = 0.f;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      const char* p = buf.data() + share * omp_get_thread_num();
+      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+#pragma omp barrier
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t i = 0; i < share; i += 128) {
+        s0 = _mm512_add_ps(s0, _mm512_loadu_ps((const float*)(p + i)));
+        s1 = _mm512_add_ps(s1, _mm512_loadu_ps((const float*)(p + i + 64)));
+      }
+#pragma omp barrier
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      sink += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+#pragma omp critical
+      {
+        if (dt > seconds) seconds = dt;
+      }
+    }
+    TORCH_CHECK(std::isfinite(sink), "read_bandwidth: the buffer read back non-finite");  // keeps the loads
+    best = std::max(best, (double)(share * threads) / seconds);
+  }
+  return best;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_macs", &peak_macs, "multiply-adds per second of one VNNI instruction on registers");
+  m.def("read_bandwidth", &read_bandwidth, "bytes per second threads stream from memory together");
 }

@@ -1,5 +1,6 @@
-"""kernels/csrc/vnni_peak.cpp, the roofline bench/prefill.py prints: it builds, times both
-instructions on one and on two threads, and refuses an instruction it does not time."""
+"""kernels/csrc/vnni_peak.cpp, the roofline bench/prefill.py and bench/engine.py print: it builds,
+times both instructions on one and on two threads, refuses an instruction it does not time, and
+measures a memory read rate."""
 
 import math
 
@@ -21,3 +22,14 @@ def test_peak_is_a_finite_rate(kind, threads):
 def test_unknown_instruction_is_refused():
     with pytest.raises(RuntimeError, match="dpbusd or dpwssd"):
         load_cpp("vnni_peak", "vnni_peak.cpp").peak_macs("vpmaddwd", 1000, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_bandwidth_is_a_finite_rate(threads):
+    rate = load_cpp("vnni_peak", "vnni_peak.cpp").read_bandwidth(8 << 20, threads, 2)
+    assert math.isfinite(rate) and rate > 0
+
+
+def test_read_bandwidth_refuses_less_than_a_page_a_thread():
+    with pytest.raises(RuntimeError, match="4 KB a thread"):
+        load_cpp("vnni_peak", "vnni_peak.cpp").read_bandwidth(4096, 2, 1)
