@@ -50,14 +50,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--graph-mode", default="auto", choices=["auto", "off", "buffers"],
                     help="CUDA graphs for decode steps (auto: on CUDA)")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="sequences running at once (default: 64, or the step budget where it is smaller: each "
+                         "decode takes a token of it; 32 on CPU)")
     ap.add_argument("--cpu-threads", type=int, default=0,
                     help="threads of the engine's math on CPU (default: every core). Replicas sharing a machine "
                          "should split its cores: spinning pools of several processes on the same cores slow "
                          "every one of them (docs/perf.md, routing)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
                     help="per-step token budget while streams decode, decodes + prefill chunks (default: 512 on "
-                         "CUDA; 64 on CPU, where a prefill token costs ~0.5 ms: docs/perf.md, 16 streams)")
+                         "CUDA; 32 on CPU, where a prefill token costs ~0.5 ms: the ITL and TTFT p99 of 16 streams, "
+                         "docs/perf.md \"Tails under load\"; at least --max-num-seqs)")
     ap.add_argument("--prefill-only-tokens", type=int, default=0,
                     help="per-step token budget while nothing decodes (default: 512)")
     ap.add_argument("--max-model-len", type=int, default=0)
@@ -118,11 +121,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device = "cuda" if cuda_devices() > 0 else "cpu"
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     quantization = args.quantization or default_quantization(args.model, device, args.tp, args.random_weights)
+    # the step budget, at least one token a seat; the seats, at most a token of the budget each
+    budget = args.max_num_batched_tokens or max(512 if device == "cuda" else 32, args.max_num_seqs)
     return EngineConfig(model=args.model, device=device, dtype=dtype, quantization=quantization,
                         block_size=args.block_size,
                         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), kv_cache_dtype=args.kv_cache_dtype,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens or (512 if device == "cuda" else 64),
+                        max_num_seqs=args.max_num_seqs or min(64, budget), max_num_batched_tokens=budget,
                         prefill_only_tokens=args.prefill_only_tokens or 512,
                         max_model_len=args.max_model_len,
                         random_weights=args.random_weights, tp=args.tp,
