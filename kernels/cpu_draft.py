@@ -3,7 +3,8 @@
 Op by op in PyTorch a head step is ~60 dispatches plus the paged-attention
 references' gathers, several times the arithmetic of a 7 M-parameter layer; the
 target meanwhile runs each step as one C++ call (kernels/cpu_forward.py). `DraftStep`
-holds a snapshot of the head's fp32 weights (q/k/v and gate/up stacked) and runs one
+holds a snapshot of the head's weights (q/k/v and gate/up stacked; the matmuls' in fp16,
+half the bytes a step streams, the norms in fp32) and runs one
 head step -- fc when given the target's features, the decoder layer attending to the
 head's paged KV layer (a causal commit chunk, or a draft level's tree entries under
 their ancestor mask), the final norm, the draft lm_head and its log-softmax -- as one
@@ -14,9 +15,13 @@ o and log q of each sequence's newest entry only (a 300-token prompt's first com
 the attention and MLP of 1 row, not 300).
 
 Same math as `speculative.head.Eagle3Head` with its `attend` over the paged layer
-(the reference; `speculative.drafting.Drafter` runs either): fp32 weights and
-activations, summed in other orders (tests/speculative/test_draft_step.py compares
-them within float rounding); k and v are rounded to the pool's dtype when stored. A
+(the reference; `speculative.drafting.Drafter` runs either) with the matmul weights
+rounded to fp16 (`fp16_weights` makes a head whose PyTorch math is the C++ step's):
+fp32 activations, summed in other orders (tests/speculative/test_draft_step.py
+compares them within float rounding); k and v are rounded to the pool's dtype when
+stored. Against the fp32 head the draft logits move by about 1e-3 of their scale, so a
+near-tie between two draft tokens can rank the other way; the verify decides what is
+emitted either way (exactly the target's tokens). A
 row's result never depends on the other rows of its step nor on the thread count.
 """
 
@@ -46,6 +51,15 @@ def supports(head, kv: torch.Tensor) -> bool:
             and c.head_dim in (16, 32, 64, 128) and page & (page - 1) == 0)
 
 
+def fp16_weights(head) -> None:
+    """Round `head`'s matmul weights (every 2-d parameter but the embedding) to fp16 values in place,
+    as DraftStep holds them: then the PyTorch head computes what the C++ step does."""
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.copy_(p.half().float())
+
+
 class DraftStep:
     """`forward` = one head step for every row of a draft round's commit or level."""
 
@@ -59,7 +73,8 @@ class DraftStep:
                    m.mlp.down_proj.weight, head.norm.weight, head.lm_head.weight]
         self.cfg = c
         self._head = _ext().DraftHead(list(shape), c.rms_norm_eps, head.embed_weight.float(), cos_sin.float(),
-                                      [w.detach().float().contiguous() for w in weights], threads)
+                                      [w.detach().to(torch.float16 if w.dim() == 2 else torch.float32).contiguous()
+                                       for w in weights], threads)
 
     def __call__(self, ids, inp, positions, slots, tables, cu, lens, kv, out_rows, tree_mask=None, tree_n=None):
         """ids (T,) target ids; inp (T, 3h) target features (fused by fc) or (T, h) g; positions, slots (T,);

@@ -18,9 +18,11 @@
 // helpers (this one's and the target step's) have just been spinning on -- 7 ms a call on the busy 2-core VM,
 // against 0.06 ms with one torch thread.
 //
-// kernels/cpu_draft.py binds it and states its contract. fp32 weights, as the PyTorch head holds them: the head is
-// ~7 M parameters (~28 MB), so a step streams about what a quarter of the target's 4-bit step does, and its
-// results match the reference to float rounding (no activation quantization as the target's qgemm has).
+// kernels/cpu_draft.py binds it and states its contract. The matmul weights are held in fp16 (the norms and the
+// embedding in fp32) and widened exactly as they are loaded: the head is ~7 M parameters, and a batch-1 step
+// streams all of them, ~14 MB in fp16 (28 in fp32: 1.1 ms a step at the two cores' read rate, a third of a
+// chain-3 round's draft). Activations and sums are fp32: the results match the PyTorch head with its weights
+// rounded to fp16 to float rounding (no activation quantization as the target's qgemm has).
 //
 // The matmuls are x W^T with W row-major (out, in): a worker takes a run of output rows and computes, for 4 rows
 // and 4 tokens at a time, 16-lane partial sums over the input, then each (token, row)'s 16 lanes added in a fixed
@@ -48,16 +50,16 @@ constexpr int64_t kTokenBlock = 32;      // tokens per pass over a run of weight
 
 inline __mmask16 tail(int64_t r) { return r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << r) - 1); }
 
-// y[j ldy + i] (+)= x_j . W_i for MR weight rows (K apart) and MT tokens (ldx apart), any K.
+// y[j ldy + i] (+)= x_j . W_i for MR fp16 weight rows (K apart) and MT tokens (ldx apart), any K.
 template <int MR, int MT>
-void tile(const float* x, int64_t ldx, const float* W, int64_t K, float* y, int64_t ldy, bool add) {
+void tile(const float* x, int64_t ldx, const uint16_t* W, int64_t K, float* y, int64_t ldy, bool add) {
   __m512 acc[MR][MT];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = tail(K - k);
     __m512 w[MR];
-    for (int i = 0; i < MR; ++i) w[i] = _mm512_maskz_loadu_ps(m, W + i * K + k);
+    for (int i = 0; i < MR; ++i) w[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, W + i * K + k));
     for (int j = 0; j < MT; ++j) {
       const __m512 xv = _mm512_maskz_loadu_ps(m, x + j * ldx + k);
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(w[i], xv, acc[i][j]);
@@ -70,14 +72,14 @@ void tile(const float* x, int64_t ldx, const float* W, int64_t K, float* y, int6
     }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool);
 constexpr TileFn kTiles[4][4] = {{tile<1, 1>, tile<1, 2>, tile<1, 3>, tile<1, 4>},
                                  {tile<2, 1>, tile<2, 2>, tile<2, 3>, tile<2, 4>},
                                  {tile<3, 1>, tile<3, 2>, tile<3, 3>, tile<3, 4>},
                                  {tile<4, 1>, tile<4, 2>, tile<4, 3>, tile<4, 4>}};
 
 // y[:, n0:n1] (+)= x W[n0:n1]^T for T tokens of K (x dense), y with row stride ldy.
-void matmul_rows(const float* x, int64_t T, int64_t K, const float* W, int64_t n0, int64_t n1, float* y, int64_t ldy,
+void matmul_rows(const float* x, int64_t T, int64_t K, const uint16_t* W, int64_t n0, int64_t n1, float* y, int64_t ldy,
                  bool add) {
   for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
     const int64_t t1 = std::min(T, t0 + kTokenBlock);
@@ -120,7 +122,7 @@ class DraftHead {
  public:
   // shape = (hidden, heads, kv_heads, head_dim, intermediate, draft_vocab); weights = fc (h, 3h), input norm (h),
   // hidden norm (h), qkv (q; k; v rows, 2h), o (h, H D), post-attention norm (h), gate; up (2I, h), down (h, I),
-  // final norm (h), lm_head (V, h): fp32.
+  // final norm (h), lm_head (V, h): the matmuls' (fc, qkv, o, gate; up, down, lm_head) fp16, the norms fp32.
   DraftHead(std::vector<int64_t> shape, double eps, torch::Tensor embed, torch::Tensor cos_sin,
             std::vector<torch::Tensor> weights, int64_t threads)
       : eps_((float)eps),
@@ -141,8 +143,10 @@ class DraftHead {
     const std::vector<std::vector<int64_t>> want = {{h_, 3 * h_}, {h_},         {h_},     {qkv, 2 * h_}, {h_, H_ * D_},
                                                     {h_},         {2 * I_, h_}, {h_, I_}, {h_},          {V_, h_}};
     for (size_t i = 0; i < weights.size(); ++i) {
-      TORCH_CHECK(weights[i].scalar_type() == torch::kFloat && weights[i].sizes().vec() == want[i],
-                  "DraftHead: weight ", i, " must be fp32 of shape ", want[i], ", got ", weights[i].sizes());
+      const auto dtype = want[i].size() == 2 ? torch::kHalf : torch::kFloat;  // matmuls fp16, norms fp32
+      TORCH_CHECK(weights[i].scalar_type() == dtype && weights[i].sizes().vec() == want[i], "DraftHead: weight ", i,
+                  " must be ", dtype, " of shape ", want[i], ", got ", weights[i].scalar_type(), " ",
+                  weights[i].sizes());
       w_.push_back(weights[i].contiguous());
     }
     TORCH_CHECK(embed_.scalar_type() == torch::kFloat && embed_.dim() == 2 && embed_.size(1) == h_,
@@ -236,10 +240,11 @@ class DraftHead {
     char* kc = (char*)kv.data_ptr();
     char* vc = kc + pool * esize;
     const float scale = 1.f / std::sqrt((float)D_);
-    auto wp = [&](int i) { return w_[i].data_ptr<float>(); };
+    auto wp = [&](int i) { return w_[i].data_ptr<float>(); };                                        // a norm
+    auto wh = [&](int i) { return reinterpret_cast<const uint16_t*>(w_[i].data_ptr<at::Half>()); };  // a matmul
 
     // y (+)= x W^T over N output rows, shared out in runs of rows.
-    auto matmul = [&](const float* x, int64_t M, int64_t K, const float* Wt, int64_t N, float* y, bool add) {
+    auto matmul = [&](const float* x, int64_t M, int64_t K, const uint16_t* Wt, int64_t N, float* y, bool add) {
       int64_t per = std::max<int64_t>(16, N / (kChunksPerWorker * W));
       per = (per + 3) / 4 * 4;
       pool_->run((N + per - 1) / per,
@@ -253,12 +258,12 @@ class DraftHead {
     };
 
     pool_->begin_step();
-    if (inp.size(1) == 3 * h_) matmul(inp.data_ptr<float>(), T, 3 * h_, wp(0), h_, gp, false);  // g = fc(aux)
+    if (inp.size(1) == 3 * h_) matmul(inp.data_ptr<float>(), T, 3 * h_, wh(0), h_, gp, false);  // g = fc(aux)
     rows(T, [&](int64_t t, int) {  // z = [norm(E x) ; norm(g)]
       rms_norm_row(emb + idp[t] * h_, wp(1), h_, eps_, zp + t * 2 * h_);
       rms_norm_row(gp + t * h_, wp(2), h_, eps_, zp + t * 2 * h_ + h_);
     });
-    matmul(zp, T, 2 * h_, wp(3), qkv_n, qkvp, false);
+    matmul(zp, T, 2 * h_, wh(3), qkv_n, qkvp, false);
     // RoPE on q and k heads; k and v into the head's layer as it stores them (slot -1: not stored)
     rows(T, [&](int64_t t, int) {
       float* row = qkvp + t * qkv_n;
@@ -290,17 +295,17 @@ class DraftHead {
     });
     for (int64_t r = 0; r < R; ++r) std::memcpy(op + r * h_, gp + orp[r] * h_, h_ * sizeof(float));
     if (R) {
-      matmul(ap, R, H_ * D_, wp(4), h_, op, true);  // u = g + attn Wo^T
+      matmul(ap, R, H_ * D_, wh(4), h_, op, true);  // u = g + attn Wo^T
       rows(R, [&](int64_t r, int) { rms_norm_row(op + r * h_, wp(5), h_, eps_, xnp + r * h_); });
-      matmul(xnp, R, h_, wp(6), 2 * I_, gup, false);
+      matmul(xnp, R, h_, wh(6), 2 * I_, gup, false);
       rows(R, [&](int64_t r, int) {  // act = silu(gate) up = gate / (1 + e^-gate) up
         const float* gr = gup + r * 2 * I_;
         float* ar = actp + r * I_;
         for (int64_t i = 0; i < I_; ++i) ar[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I_ + i];
       });
-      matmul(actp, R, I_, wp(7), h_, op, true);  // o = u + act Wdown^T
+      matmul(actp, R, I_, wh(7), h_, op, true);  // o = u + act Wdown^T
       rows(R, [&](int64_t r, int) { rms_norm_row(op + r * h_, wp(8), h_, eps_, xnp + r * h_); });
-      matmul(xnp, R, h_, wp(9), V_, logits.data_ptr<float>(), false);
+      matmul(xnp, R, h_, wh(9), V_, logits.data_ptr<float>(), false);
     }
     rows(R, [&](int64_t r, int) { log_softmax_row(logits.data_ptr<float>() + r * V_, V_); });
     pool_->end_step();

@@ -4,7 +4,9 @@ and head KV within float rounding for commit chunks (several sequences of differ
 lengths, some past one attention chunk, over an existing prefix) and draft levels
 under ancestor masks; the same drafts (chains, trees, sampled chains); a row's result
 independent of its batch; and the engine's greedy output with the C++ head is the
-plain output. Tiny target with head_dim 16 (the C++ attention's smallest)."""
+plain output. Tiny target with head_dim 16 (the C++ attention's smallest). The heads' matmul
+weights are fp16 values (`fp16_weights`), as the C++ step holds them; one test shows that
+it does hold them so."""
 
 import dataclasses
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.cpu_draft import fp16_weights
 from replica.config import EngineConfig
 from replica.engine.llm_engine import LLMEngine
 from speculative.drafting import Drafter
@@ -32,11 +35,13 @@ def target():
 
 
 def head_for(model, seed=0):
+    """A random head whose matmul weights are fp16 values, as the C++ step holds them."""
     head = random_head(model, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # larger than nn.Linear's init, so the attention and norms matter
         for p in head.parameters():
             p.mul_(1 + torch.rand(p.shape, generator=g))
+    fp16_weights(head)
     return head
 
 
@@ -177,3 +182,22 @@ def test_engine_greedy_output_with_the_cpp_head_is_the_plain_output(target, tmp_
         if name != "plain":
             assert eng.stats.drafted > 0
     assert out["chain"] == out["plain"] and out["tree"] == out["plain"]
+
+
+def test_the_cpp_step_holds_its_matmul_weights_in_fp16(target):
+    """Against a head whose weights are not fp16 values, the C++ step computes the head with them
+    rounded: the same as the PyTorch head after fp16_weights, and not the unrounded one."""
+    head = random_head(target, seed=3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    cpp, ref = drafters(target, head)  # the C++ step takes its snapshot of the weights here
+    prompts = [list(range(3, 23)), list(range(7, 40))]
+    _, unrounded = commit_both(cpp, ref, prompts, 1)
+    fp16_weights(head)  # now the reference head computes with the weights the C++ step holds
+    _, rounded = commit_both(cpp, drafters(target, head)[1], prompts, 1)
+    (o_cpp, lp_cpp), (o_ref, lp_ref) = rounded[0][0][:2], rounded[0][1][:2]
+    close(o_cpp, o_ref)
+    close(lp_cpp, lp_ref)
+    (_, lp_cpp), (_, lp_ref) = unrounded[0][0][:2], unrounded[0][1][:2]
+    assert (lp_cpp - lp_ref).abs().max() > 1e-5
