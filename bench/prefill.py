@@ -18,6 +18,8 @@ Three tables, one run:
    matmuls' multiply-adds (LM head for the last row only) over that time against
    the peaks. The rest of the step (attention, norms, RoPE, activation prep) is
    the difference between its time and table 2's sum.
+4. The same prefill by phase of the C++ step (Decoder.set_timing): qkv, RoPE and
+   KV store, attention, merge, o, gate/up, down, summed over the layers.
 """
 
 from __future__ import annotations
@@ -73,8 +75,13 @@ def matmuls(engine: LLMEngine) -> dict[str, QLinear]:
     return out
 
 
-def prefill_ms(engine: LLMEngine, plen: int, reps: int, vocab: int) -> list[float]:
-    rng = random.Random(plen)
+# Decoder.phase_ms's phases (kernels/csrc/cpu_forward.cpp), in order
+PHASES = ("qkv (norm, prep, matmul)", "RoPE, KV store", "attention", "merge", "o", "gate/up, SwiGLU", "down")
+
+
+def prefill_ms(engine: LLMEngine, plen: int, reps: int, vocab: int, seed: int = 0) -> list[float]:
+    """Seconds of each of `reps` cold prompts of plen tokens (and a warm-up one), new prompts for each seed."""
+    rng = random.Random(plen * 1_000_003 + seed)
     sp = P.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     times = []
     for i in range(reps + 1):
@@ -142,6 +149,22 @@ def main() -> None:
         rate = (plen * macs_token + head) / best / 1e6
         print(f"| {plen} | {best:.1f} | {med:.1f} | {best / plen:.2f} | {rate:.0f} | {rate * 1e9 / int8:.0%} | "
               f"{rate * 1e9 / int16:.0%} | {per_layer_ms[plen] * c.num_layers:.1f} |", flush=True)
+
+    decoder = getattr(engine.runner.model, "decoder", None)  # the C++ step (replica.model.cpu_model.CpuModel)
+    if decoder is None:
+        return
+    print(f"\n## Where a cold prompt's prefill goes (the C++ step's phases, summed over the layers, ms a prompt, "
+          f"mean of {args.reps})\n")
+    print("| prompt tokens | " + " | ".join(PHASES) + " | step, ms |")
+    print("|---:|" + "---:|" * (len(PHASES) + 1))
+    for plen in args.prompt_lens:
+        decoder.set_timing(True)
+        t = prefill_ms(engine, plen, args.reps, c.vocab_size, seed=1)  # prompts the first table did not cache
+        steps, *ms = decoder.phase_ms()
+        decoder.set_timing(False)
+        n = len(t) + 1  # prefill_ms runs a warm-up prompt too
+        print(f"| {plen} | " + " | ".join(f"{x / n:.1f}" for x in ms) + f" | {sum(ms) / n:.1f} (steps a prompt: "
+              f"{steps / n:g}) |", flush=True)
 
 
 if __name__ == "__main__":

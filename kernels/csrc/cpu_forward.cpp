@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -87,6 +89,20 @@ class Decoder {
   }
 
   int64_t threads() const { return pool_->workers(); }
+  // Phase timing for benches (bench/prefill.py): while on, each forward adds its phases' wall time, summed over
+  // the layers: qkv (norm, activation prep, matmul), RoPE and KV store, attention partials, their merge, o, gate/up
+  // with SwiGLU, down. Off (the default) it costs a test per phase.
+  void set_timing(bool on) {
+    timing_ = on;
+    phase_s_.fill(0.0);
+    timed_steps_ = 0;
+  }
+  // {steps timed, then each phase's total ms}
+  std::vector<double> phase_ms() const {
+    std::vector<double> out{(double)timed_steps_};
+    for (double s : phase_s_) out.push_back(s * 1e3);
+    return out;
+  }
   // (steps, steps run on the caller alone since the pool judged its helpers not worth it)
   std::vector<int64_t> pool_stats() const { return {pool_->steps(), pool_->solo_steps()}; }
 
@@ -194,6 +210,14 @@ class Decoder {
     pool_->begin_step();
     for (int64_t t = 0; t < T; ++t) std::memcpy(xp + t * h_, emb + idp[t] * h_, h_ * sizeof(float));
 
+    auto tick = std::chrono::steady_clock::now();
+    auto mark = [&](int phase) {  // the time since the last mark goes to `phase`
+      if (!timing_) return;
+      const auto t = std::chrono::steady_clock::now();
+      phase_s_[phase] += std::chrono::duration<double>(t - tick).count();
+      tick = t;
+    };
+    if (timing_) ++timed_steps_, tick = std::chrono::steady_clock::now();
     for (int64_t l = 0; l < L_; ++l) {
       const QMat* m = &mats_[4 * l];
       char* kc = (char*)kv.data_ptr() + 2 * l * pool * esize;
@@ -205,6 +229,7 @@ class Decoder {
         for (int64_t t = 0; t < T; ++t)
           for (int64_t c = sa * 64; c < std::min(sz * 64, qkv_n); ++c) qkvp[t * qkv_n + c] += bias[c];
       });
+      mark(0);
       // RoPE on q and k heads; k and v into the pool as it stores them (slot -1: padding, not stored)
       pool_->run(T, [&](int64_t t, int) {
         float* row = qkvp + t * qkv_n;
@@ -224,6 +249,7 @@ class Decoder {
           default: store((float*)kc, (float*)vc); break;
         }
       });
+      mark(1);
       // attention: chunk partials per token, then merged per (token, kv head) into its G heads' outputs
       const attn::Cache cache{kc, vc, page, Hkv_, D_, kind};
       pool_->run(items.size(), [&](int64_t i, int w) {
@@ -231,6 +257,7 @@ class Decoder {
         attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n, (int)G, scale, cache, scores[w].data(),
                           parts.data() + i * part);
       });
+      mark(2);
       auto merge = [&](int64_t j, int) {  // j = t * Hkv + kv head
         const int64_t t = j / Hkv_, kh = j % Hkv_;
         attn::merge(parts.data() + first[t] * part + kh * G * (D_ + 2), first[t + 1] - first[t], part, (int)G, D_,
@@ -240,8 +267,10 @@ class Decoder {
         for (int64_t j = 0; j < T * Hkv_; ++j) merge(j, 0);
       else
         pool_->run(T * Hkv_, merge);
+      mark(3);
       // x += attn Wo^T
       matmul(prep(ap, H_ * D_, nullptr), m[1], xp, true, nullptr);
+      mark(4);
       // act = silu(gate) * up: gate/up rows interleaved by 32, so supertile s gives act[:, 32 s : 32 s + 32]
       matmul(prep(xp, h_, norms_[2 * l + 1].data_ptr<float>()), m[2], gup, false, [&](int64_t sa, int64_t sz) {
         for (int64_t t = 0; t < T; ++t)
@@ -256,8 +285,10 @@ class Decoder {
             }
           }
       });
+      mark(5);
       // x += act Wdown^T
       matmul(prep(actp, I_, nullptr), m[3], xp, true, nullptr);
+      mark(6);
       if (aux_slot[l] >= 0)
         for (int64_t t = 0; t < T; ++t)
           std::memcpy(aux.data_ptr<float>() + t * n_aux * h_ + aux_slot[l] * h_, xp + t * h_, h_ * sizeof(float));
@@ -357,6 +388,9 @@ class Decoder {
   std::vector<QMat> mats_;
   QMat head_;
   std::unique_ptr<cpupool::Pool> pool_;
+  bool timing_ = false;
+  std::array<double, 7> phase_s_{};
+  int64_t timed_steps_ = 0;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -367,5 +401,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("logits", &Decoder::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("threads", &Decoder::threads)
-      .def("pool_stats", &Decoder::pool_stats);
+      .def("pool_stats", &Decoder::pool_stats)
+      .def("set_timing", &Decoder::set_timing)
+      .def("phase_ms", &Decoder::phase_ms);
 }

@@ -10,6 +10,8 @@ can round an int16 activation code (or a stored fp16 key, or an int8 code) the o
 way; the op-by-op model with the PyTorch reference ops differs from itself with the
 C++ ops by the same 1e-4."""
 
+import time
+
 import pytest
 import torch
 
@@ -235,3 +237,21 @@ def test_the_engine_config_chooses_the_steps_pool(name, dtype, row):
     assert r.ops.cpu_step_kv == dtype and kv.dtype == dtype and kv.shape[-1] == row
     assert kv.numel() * kv.element_size() == kv.shape[2] * kv_bytes_per_block(cfg, r.block_size, dtype)
     assert kv.shape[2] == (1 << 20) // kv_bytes_per_block(cfg, r.block_size, dtype)
+
+
+def test_phase_timing_adds_up_only_while_on():
+    """Decoder.set_timing: off, a forward adds nothing; on, each forward counts as a step and its
+    seven phases' times are non-negative and together no longer than the call."""
+    fast, _ = runners(False)
+    dec = fast.model.decoder
+    step = plan(list(range(1, 21)), [0], [20], [[0, 1]], [0], 0)
+    fast.execute(step)
+    assert dec.phase_ms() == [0.0] * 8
+    dec.set_timing(True)
+    t0 = time.perf_counter()
+    fast.execute(step)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    steps, *ms = dec.phase_ms()
+    assert steps == 1 and len(ms) == 7 and min(ms) >= 0 and 0 < sum(ms) <= wall_ms
+    dec.set_timing(False)
+    assert dec.phase_ms() == [0.0] * 8
