@@ -3,7 +3,7 @@
     .venv/bin/python bench/prefill.py                       # 256-token prompts, every core
     .venv/bin/python bench/prefill.py --prompt-lens 64 256 1024 --threads 2
 
-Three tables, one run:
+Four tables, one run:
 
 1. The peak: independent chains of one VNNI instruction on registers, on 1 and on
    `--threads` threads at once (kernels/csrc/vnni_peak.cpp): `vpdpbusd` (int8 x

@@ -210,8 +210,8 @@ class Decoder {
     pool_->begin_step();
     for (int64_t t = 0; t < T; ++t) std::memcpy(xp + t * h_, emb + idp[t] * h_, h_ * sizeof(float));
 
-    auto tick = std::chrono::steady_clock::now();
-    auto mark = [&](int phase) {  // the time since the last mark goes to `phase`
+    std::chrono::steady_clock::time_point tick{};  // read only while timing
+    auto mark = [&](int phase) {                   // the time since the last mark goes to `phase`
       if (!timing_) return;
       const auto t = std::chrono::steady_clock::now();
       phase_s_[phase] += std::chrono::duration<double>(t - tick).count();
