@@ -8,7 +8,8 @@ helper) and op by op in PyTorch ("torch head")),
 the same held-out prompts one after another, greedy: decode tokens/s, and per speculative
 round the mean time of the draft (the head's commit, its steps -- of which the PyTorch
 head's logits --, the rest: log-softmax, top-k, tree bookkeeping) and of the target's verify
-forward, in ms. Configurations alternate for --rounds rounds so a busy
+forward (by part: the C++ forward, the LM head, the sampler), in ms; plain decoding's
+steps by the same parts. Configurations alternate for --rounds rounds so a busy
 machine's drift falls on all of them; the figures are means over the rounds.
 """
 
@@ -54,11 +55,50 @@ def timed(obj, name: str, acc: dict, key: str) -> None:
     setattr(obj, name, wrapper)
 
 
+class Current:
+    """The accumulator of the engine whose step runs: the engines share one target model, whose
+    methods are timed once and charged to it."""
+
+    acc: dict = defaultdict(float)
+
+
+def timed_shared(obj, name: str, key: str) -> None:
+    """Wrap obj.name (once) so each call adds its wall time to Current.acc[key]."""
+    f = getattr(obj, name)
+    if getattr(f, "_timed", False):
+        return
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        r = f(*a, **kw)
+        Current.acc[key] += time.perf_counter() - t0
+        Current.acc[key + " #"] += 1
+        return r
+
+    wrapper._timed = True
+    setattr(obj, name, wrapper)
+
+
 def instrument(engine, acc: dict) -> None:
+    """Time a speculative round by part; for every engine, the target step by part (Runner.execute:
+    the C++ forward, the LM head over the rows that need logits, the sampler)."""
+    r = engine.runner
+    timed(r, "execute", acc, "target forward")
+    execute = r.execute
+
+    def charged(*a, **kw):  # the shared model's time goes to this engine
+        Current.acc = acc
+        return execute(*a, **kw)
+
+    r.execute = charged
+    timed_shared(r.model, "forward", "  its C++ forward")
+    timed_shared(r.model, "compute_logits", "  its LM head")
+    timed(r, "sampler", acc, "  its sampler")
     spec = engine.speculator
+    if spec is None:
+        return
     timed(engine, "_step_speculative", acc, "round")
     timed(spec, "draft", acc, "draft")
-    timed(engine.runner, "execute", acc, "target forward")
     d = spec.drafter
     for name in ("_commit", "_step"):
         if hasattr(d, name):
@@ -98,8 +138,7 @@ def main() -> None:
         generate(e, prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     rates, accs, outs = defaultdict(list), {lab: defaultdict(float) for lab in labels}, {}
     for lab in labels:
-        if SPECS[lab] is not None:
-            instrument(built[lab], accs[lab])
+        instrument(built[lab], accs[lab])
     print(f"# {ck.config.name}, {quant}, CPU {torch.get_num_threads()} threads; head {args.head}; "
           f"{len(prompts)} held-out prompts one at a time, {args.new_tokens} new tokens, greedy")
     for r in range(args.rounds):
@@ -123,14 +162,16 @@ def main() -> None:
               f"| {same} |")
     for lab in labels:
         acc = accs[lab]
-        if not acc:
-            continue
-        n = acc["round #"]
-        print(f"\n{lab}: {int(n)} speculative rounds; ms per round (calls per round)")
-        acc["rest of draft"] = acc["draft"] - acc["head commit"] - acc["head step"] - acc["rerank"]
-        acc["rest of draft #"] = n
+        if SPECS[lab] is None:  # plain decoding: its steps by part
+            n = acc["target forward #"]
+            print(f"\n{lab}: {int(n)} steps; ms per step (calls per step)")
+        else:
+            n = acc["round #"]
+            print(f"\n{lab}: {int(n)} speculative rounds; ms per round (calls per round)")
+            acc["rest of draft"] = acc["draft"] - acc["head commit"] - acc["head step"] - acc["rerank"]
+            acc["rest of draft #"] = n
         for key in ("round", "draft", "head commit", "head step", "head logits (torch)", "rerank", "rest of draft",
-                    "target forward"):
+                    "target forward", "  its C++ forward", "  its LM head", "  its sampler"):
             if acc.get(key + " #"):
                 print(f"  {key:22s} {1e3 * acc[key] / n:7.2f}  ({acc[key + ' #'] / n:.1f})")
 
