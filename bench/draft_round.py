@@ -41,47 +41,31 @@ SPECS = {"no speculation": None, "chain 3": TreeSpec.chain(3), "tree 16": TreeSp
 SPECS |= {f"{k} ({how})": v for k, v in SPECS.items() if v is not None for how in ("torch head", "1-thread head")}
 
 
-def timed(obj, name: str, acc: dict, key: str) -> None:
-    """Wrap obj.name so each call adds its wall time to acc[key] (and counts it)."""
-    f = getattr(obj, name)
-
-    def wrapper(*a, **kw):
-        t0 = time.perf_counter()
-        r = f(*a, **kw)
-        acc[key] += time.perf_counter() - t0
-        acc[key + " #"] += 1
-        return r
-
-    setattr(obj, name, wrapper)
-
-
 class Current:
     """The accumulator of the engine whose step runs: the engines share one target model, whose
-    methods are timed once and charged to it."""
+    methods are timed once (`acc=None` below) and charged to it."""
 
     acc: dict = defaultdict(float)
 
 
-def timed_shared(obj, name: str, key: str) -> None:
-    """Wrap obj.name (once) so each call adds its wall time to Current.acc[key]."""
+def timed(obj, name: str, acc: dict | None, key: str) -> None:
+    """Wrap obj.name so each call adds its wall time to acc[key] (None: Current.acc) and counts it."""
     f = getattr(obj, name)
-    if getattr(f, "_timed", False):
-        return
 
     def wrapper(*a, **kw):
         t0 = time.perf_counter()
         r = f(*a, **kw)
-        Current.acc[key] += time.perf_counter() - t0
-        Current.acc[key + " #"] += 1
+        into = Current.acc if acc is None else acc
+        into[key] += time.perf_counter() - t0
+        into[key + " #"] += 1
         return r
 
-    wrapper._timed = True
     setattr(obj, name, wrapper)
 
 
 def instrument(engine, acc: dict) -> None:
-    """Time a speculative round by part; for every engine, the target step by part (Runner.execute:
-    the C++ forward, the LM head over the rows that need logits, the sampler)."""
+    """Time a speculative round by part; for every engine, the target step (Runner.execute, into
+    which the shared model's C++ forward and LM head are charged) and its sampler."""
     r = engine.runner
     timed(r, "execute", acc, "target forward")
     execute = r.execute
@@ -91,8 +75,6 @@ def instrument(engine, acc: dict) -> None:
         return execute(*a, **kw)
 
     r.execute = charged
-    timed_shared(r.model, "forward", "  its C++ forward")
-    timed_shared(r.model, "compute_logits", "  its LM head")
     timed(r, "sampler", acc, "  its sampler")
     spec = engine.speculator
     if spec is None:
@@ -137,6 +119,8 @@ def main() -> None:
             d.cpp = cpu_draft.DraftStep(d.head, d.cos_sin, 1)  # no helper thread beside the target step's
         generate(e, prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     rates, accs, outs = defaultdict(list), {lab: defaultdict(float) for lab in labels}, {}
+    timed(model, "forward", None, "  its C++ forward")  # the engines' shared target model, once
+    timed(model, "compute_logits", None, "  its LM head")
     for lab in labels:
         instrument(built[lab], accs[lab])
     print(f"# {ck.config.name}, {quant}, CPU {torch.get_num_threads()} threads; head {args.head}; "

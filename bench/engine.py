@@ -142,9 +142,9 @@ def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1,
     blocks = max(batches) * -(-(max(prompt_lens) + DECODE_STEPS + 8) // 16) + 64
     print(f"\n## Default model decode ({ckpt.config.name}, {device}, {threads} threads)\n")
     bandwidth = 0.0
-    if device == "cpu" and builds(lambda: load_cpp("vnni_peak", "vnni_peak.cpp"), "the read-bandwidth probe",
-                                  "no KV floor column"):
-        bandwidth = load_cpp("vnni_peak", "vnni_peak.cpp").read_bandwidth(512 << 20, threads, 3)
+    probe = lambda: load_cpp("vnni_peak", "vnni_peak.cpp")  # noqa: E731
+    if device == "cpu" and builds(probe, "the read-bandwidth probe", "no KV floor column"):
+        bandwidth = probe().read_bandwidth(512 << 20, threads, 3)
         print(f"{threads} threads stream {bandwidth / 1e9:.1f} GB/s from memory (kernels/csrc/vnni_peak.cpp "
               "read_bandwidth); KV floor: the ms a step needs to read its rows' KV once at that rate\n")
     print("| dtype / quantization | prompt tokens | batch | ms/step | ms/token | tokens/s | KV | KV floor ms |")

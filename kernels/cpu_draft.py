@@ -51,13 +51,17 @@ def supports(head, kv: torch.Tensor) -> bool:
             and c.head_dim in (16, 32, 64, 128) and page & (page - 1) == 0)
 
 
+def _held(w: torch.Tensor) -> torch.Tensor:
+    """A head weight as DraftStep holds it: a matmul's (2-d) in fp16, a norm's in fp32."""
+    return w.detach().to(torch.float16 if w.dim() == 2 else torch.float32).contiguous()
+
+
 def fp16_weights(head) -> None:
-    """Round `head`'s matmul weights (every 2-d parameter but the embedding) to fp16 values in place,
-    as DraftStep holds them: then the PyTorch head computes what the C++ step does."""
+    """Round `head`'s parameters in place to the values DraftStep holds (its matmul weights to fp16;
+    the embedding is a buffer, untouched): then the PyTorch head computes what the C++ step does."""
     with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.copy_(p.half().float())
+        for p in head.parameters():
+            p.copy_(_held(p))
 
 
 class DraftStep:
@@ -73,8 +77,7 @@ class DraftStep:
                    m.mlp.down_proj.weight, head.norm.weight, head.lm_head.weight]
         self.cfg = c
         self._head = _ext().DraftHead(list(shape), c.rms_norm_eps, head.embed_weight.float(), cos_sin.float(),
-                                      [w.detach().to(torch.float16 if w.dim() == 2 else torch.float32).contiguous()
-                                       for w in weights], threads)
+                                      [_held(w) for w in weights], threads)
 
     def __call__(self, ids, inp, positions, slots, tables, cu, lens, kv, out_rows, tree_mask=None, tree_n=None):
         """ids (T,) target ids; inp (T, 3h) target features (fused by fc) or (T, h) g; positions, slots (T,);
