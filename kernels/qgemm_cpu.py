@@ -7,25 +7,33 @@ and an offset m (both fp16, as GGUF stores them):
 
 (Q4_1 is exactly this; Q4_0 is m = -8 d; Q8_0 is signed codes without m: `QWeight`
 stores them as u = q + 128, m = -128 d, which is the same weight.) Activations are
-quantized per block too (symmetric int16: codes q, scale dx, sx = dx * sum q), so
-a block's dot product is integer work for VNNI's `vpdpwssd`:
+quantized per block too (symmetric codes q, scale dx, sx = sum of dx q), so a block's
+dot product is integer work for VNNI's `vpdpbusd` (unsigned weight bytes times signed
+activation bytes, four at a time):
 
-    y[m, n] = sum_b  d[n, b] dx[m, b] * sum_i u[n, 32 b + i] q[m, 32 b + i]  +  m[n, b] sx[m, b]
+    y[m, n] = sum_b  d[n, b] (sum_h dx[m, b, h] * sum_i u[n, 32 b + i] q[m, 32 b + i])  +  m[n, b] sx[m, b]
 
-int16 rather than llama.cpp's int8 activations: int8 moved SmolLM2's logits by ~3
-and changed its greedy answer, int16 by ~0.01 (tests/replica/model/test_quant.py).
+Each row is quantized one of two ways:
+  * wide (the default, every row that samples a token): int16 codes, one scale per
+    block, multiplied two at a time by `vpdpwssd` against the weight bytes widened to
+    int16 as they are loaded. int8 activations moved SmolLM2's logits by ~1-3 and
+    changed its greedy answers; int16 moves them by ~0.01 (tests/replica/model/test_quant.py).
+  * narrow (`narrow` rows: prompt rows whose only output is the KV they leave, when the
+    replica is told so): int8 codes with a scale per 16 columns (h = the two halves
+    of a block), one `vpdpbusd`: twice the multiply-adds an instruction. What it costs in
+    quality: bench/activations.py and bench/quality.py (docs/perf.md, "Prefill").
 
 Packed layout (`pack`), what makes the kernel fast. A 512-bit register holds one
 int32 lane per output row, so 16 rows (a *tile*) are computed together: for each
-pair of input columns (2j, 2j + 1) of a block, one `vpdpwssd` multiplies the 16
-rows' two codes by the two activations broadcast to every lane. Four tiles form a
-*supertile* (64 rows); the file is supertile-major and, inside one, block-major,
-so a thread streams its rows once, sequentially:
+group of four input columns (4g .. 4g + 3) of a block, one `vpdpbusd` multiplies
+the 16 rows' four codes by the four activations broadcast to every lane. Four tiles
+form a *supertile* (64 rows); the file is supertile-major and, inside one,
+block-major, so a thread streams its rows once, sequentially:
 
     supertile s, block b:  codes of tile 0..ts-1  |  d[ts x 16] fp16  |  m[ts x 16] fp16 (4 bits only)
-    codes of one tile and block, 4 bits (256 bytes): 8 groups of 32 bytes; group j, byte 2r + e holds
-        u[r, 2j + e] in its low nibble and u[r, 16 + 2j + e] in its high nibble   (r: row in the tile)
-    8 bits (512 bytes): 16 groups j of 32 signed bytes, byte 2r + e = q[r, 2j + e]
+    codes of one tile and block, 4 bits (256 bytes): 4 parts k of 64 bytes; byte 4r + e of part k holds
+        u[r, 8k + e] in its low nibble and u[r, 8k + 4 + e] in its high one   (r: row in the tile)
+    8 bits (512 bytes): 8 groups g of 64 bytes, byte 4r + e = u[r, 4g + e]   (u = q + 128, unsigned)
 
 The last supertile may hold fewer than 4 tiles (ts); N must be a multiple of 16.
 A row's result does not depend on how many activation rows share the call (the
@@ -57,26 +65,35 @@ def unpack_codes(qs: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).reshape(N, -1)
 
 
-def quantize_activations_ref(x: torch.Tensor):
-    """Per block of 32: (codes int16 (M, K), dx (M, K/32), sx = dx * sum of codes)."""
+WIDE, NARROW = 32767, 127  # largest code of a wide (int16) and a narrow (int8) row
+
+
+def quantize_activations_ref(x: torch.Tensor, narrow: torch.Tensor | None = None):
+    """Codes (M, K) int32, dx (M, K/32, 2) (a scale per 16 columns; a wide row's twice),
+    sx (M, K/32) = sum of dx * codes per block. Rows where `narrow` (M,) bool is set are
+    int8 per 16 columns, the others int16 per 32."""
     M, K = x.shape
-    g = x.float().reshape(M, K // BLOCK, BLOCK)
-    amax = g.abs().amax(-1)
-    dx = amax / 32767
-    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
-    q = torch.round(g * inv[..., None]).clamp(-32767, 32767)
-    return q.to(torch.int16).reshape(M, K), dx, dx * q.sum(-1)
+    g = x.float().reshape(M, K // BLOCK, 2, BLOCK // 2)
+    wide = torch.ones(M, dtype=torch.bool) if narrow is None else ~narrow.bool()
+    amax = torch.where(wide[:, None, None], g.abs().amax((-1, -2))[..., None].expand(-1, -1, 2), g.abs().amax(-1))
+    levels = torch.where(wide, WIDE, NARROW).float()[:, None, None]
+    dx = amax / levels
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv[..., None])  # within +-levels already: |g| <= amax
+    return q.to(torch.int32).reshape(M, K), dx, (dx * q.sum(-1)).sum(-1)
 
 
-def qgemm_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+def qgemm_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
+              narrow: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) float; qs (N, K * bits / 8) uint8; d, m (N, K/32) fp32 -> (M, N) fp32,
-    with the activations quantized per block exactly as the kernel does."""
-    q, dx, sx = quantize_activations_ref(x)
-    u = unpack_codes(qs, bits).float()  # (N, K)
+    with the activations quantized exactly as the kernel does (rows in `narrow` int8)."""
+    q, dx, sx = quantize_activations_ref(x, narrow)
+    u = unpack_codes(qs, bits).double()  # (N, K)
     N, K = u.shape
-    dots = torch.einsum("mbi,nbi->mnb", q.double().reshape(-1, K // BLOCK, BLOCK),
-                        u.double().reshape(N, K // BLOCK, BLOCK)).float()  # exact integer sums
-    return (dots * d[None] * dx[:, None]).sum(-1) + sx @ m.T
+    dots = torch.einsum("mbhi,nbhi->mnbh", q.double().reshape(-1, K // BLOCK, 2, BLOCK // 2),
+                        u.reshape(N, K // BLOCK, 2, BLOCK // 2))  # exact integer sums, per 16 columns
+    f = (dots * dx[:, None].double()).sum(-1).float()  # (M, N, blocks)
+    return (f * d[None]).sum(-1) + sx @ m.T
 
 
 def packable(n: int, k: int) -> bool:
@@ -96,15 +113,13 @@ def pack(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch
         raise ValueError("packed weights keep scales and offsets in fp16: round them (as GGUF does) first")
     nb, T = K // BLOCK, N // TILE
     u = u.reshape(T, TILE, nb, BLOCK).permute(0, 2, 1, 3)  # (T, nb, 16 rows, 32 codes)
+    g = u.reshape(T, nb, TILE, 8, 4).permute(0, 1, 3, 2, 4)  # (tile, block, g, row, e): column 4g + e
     if bits == 4:
-        lo = u[..., :16].reshape(T, nb, TILE, 8, 2)  # (tile, block, row, j, e): column 2j + e
-        hi = u[..., 16:].reshape(T, nb, TILE, 8, 2)  # column 16 + 2j + e
-        codes = (lo | (hi << 4)).permute(0, 1, 3, 2, 4)  # (T, nb, j, row, e)
+        codes = g[:, :, 0::2] | (g[:, :, 1::2] << 4)  # groups 2k and 2k + 1 share a byte
     elif bits == 8:
         if not torch.equal(m.float(), -128 * d.float()):
             raise ValueError("8-bit packed weights are symmetric (Q8_0): m must be -128 d")
-        q = (u.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-        codes = q.reshape(T, nb, TILE, 16, 2).permute(0, 1, 3, 2, 4)
+        codes = g
     else:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     codes = codes.reshape(T, nb, -1)
@@ -141,6 +156,8 @@ def available() -> bool:
     return cpu_has_vnni() and builds(_extension, "kernels.qgemm_cpu: the VNNI kernel", "using the reference")
 
 
-def qgemm_cpu(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """x (M, K) fp32 against a `pack`ed (n, K) weight -> (M, n) fp32; torch's thread count."""
-    return _extension().qgemm(x, packed, n, bits)
+def qgemm_cpu(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int,
+              narrow: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) fp32 against a `pack`ed (n, K) weight -> (M, n) fp32; torch's thread count.
+    narrow (M,) bool: the rows quantized narrow (int8), the others wide."""
+    return _extension().qgemm(x, packed, n, bits, narrow)

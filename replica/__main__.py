@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the KV pool's dtype under the C++ CPU step (auto: float16). int8 keeps a scale per "
                          "token and kv head: about half fp16's bytes, so long contexts decode faster "
                          "(docs/perf.md, long conversations); elsewhere the pool is in the model's dtype")
+    ap.add_argument("--prefill-activations", default="auto", choices=["auto", "int16", "int8"],
+                    help="the C++ CPU step's matmul activations for prompt tokens that sample nothing: int8 runs "
+                         "their matmuls at twice int16's rate (a shorter first token) but moves the answer's logits "
+                         "a little; every token that samples stays int16. auto: int8 for prompts of 128 tokens or "
+                         "more (docs/perf.md, prefill)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--graph-mode", default="auto", choices=["auto", "off", "buffers"],
                     help="CUDA graphs for decode steps (auto: on CUDA)")
@@ -126,6 +131,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=device, dtype=dtype, quantization=quantization,
                         block_size=args.block_size,
                         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), kv_cache_dtype=args.kv_cache_dtype,
+                        prefill_activations=args.prefill_activations,
                         max_num_seqs=args.max_num_seqs or min(64, budget), max_num_batched_tokens=budget,
                         prefill_only_tokens=args.prefill_only_tokens or 512,
                         max_model_len=args.max_model_len,

@@ -62,6 +62,12 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+# prefill_activations "auto": prompts this long or longer prefill on int8 activations. A 256-token
+# prompt's prefill is ~25 % shorter that way (docs/perf.md, "Prefill against the int8 peak"); a short
+# chat turn's gains a few ms and keeps every row int16, and with it the answers it always had.
+INT8_PROMPT_TOKENS = 128
+
+
 @dataclass
 class EngineConfig:
     model: str = "default"  # "default" | GGUF path | HF folder | hub id
@@ -73,6 +79,10 @@ class EngineConfig:
     # The KV pool's dtype under the C++ CPU step: "auto" (float16), "float16", "float32" or "int8"
     # (a scale per token and kv head; kernels/paged.py). Elsewhere the pool is in the model's dtype.
     kv_cache_dtype: str = "auto"
+    # The C++ CPU step's matmul activations for prompt tokens that sample nothing: "int16" (as every
+    # other row), "int8" (twice the multiply-adds an instruction; kernels/qgemm_cpu.py, docs/perf.md), or
+    # "auto": int8 for prompts of at least INT8_PROMPT_TOKENS tokens, where it shortens the first token.
+    prefill_activations: str = "auto"
     gpu_memory_utilization: float = 0.85  # fraction of the GPU this replica may fill (weights + KV + graphs)
     num_blocks: int = 0  # >0 overrides the memory budget
     max_num_seqs: int = 64  # running sequences at once
@@ -99,6 +109,11 @@ class EngineConfig:
     # rejection sampling: lossless, but a seeded output is no longer the plain decoder's tokens.
     spec_sample: bool = False
 
+    def int8_prompts_from(self) -> int | None:
+        """The prompt length from which a sequence's prompt rows that sample nothing run on int8
+        activations (None: never)."""
+        return {"auto": INT8_PROMPT_TOKENS, "int8": 0}.get(self.prefill_activations)
+
     def engine_threads(self) -> int:
         """Threads for the engine's math on CPU: every core unless cpu_threads says otherwise.
         The API process needs a core only briefly once per step (one frame of tokens)."""
@@ -117,6 +132,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float16", "float32", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto, float16, float32 or int8, got {self.kv_cache_dtype!r}")
+        if self.prefill_activations not in ("auto", "int16", "int8"):
+            raise ValueError(f"prefill_activations must be auto, int16 or int8, got {self.prefill_activations!r}")
         if self.quantization not in ("none", "int8", "int4", "gguf"):
             raise ValueError(f"quantization must be none, int8, int4 or gguf, got {self.quantization!r}")
         if self.quantization != "none" and (self.device != "cpu" or self.tp > 1):

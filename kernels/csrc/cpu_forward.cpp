@@ -31,15 +31,18 @@ struct Item {
   int64_t t, i0, i1;
 };
 
-// Quantized activations of the next matmul, and a scratch row for the norm.
+// Quantized activations of the next matmul (qg::Act's layout), and a scratch row for the norm.
 struct Buf {
-  std::vector<int16_t> q;
+  std::vector<int8_t> q;
   std::vector<float> dx, sx, row;
-  qg::Act act(int64_t M, int64_t K) const { return {q.data(), dx.data(), sx.data(), M, K}; }
+  qg::Act act(int64_t M, int64_t K, const uint8_t* wide) const { return {q.data(), dx.data(), sx.data(), M, K, wide}; }
+  void quantize(const float* x, int64_t t, int64_t K, bool wide) {
+    qg::quantize_row(x, K, q.data() + t * 2 * K, dx.data() + t * K / 16, sx.data() + t * K / 32, wide);
+  }
   void reserve(int64_t M, int64_t K) {
-    if ((int64_t)q.size() < M * K) {
-      q.resize(M * K);
-      dx.resize(M * K / 32);
+    if ((int64_t)q.size() < 2 * M * K) {
+      q.resize(2 * M * K);
+      dx.resize(M * K / 16);
       sx.resize(M * K / 32);
     }
     if ((int64_t)row.size() < K) row.resize(K);
@@ -48,6 +51,7 @@ struct Buf {
 
 constexpr int64_t kSplitRows = 16;       // from this many tokens on, the activation prep is shared out too
 constexpr int64_t kChunksPerWorker = 8;  // a matmul's supertiles in about this many claims per thread
+constexpr size_t kMaxOutliers = 16;      // outlier columns a matmul's narrow rows may keep in fp32
 
 using rowops::rms_norm_row;
 using rowops::rotate;
@@ -103,6 +107,32 @@ class Decoder {
     for (double s : phase_s_) out.push_back(s * 1e3);
     return out;
   }
+  // Calibration for narrow rows' outlier columns: while on, every step records each matmul input's largest |x|
+  // per column (its rows prepared one at a time); column_amax() returns them, 4 a layer (qkv, o, gate/up, down).
+  void set_calibration(bool on) {
+    calibrating_ = on;
+    col_amax_.assign(mats_.size(), {});
+    for (size_t i = 0; i < mats_.size(); ++i) col_amax_[i].assign(mats_[i].K, 0.f);
+  }
+  std::vector<torch::Tensor> column_amax() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& a : col_amax_) out.push_back(torch::tensor(a));
+    return out;
+  }
+  // Per matmul: the input columns a narrow row keeps out of its int8 blocks and those columns of the weight,
+  // exact, (len(cols), N) fp32 in the packed weight's row order (empty: none).
+  void set_outliers(std::vector<std::vector<int64_t>> cols, std::vector<torch::Tensor> w) {
+    TORCH_CHECK(cols.size() == mats_.size() && w.size() == mats_.size(), "set_outliers: one entry per matmul");
+    outliers_.assign(mats_.size(), {});
+    for (size_t i = 0; i < mats_.size(); ++i) {
+      for (int64_t c : cols[i]) TORCH_CHECK(c >= 0 && c < mats_[i].K, "set_outliers: column out of range");
+      TORCH_CHECK(cols[i].size() <= kMaxOutliers, "set_outliers: at most ", kMaxOutliers, " columns");
+      TORCH_CHECK(cols[i].empty() || (w[i].dim() == 2 && w[i].size(0) == (int64_t)cols[i].size() &&
+                                      w[i].size(1) == mats_[i].N && w[i].scalar_type() == torch::kFloat),
+                  "set_outliers: weight columns must be (len(cols), N) fp32");
+      outliers_[i] = {cols[i], w[i].contiguous()};
+    }
+  }
   // (steps, steps run on the caller alone since the pool judged its helpers not worth it)
   std::vector<int64_t> pool_stats() const { return {pool_->steps(), pool_->solo_steps()}; }
 
@@ -113,8 +143,16 @@ class Decoder {
                                      c10::optional<torch::Tensor> dec_lens, c10::optional<torch::Tensor> ext_tables,
                                      c10::optional<torch::Tensor> ext_cu, c10::optional<torch::Tensor> ext_lens,
                                      c10::optional<torch::Tensor> tree_mask, c10::optional<torch::Tensor> tree_prefix,
-                                     torch::Tensor kv, std::vector<int64_t> aux_layers) {
+                                     torch::Tensor kv, std::vector<int64_t> aux_layers,
+                                     c10::optional<torch::Tensor> narrow) {
     const int64_t T = ids.size(0);
+    // each row's activations wide (int16) or, where `narrow` says, narrow (int8): edgechat/qgemm.h
+    std::vector<uint8_t> wide(T, 1);
+    if (narrow.has_value() && narrow->numel()) {
+      TORCH_CHECK(narrow->dim() == 1 && narrow->size(0) == T, "Decoder: narrow must be (T,)");
+      const auto n = narrow->to(torch::kBool).contiguous();
+      for (int64_t t = 0; t < T; ++t) wide[t] = !n.data_ptr<bool>()[t];
+    }
     // the pool's elements: fp16 (its bits), fp32, or int8 rows of D codes and a 4-byte scale
     const attn::Kind kind = kv.scalar_type() == torch::kHalf   ? attn::Kind::f16
                             : kv.scalar_type() == torch::kChar ? attn::Kind::i8
@@ -179,30 +217,61 @@ class Decoder {
     const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2;
     const float scale = 1.f / std::sqrt((float)D_);
 
-    // Norm (optional) and quantize the T rows of src for the next matmul.
-    auto prep = [&](const float* src, int64_t K, const float* norm_w) -> qg::Act {
+    // Norm (optional) and quantize the T rows of src for matmul mi; a narrow row's outlier columns go to xo.
+    std::vector<float> xo(T * kMaxOutliers);
+    const bool any_narrow = std::find(wide.begin(), wide.end(), 0) != wide.end();
+    auto prep = [&](const float* src, int64_t K, const float* norm_w, int64_t mi) -> qg::Act {
+      const std::vector<int64_t>* cols = mi < (int64_t)outliers_.size() ? &outliers_[mi].cols : nullptr;
       auto one = [&](int64_t t, int w) {
         const float* row = src + t * K;
+        float* scratch = rows[w].row.data();
         if (norm_w) {
-          rms_norm_row(row, norm_w, K, eps_, rows[w].row.data());
-          row = rows[w].row.data();
+          rms_norm_row(row, norm_w, K, eps_, scratch);
+          row = scratch;
         }
-        qg::quantize_row(row, K, act_q.q.data() + t * K, act_q.dx.data() + t * K / 32, act_q.sx.data() + t * K / 32);
+        if (calibrating_)
+          for (int64_t c = 0; c < K; ++c) col_amax_[mi][c] = std::max(col_amax_[mi][c], std::fabs(row[c]));
+        if (!wide[t] && cols && !cols->empty()) {
+          if (row != scratch) std::memcpy(scratch, row, K * sizeof(float));
+          for (size_t j = 0; j < cols->size(); ++j) {
+            xo[t * kMaxOutliers + j] = scratch[(*cols)[j]];
+            scratch[(*cols)[j]] = 0.f;
+          }
+          row = scratch;
+        }
+        act_q.quantize(row, t, K, wide[t]);
       };
-      if (T < kSplitRows)
+      if (T < kSplitRows || calibrating_)
         for (int64_t t = 0; t < T; ++t) one(t, 0);
       else
         pool_->run(T, one);
-      return act_q.act(T, K);
+      return act_q.act(T, K, wide.data());
     };
-    // y (+)= a W^T over every supertile, shared out in chunks; then(sa, sz) finishes a chunk's columns.
-    auto matmul = [&](const qg::Act& a, const QMat& m, float* y, bool add,
+    // y (+)= a W^T over every supertile, shared out in chunks (narrow rows: plus their outlier columns against
+    // the exact weight columns, in column order); then(sa, sz) finishes a chunk's columns.
+    auto matmul = [&](const qg::Act& a, int64_t mi, float* y, bool add,
                       const std::function<void(int64_t, int64_t)>& then) {
+      const QMat& m = mats_[mi];
       const int64_t S = qg::supertiles(m.N), per = std::max<int64_t>(1, S / (kChunksPerWorker * W));
       const uint8_t* w = m.w.data_ptr<uint8_t>();
+      const Outliers* o =
+          any_narrow && mi < (int64_t)outliers_.size() && !outliers_[mi].cols.empty() ? &outliers_[mi] : nullptr;
       pool_->run((S + per - 1) / per, [&](int64_t c, int) {
         const int64_t sa = c * per, sz = std::min(S, sa + per);
         qg::gemm(a, w, m.bits, m.N, sa, sz, y, m.N, add);
+        if (o) {
+          const float* wo = o->w.data_ptr<float>();
+          const int64_t n0 = sa * 64, n1 = std::min(sz * 64, m.N);
+          for (int64_t t = 0; t < T; ++t) {
+            if (wide[t]) continue;
+            float* yr = y + t * m.N;
+            for (size_t j = 0; j < o->cols.size(); ++j) {
+              const float v = xo[t * kMaxOutliers + j];
+              const float* wr = wo + j * m.N;
+              for (int64_t n = n0; n < n1; ++n) yr[n] += v * wr[n];
+            }
+          }
+        }
         if (then) then(sa, sz);
       });
     };
@@ -219,12 +288,11 @@ class Decoder {
     };
     if (timing_) ++timed_steps_, tick = std::chrono::steady_clock::now();
     for (int64_t l = 0; l < L_; ++l) {
-      const QMat* m = &mats_[4 * l];
       char* kc = (char*)kv.data_ptr() + 2 * l * pool * esize;
       char* vc = kc + pool * esize;
       // qkv = norm(x) Wqkv^T (+ bias)
       const float* bias = biases_[l].numel() ? biases_[l].data_ptr<float>() : nullptr;
-      matmul(prep(xp, h_, norms_[2 * l].data_ptr<float>()), m[0], qkvp, false, [&](int64_t sa, int64_t sz) {
+      matmul(prep(xp, h_, norms_[2 * l].data_ptr<float>(), 4 * l), 4 * l, qkvp, false, [&](int64_t sa, int64_t sz) {
         if (!bias) return;
         for (int64_t t = 0; t < T; ++t)
           for (int64_t c = sa * 64; c < std::min(sz * 64, qkv_n); ++c) qkvp[t * qkv_n + c] += bias[c];
@@ -269,25 +337,26 @@ class Decoder {
         pool_->run(T * Hkv_, merge);
       mark(3);
       // x += attn Wo^T
-      matmul(prep(ap, H_ * D_, nullptr), m[1], xp, true, nullptr);
+      matmul(prep(ap, H_ * D_, nullptr, 4 * l + 1), 4 * l + 1, xp, true, nullptr);
       mark(4);
       // act = silu(gate) * up: gate/up rows interleaved by 32, so supertile s gives act[:, 32 s : 32 s + 32]
-      matmul(prep(xp, h_, norms_[2 * l + 1].data_ptr<float>()), m[2], gup, false, [&](int64_t sa, int64_t sz) {
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t s = sa; s < sz; ++s) {
-            const float* g = gup + t * 2 * I_ + 64 * s;
-            float* o = actp + t * I_ + 32 * s;
-            for (int r = 0; r < 32; r += 16) {  // silu(g) u = g / (1 + e^-g) u
-              const __m512 gv = _mm512_loadu_ps(g + r);
-              const __m512 den =
-                  _mm512_add_ps(_mm512_set1_ps(1.f), attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-              _mm512_storeu_ps(o + r, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(g + 32 + r)));
-            }
-          }
-      });
+      matmul(prep(xp, h_, norms_[2 * l + 1].data_ptr<float>(), 4 * l + 2), 4 * l + 2, gup, false,
+             [&](int64_t sa, int64_t sz) {
+               for (int64_t t = 0; t < T; ++t)
+                 for (int64_t s = sa; s < sz; ++s) {
+                   const float* g = gup + t * 2 * I_ + 64 * s;
+                   float* o = actp + t * I_ + 32 * s;
+                   for (int r = 0; r < 32; r += 16) {  // silu(g) u = g / (1 + e^-g) u
+                     const __m512 gv = _mm512_loadu_ps(g + r);
+                     const __m512 den =
+                         _mm512_add_ps(_mm512_set1_ps(1.f), attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+                     _mm512_storeu_ps(o + r, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(g + 32 + r)));
+                   }
+                 }
+             });
       mark(5);
       // x += act Wdown^T
-      matmul(prep(actp, I_, nullptr), m[3], xp, true, nullptr);
+      matmul(prep(actp, I_, nullptr, 4 * l + 3), 4 * l + 3, xp, true, nullptr);
       mark(6);
       if (aux_slot[l] >= 0)
         for (int64_t t = 0; t < T; ++t)
@@ -309,10 +378,8 @@ class Decoder {
     auto y = torch::empty({R, V}, hidden.options());
     Buf b;
     b.reserve(R, h_);
-    for (int64_t r = 0; r < R; ++r)
-      qg::quantize_row(hidden.data_ptr<float>() + r * h_, h_, b.q.data() + r * h_, b.dx.data() + r * h_ / 32,
-                       b.sx.data() + r * h_ / 32);
-    const qg::Act a = b.act(R, h_);
+    for (int64_t r = 0; r < R; ++r) b.quantize(hidden.data_ptr<float>() + r * h_, r, h_, true);
+    const qg::Act a = b.act(R, h_, nullptr);
     const int64_t S = qg::supertiles(V), per = std::max<int64_t>(1, S / (kChunksPerWorker * pool_->workers()));
     float* yp = y.data_ptr<float>();
     pool_->run((S + per - 1) / per, [&](int64_t c, int) {
@@ -391,6 +458,16 @@ class Decoder {
   bool timing_ = false;
   std::array<double, 7> phase_s_{};
   int64_t timed_steps_ = 0;
+  // Narrow rows' outlier columns per matmul (4 a layer): their values leave the int8 blocks and meet the
+  // exact weight columns in fp32 (w: (n, N)). col_amax_: each matmul input's largest |x| per column while
+  // calibrating (every row of every step so far).
+  struct Outliers {
+    std::vector<int64_t> cols;
+    torch::Tensor w;
+  };
+  std::vector<Outliers> outliers_;
+  bool calibrating_ = false;
+  std::vector<std::vector<float>> col_amax_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -403,5 +480,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("threads", &Decoder::threads)
       .def("pool_stats", &Decoder::pool_stats)
       .def("set_timing", &Decoder::set_timing)
-      .def("phase_ms", &Decoder::phase_ms);
+      .def("phase_ms", &Decoder::phase_ms)
+      .def("set_calibration", &Decoder::set_calibration)
+      .def("column_amax", &Decoder::column_amax)
+      .def("set_outliers", &Decoder::set_outliers);
 }

@@ -20,6 +20,7 @@ from replica.config import EngineConfig, ModelConfig
 from replica.engine.forks import Forks
 from replica.engine.grammar import Grammars
 from replica.model.plan import placeholder, plan_step
+from replica.model.calibration import calibration_prompts
 from replica.model.runner import Runner
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import Sequence, Status
@@ -102,6 +103,13 @@ class LLMEngine:
                                          draft_kv=self.speculator.kv_shape if self.speculator is not None else None)
         if self.speculator is not None and self.speculator.kv_shape is not None:
             self.speculator.bind_kv(self.runner.draft_kv, self.runner.model.cos_sin)
+        # int8 prefill rows need a calibration (kept beside the built model, else run on text now);
+        # "auto" with nothing to calibrate on keeps every row int16
+        if (prompts_from := cfg.int8_prompts_from()) is not None:
+            if tokenizer is None and cfg.prefill_activations == "int8":
+                raise ValueError("prefill_activations='int8' calibrates on text at start: give the engine its tokenizer")
+            self.runner.enable_narrow(prompts_from, lambda: calibration_prompts(tokenizer, model_cfg.vocab_size)
+                                      if tokenizer is not None else [])
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(layout.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,

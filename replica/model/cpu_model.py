@@ -7,6 +7,8 @@ through it unchanged: on CPU this is where CUDA would replay a graph. The wrappe
 model stays the reference and keeps the weights; the C++ `Decoder` reads the same
 packed tensors (gate/up repacked with its rows interleaved). Its KV pool is fp16 by
 default (the Runner allocates it in `kernels.Ops.cpu_step_kv`); fp32 and int8 are served too.
+Prompt rows the Runner marks narrow (`Context.narrow_rows`, `prefill_activations="int8"`) run
+their matmuls on int8 activations, with each matmul's outlier columns (`calibrate`) in fp32.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ def llama_of(model: nn.Module) -> LlamaModel:
     return model.model if isinstance(model, CpuModel) else model
 
 
+OUTLIERS = 8  # input columns per matmul that narrow rows keep in fp32
+
+
 class CpuModel(nn.Module):
     def __init__(self, model: LlamaModel, threads: int):
         super().__init__()
         self.model = model
         c = model.cfg
-        order = cpu_forward.interleave_gate_up(c.intermediate_size)
+        order = self.gate_up_order = cpu_forward.interleave_gate_up(c.intermediate_size)
         norms, biases, packed, bits = [], [], [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -74,10 +79,40 @@ class CpuModel(nn.Module):
         out = self.decoder.forward(input_ids, positions, ctx.slot_mapping, ctx.num_decode_tokens,
                                    ctx.decode_block_tables, ctx.decode_seq_lens, ctx.extend_block_tables,
                                    ctx.extend_cu_seqlens_q, ctx.extend_seq_lens, ctx.tree_mask, ctx.tree_prefix_lens,
-                                   kv_cache, list(aux_layers))
+                                   kv_cache, list(aux_layers), ctx.narrow_rows)
         if not aux_layers:
             return out[0]
         return out[0], list(out[1].split(self.cfg.hidden_size, dim=-1))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.logits(hidden)
+
+    def linears(self) -> list[tuple[QLinear, torch.Tensor | None]]:
+        """The step's matmuls in its order (qkv, o, gate/up, down per layer), each with the
+        row order the step packed it in (None: as stored)."""
+        return [(lin, order) for layer in self.model.layers
+                for lin, order in ((layer.self_attn.qkv_proj, None), (layer.self_attn.o_proj, None),
+                                   (layer.mlp.gate_up_proj, self.gate_up_order), (layer.mlp.down_proj, None))]
+
+    def calibrate(self, run) -> list[list[int]]:
+        """Each matmul's OUTLIERS input columns with the largest |x| while run() steps the
+        model (every row wide; the step records each input's largest |x| per column)."""
+        self.decoder.set_calibration(True)
+        try:
+            run()
+            amax = self.decoder.column_amax()
+        finally:
+            self.decoder.set_calibration(False)
+        return [a.topk(min(OUTLIERS, lin.in_features)).indices.sort().values.tolist()
+                for a, (lin, _) in zip(amax, self.linears())]
+
+    def set_outliers(self, cols: list[list[int]]) -> None:
+        """Narrow rows keep input columns cols[i] of matmul i out of their int8 blocks, against
+        those columns of its weight, exact (dequantized from the stored codes)."""
+        weights = []
+        for c, (lin, order) in zip(cols, self.linears()):
+            c = torch.tensor(c, dtype=torch.long)
+            u = qgemm_cpu.unpack_codes(lin.qs, lin.bits)[:, c].float()
+            w = u * lin.d[:, c // 32] + lin.m[:, c // 32]
+            weights.append((w if order is None else w[order]).T.contiguous())
+        self.decoder.set_outliers(cols, weights)

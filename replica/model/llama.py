@@ -38,6 +38,9 @@ class Context:
     # attends to b's tree_prefix_lens[b] cached tokens plus the nodes tree_mask[i] allows.
     tree_mask: torch.Tensor | None = None  # (T, max_n) bool
     tree_prefix_lens: torch.Tensor | None = None  # (B,) int32
+    # The C++ CPU step (replica.model.cpu_model): rows whose matmul activations may be rounded
+    # narrow (int8, kernels/qgemm_cpu.py); None: every row wide. Others ignore it.
+    narrow_rows: torch.Tensor | None = None  # (T,) bool
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -67,6 +67,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     sampling: list[Sampling] = []  # per logits row
     trees: list[list[int]] = []  # parents of the nodes of each tree row
     extra_logits: list[int] = []  # flat token indices whose logits follow the sampled rows' (prompt logprobs)
+    prompt_lens: list[int] = []  # per row: its sequence's prompt tokens (positions past them are generated)
 
 
 def sampling_of(seq, position: int) -> Sampling:
@@ -80,6 +81,7 @@ def plan_step(batch, trees=()) -> StepPlan:
     row i's one decode token by a draft tree rooted at that token."""
     ids, starts, tables, sample_rows, sampling = [], [], [], [], []
     num_tokens = list(batch.num_tokens)
+    prompt_lens = [seq.num_prompt_tokens for seq in batch.seqs]
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
         start = seq.num_computed
         starts.append(start)
@@ -95,7 +97,8 @@ def plan_step(batch, trees=()) -> StepPlan:
             sample_rows.append(i)
     sampling.extend(sampling_of(batch.seqs[i], len(batch.seqs[i])) for i in sample_rows)
     return StepPlan(input_ids=ids, starts=starts, num_tokens=num_tokens, block_tables=tables, sample_rows=sample_rows,
-                    num_decodes=batch.num_decodes, sampling=sampling, trees=[list(t.parents) for t in trees])
+                    num_decodes=batch.num_decodes, sampling=sampling, trees=[list(t.parents) for t in trees],
+                    prompt_lens=prompt_lens)
 
 
 def slot(table: list[int], position: int, block_size: int) -> int:

@@ -36,7 +36,7 @@ from kernels.paged import pool_row
 from replica.model import sampler
 from replica.config import EngineConfig, ModelConfig
 from replica.model.graphs import DecodeGraphs, resolve_placeholders
-from replica.model import cpu_model
+from replica.model import built, cpu_model
 from replica.model.loader import load_gguf_quantized, random_weights, resolve_model
 from replica.model.llama import Context, LlamaModel
 from replica.model.plan import StepPlan, slot
@@ -137,6 +137,7 @@ class Runner:
         self.graphs: DecodeGraphs | None = None
         self.aux_layers: tuple[int, ...] = ()
         self.keep_hidden = False
+        self.narrow_from: int | None = None  # prompts this long prefill narrow (int8) rows: `calibrate`
         self._encoder = msgspec.msgpack.Encoder()
 
     # -- KV pool --------------------------------------------------------------------------
@@ -187,6 +188,43 @@ class Runner:
         capacities = self.tp.gather_int(mine.num_blocks)
         payload = self._encoder.encode(KvLayout(min(capacities), mine.block_size)) if self.tp.rank == 0 else b""
         return msgspec.msgpack.decode(self.tp.broadcast_bytes(payload), type=KvLayout)
+
+    @torch.inference_mode()
+    def enable_narrow(self, prompts_from: int, prompts) -> bool:
+        """Narrow (int8) prompt rows for prompts of `prompts_from` tokens or more
+        (`EngineConfig.prefill_activations`; the C++ CPU step only: elsewhere False). Their
+        outlier columns come from a kept calibration of this build (replica.model.built) or
+        from one step over prompts() (token ids; called only then), all rows wide, in the
+        pool's first blocks (before serving: nothing is cached there yet), then kept.
+        False, and every row stays wide, when there is nothing to calibrate on."""
+        if not isinstance(self.model, cpu_model.CpuModel):
+            return False
+        mats = self.model.linears()
+        cols = built.kept_outliers(self.cfg, self.model_cfg, self.ops)
+        if cols is not None and (len(cols) != len(mats) or any(
+                not all(0 <= i < lin.in_features for i in c) for c, (lin, _) in zip(cols, mats))):
+            cols = None  # kept for another shape of model
+        if cols is None:
+            ids = prompts()
+            if not ids:
+                return False
+            bs, cap, tables, used = self.block_size, self.kv_cache.shape[2], [], 0
+            whole = sum(-(-len(p) // bs) for p in ids) <= cap
+            if not whole:  # a pool too small for them all (tests): as many tokens as it holds, not kept
+                ids = [ids[0][: cap * bs]]
+            for p in ids:
+                n = -(-len(p) // bs)
+                tables.append(list(range(used, used + n)))
+                used += n
+            plan = StepPlan(input_ids=[t for p in ids for t in p], starts=[0] * len(ids),
+                            num_tokens=[len(p) for p in ids], block_tables=tables, sample_rows=[], num_decodes=0)
+            input_ids, positions, ctx, _ = self.prepare(plan)
+            cols = self.model.calibrate(lambda: self.model(input_ids, positions, ctx, self.kv_cache))
+            if whole:
+                built.keep_outliers(self.cfg, self.model_cfg, self.ops, cols)
+        self.model.set_outliers(cols)
+        self.narrow_from = prompts_from
+        return True
 
     @torch.inference_mode()
     def move_kv(self, src: list[int], dst: list[int]) -> None:
@@ -247,6 +285,9 @@ class Runner:
                 extend_seq_lens=self._tensor([s + n for s, n in zip(plan.starts[nd:], ext_n)], torch.int32)
                 if ext_n else None,
             )
+        if self.narrow_from is not None and plan.prompt_lens:
+            narrow = narrow_rows(plan, cu, self.narrow_from)
+            ctx.narrow_rows = self._tensor(narrow, torch.bool) if any(narrow) else None
         return (self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx,
                 self._tensor(rows, torch.int64))
 
@@ -307,6 +348,25 @@ class Runner:
         if self.tp.world > 1:
             self.tp.broadcast_bytes(None)
             self.tp.close()
+
+
+def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int = 0) -> list[bool]:
+    """Per token of the plan: whether its matmul activations may be int8
+    (`EngineConfig.prefill_activations`): a token of a prefill chunk before its prompt's
+    last, in a sequence whose prompt has at least `prompts_from` tokens: its only output is
+    the KV it leaves. Wide (int16) stay every token whose logits are computed (a tree node,
+    a decode, the prompt's last token, a prompt logprob's position) and every generated token
+    a resumed sequence computes again, so a resume leaves the KV the first computation left."""
+    narrow = [False] * cu[-1]
+    for i in range(len(plan.trees) + plan.num_decodes, len(plan.num_tokens)):
+        if plan.prompt_lens[i] < prompts_from:
+            continue
+        start, n = plan.starts[i], plan.num_tokens[i]
+        end = min(start + n, plan.prompt_lens[i] - 1)  # positions [start, end) are narrow
+        narrow[cu[i] : cu[i] + max(0, end - start)] = [True] * max(0, end - start)
+    for j in plan.extra_logits:
+        narrow[j] = False
+    return narrow
 
 
 def materialize(model: torch.nn.Module, device) -> torch.nn.Module:

@@ -255,3 +255,76 @@ def test_phase_timing_adds_up_only_while_on():
     assert steps == 1 and len(ms) == 7 and min(ms) >= 0 and 0 < sum(ms) <= wall_ms
     dec.set_timing(False)
     assert dec.phase_ms() == [0.0] * 8
+
+
+def activation_runners(w=None, kinds=("int16", "int8")):
+    """C++-step runners of one tiny model, by `prefill_activations`."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=3)
+    w = w or tiny_weights(cfg, seed=3)
+    run = {}
+    for acts in kinds:
+        run[acts] = Runner(EngineConfig(quantization="int4", num_blocks=12, cpu_threads=2, max_num_seqs=4,
+                                        max_num_batched_tokens=64), cfg, w,
+                           ops=kernels.ops("cpu"))
+        run[acts].allocate_kv()
+        assert isinstance(run[acts].model, CpuModel)
+    return run
+
+
+def narrow_from(run, prompts=None):
+    """Turn on the int8 runners' narrow rows (what the engine does at start), calibrated on
+    `prompts` or, without them, with no outlier columns."""
+    for acts, r in run.items():
+        if not acts.startswith("int8"):
+            continue
+        if prompts:
+            assert r.enable_narrow(0, lambda: prompts)
+        else:
+            r.narrow_from = 0
+
+
+def test_int8_prefill_rounds_only_the_prompt_rows_that_sample_nothing():
+    """`prefill_activations="int8"`: the KV a narrow row leaves moves by int8's rounding; a prompt's
+    last token, and a resumed sequence's generated tokens, stay wide, so their layer-0 KV (which
+    reads nothing but their own embedding) is bit for bit int16's, and the sampled logits move by
+    no more than the narrow rows' KV moved them."""
+    run = activation_runners()
+    narrow_from(run)
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(1, 96, (27,), generator=g).tolist()
+    # A: a whole 20-token prompt, its last token sampled; B: 7 tokens, of which the last 3 are
+    # generated tokens a resume computes again (prompt of 4: its last token stays wide too, as
+    # when it sampled), not sampled (the chunk stops short)
+    p = plan(ids, [0, 0], [20, 7], [[0, 1], [2]], [0], 0)
+    p.prompt_lens = [20, 4]
+    assert run["int16"].narrow_from is None and run["int8"].narrow_from == 0
+    out = {acts: r.execute(p) for acts, r in run.items()}
+    k0 = {acts: r.kv_cache[0, 0].flatten(0, 1).float() for acts, r in run.items()}  # layer 0's keys by slot
+    slots = list(range(20)) + list(range(32, 39))
+    moved = [not torch.equal(k0["int16"][s], k0["int8"][s]) for s in slots]
+    assert moved == [True] * 19 + [False] + [True] * 3 + [False] * 4
+    a, b = out["int8"].logits, out["int16"].logits
+    assert 0 < (a - b).abs().max() < 0.1 * b.abs().max()
+
+
+def test_calibrated_outlier_columns_take_a_large_channel_out_of_the_int8_blocks():
+    """A hidden channel 60x the others (its input norm weight scaled) makes every narrow row's
+    int8 block that holds it coarse. Calibration finds that column for the layer's qkv and
+    gate/up inputs and computes it in fp32: the narrow rows' layer-0 keys come 5x closer to
+    the wide rows' than without."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=3)
+    w = tiny_weights(cfg, seed=3)
+    w["model.layers.0.input_layernorm.weight"][5] *= 60
+    run = activation_runners(w, kinds=("int16", "int8", "int8+calibrated"))
+    g = torch.Generator().manual_seed(10)
+    narrow_from({"int8": run["int8"]})
+    narrow_from({"int8+calibrated": run["int8+calibrated"]},
+                [torch.randint(1, 96, (n,), generator=g).tolist() for n in (30, 12, 21)])
+    p = plan(torch.randint(1, 96, (20,), generator=g).tolist(), [0], [20], [[0, 1]], [0], 0)
+    p.prompt_lens = [20]
+    keys = {}
+    for acts, r in run.items():
+        r.execute(p)
+        keys[acts] = r.kv_cache[0, 0].flatten(0, 1)[:19].float()  # layer 0's keys of the narrow rows
+    err = {acts: (keys[acts] - keys["int16"]).abs().max().item() for acts in ("int8", "int8+calibrated")}
+    assert 0 < 5 * err["int8+calibrated"] < err["int8"], err

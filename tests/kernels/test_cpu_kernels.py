@@ -53,9 +53,36 @@ def test_qgemm_reference_is_the_dequantized_matmul_up_to_activation_rounding():
     d, m = torch.rand(32, 8, generator=g) * 0.1, -torch.rand(32, 8, generator=g)
     w = qgemm_cpu.unpack_codes(qs, 4).float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
     exact = x @ w.T
-    # int16 activations per block of 32: relative error ~ 1/65534 per element
+    # wide (int16) activations per block of 32: relative error ~ 1/65278 per element
     err = (qgemm_cpu.qgemm_ref(x, qs, d, m, 4) - exact).abs().max() / exact.abs().max()
     assert 0 < err < 1e-4
+    # narrow (int8 per 16 columns): each code off by at most half a step, amax / 254
+    narrow = torch.tensor([True, False, True, False])
+    got = qgemm_cpu.qgemm_ref(x, qs, d, m, 4, narrow)
+    err8 = (got - exact).abs().amax(1) / exact.abs().max()
+    assert 1e-4 < err8[0] < 1e-2 and 1e-4 < err8[2] < 1e-2
+    assert torch.equal(got[1::2], qgemm_cpu.qgemm_ref(x, qs, d, m, 4)[1::2])
+
+
+@needs_qgemm
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qgemm_narrow_rows_match_reference_in_any_mix(bits):
+    """Runs of wide and narrow rows of every length the kernel tiles (1-5), in one call."""
+    g = torch.Generator().manual_seed(bits)
+    kinds = [0, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 1, 1, 1]
+    narrow = torch.tensor(kinds, dtype=torch.bool)
+    x = torch.randn(len(kinds), 576, generator=g) * 3
+    x[:, 7] *= 40  # an outlier column: the narrow rows' blocks that hold it lose precision, the wide ones not
+    qs, d, m = random_weight(g, 208, 576, bits)
+    packed = qgemm_cpu.pack(qs, d, m, bits)
+    ref = qgemm_cpu.qgemm_ref(x, qs, d, m, bits, narrow)
+    out = qgemm_cpu.qgemm_cpu(x, packed, 208, bits, narrow)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    wide = qgemm_cpu.qgemm_cpu(x, packed, 208, bits)
+    assert torch.equal(out[~narrow], wide[~narrow])
+    assert not torch.allclose(out[narrow], wide[narrow], rtol=0, atol=1e-4 * ref.abs().max().item())
+    for i in range(len(kinds)):  # a row's result depends on its own kind only
+        assert torch.equal(out[i:i + 1], qgemm_cpu.qgemm_cpu(x[i:i + 1], packed, 208, bits, narrow[i:i + 1]))
 
 
 @needs_ops

@@ -221,3 +221,42 @@ def test_load_reports_the_measured_prefill_rate():
     elapsed = time.perf_counter() - t0
     rate = engine.load().tokens_per_s
     assert rate >= 2 * PREFILL_RATE_MIN_TOKENS / elapsed  # two 64-token steps, each at most the whole run
+
+
+def test_default_engine_prefills_long_prompts_on_int8_activations(tmp_path, monkeypatch):
+    """prefill_activations "auto" (the default) calibrates at start from the tokenizer and keeps
+    the calibration beside the built model (a later start needs no tokenizer); then a prompt of
+    128 tokens or more prefills its rows but the last on int8 activations (its first token's
+    logits move a little against int16's), and a shorter one stays int16, bit for bit."""
+    from replica.model.loader import load_checkpoint
+
+    monkeypatch.setenv("EDGECHAT_BUILT_DIR", str(tmp_path))
+    ckpt = load_checkpoint("default")
+    cfg, w, tok = ckpt.config, ckpt.weights, ckpt.tokenizer
+    kw = dict(num_blocks=64, max_num_batched_tokens=512, max_num_seqs=4, quantization="gguf")
+    assert LLMEngine(EngineConfig(**kw), cfg, w).runner.narrow_from is None  # nothing to calibrate on: int16
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLMEngine(EngineConfig(prefill_activations="int8", **kw), cfg, w)
+    auto = LLMEngine(EngineConfig(**kw), cfg, w, tokenizer=tok)
+    exact = LLMEngine(EngineConfig(prefill_activations="int16", **kw), cfg, w, tokenizer=tok)
+    assert auto.runner.narrow_from == 128 and exact.runner.narrow_from is None
+    assert len(list(tmp_path.glob("*.outliers.json"))) == 1
+    kept = LLMEngine(EngineConfig(**kw), cfg, w)  # the kept calibration, no tokenizer
+    assert kept.runner.narrow_from == 128
+    # (each engine's first prompt: the two share the chat template's first tokens, and a cached
+    # prefix keeps the KV of whichever prompt computed it)
+    story = " ".join(["The lighthouse keeper wrote the day's weather, the ships that passed and the birds."] * 8)
+    short, long = (tok.encode_chat([{"role": "user", "content": c}]) for c in ("What is 2 + 2?", story))
+    assert len(short) < 128 <= len(long)
+
+    def first_logits(engine, ids):
+        seen = []
+        engine.add(P.Generate(id="x", prompt_ids=ids, sampling=greedy(1)))
+        run(engine, lambda logits, toks: seen.extend(logits.values()))
+        return seen[0]
+
+    assert torch.equal(first_logits(auto, short), first_logits(exact, short))
+    a, b = first_logits(kept, long), first_logits(exact, long)
+    assert 0 < (a - b).abs().max() < 0.05 * b.abs().max()
+    again = LLMEngine(EngineConfig(**kw), cfg, w, tokenizer=tok)  # calibrated as `kept` was
+    assert torch.equal(first_logits(again, long), a)

@@ -1,7 +1,10 @@
-// Block-quantized matmul y = x W^T on AVX-512 VNNI, W in 4 or 8 bits: int16 activation codes per 32-block,
-// weights in the packed layout that kernels/qgemm_cpu.py's `pack` writes and its docstring draws (tiles of 16
-// output rows, one int32 lane each; supertiles of 4 tiles, block-major). `qgemm_ref` there is the definition.
-// Used by qgemm.cpp (one matmul) and cpu_forward.cpp (the whole step).
+// Block-quantized matmul y = x W^T on AVX-512 VNNI, W in 4 or 8 bits, in the packed layout that
+// kernels/qgemm_cpu.py's `pack` writes and its docstring draws (tiles of 16 output rows, one int32 lane each, four
+// input columns a lane; supertiles of 4 tiles, block-major). Each activation row is quantized per 32-block either
+// *wide* (int16 codes, multiplied as pairs by vpdpwssd: the weight bytes widened to int16 as they are loaded) or
+// *narrow* (int8 codes with a scale per 16 columns, multiplied four at a time by vpdpbusd, unsigned weight bytes x
+// signed activation bytes: twice the multiply-adds an instruction). `qgemm_ref` there is the definition. Used by
+// qgemm.cpp (one matmul) and cpu_forward.cpp (the whole step).
 #pragma once
 
 #include <immintrin.h>
@@ -11,27 +14,49 @@
 
 namespace qg {
 
-// One activation row -> int16 codes, scale and scaled code sum per 32-block (K % 32 == 0).
-static inline void quantize_row(const float* x, int64_t K, int16_t* q, float* dx, float* sx) {
+constexpr float kWide = 32767.f;
+constexpr float kNarrow = 127.f;
+
+// One activation row of K (K % 32 == 0) -> codes at q (2K bytes), scales dx (two per 32-block: one per 16 columns
+// narrow, the same one twice wide) and the scaled code sum sx per 32-block. Narrow: K int8 codes in column order.
+// Wide: K int16 codes, each 8 columns stored as the pairs the kernel multiplies, (0, 2), (1, 3), (4, 6), (5, 7).
+static inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, bool wide) {
+  const __m512i pairs = _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17, 18, 16,  //
+                                         15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0);
   for (int64_t b = 0; b < K / 32; ++b) {
-    __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-    float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
-    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
-    __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
-    _mm256_storeu_si256((__m256i*)(q + 32 * b), _mm512_cvtsepi32_epi16(qa));
-    _mm256_storeu_si256((__m256i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi16(qc));
-    dx[b] = d;
-    sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+    const __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
+    const float am = _mm512_reduce_max_ps(_mm512_abs_ps(a)), cm = _mm512_reduce_max_ps(_mm512_abs_ps(c));
+    if (wide) {
+      const float amax = std::max(am, cm), d = amax / kWide, inv = amax > 0.f ? kWide / amax : 0.f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
+      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+      const __m512i codes =
+          _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(qa)), _mm512_cvtsepi32_epi16(qc), 1);
+      _mm512_storeu_si512(q + 64 * b, _mm512_permutexvar_epi16(pairs, codes));
+      dx[2 * b] = dx[2 * b + 1] = d;
+      sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+    } else {
+      const float da = am / kNarrow, dc = cm / kNarrow;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(am > 0.f ? kNarrow / am : 0.f)));
+      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(cm > 0.f ? kNarrow / cm : 0.f)));
+      _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(qc));
+      dx[2 * b] = da;
+      dx[2 * b + 1] = dc;
+      sx[b] = da * (float)_mm512_reduce_add_epi32(qa) + dc * (float)_mm512_reduce_add_epi32(qc);
+    }
   }
 }
 
-// Quantized activations: M rows of K.
+// Quantized activations: M rows of K, row m's codes at q + 2 K m, its scales at dx + 2 (K / 32) m and sx + (K / 32) m.
+// wide[m] says how row m was quantized (nullptr: every row wide).
 struct Act {
-  const int16_t* q;
+  const int8_t* q;
   const float* dx;
   const float* sx;
   int64_t M, K;
+  const uint8_t* wide = nullptr;
+  bool is_wide(int64_t m) const { return !wide || wide[m]; }
 };
 
 template <int BITS>
@@ -39,59 +64,93 @@ constexpr int64_t chunk_bytes(int ts) {
   return ts * (BITS * 64 + 32 + (BITS == 4 ? 32 : 0));
 }
 
-// Rows [m0, m0 + MT) of x against tiles [i0, i0 + TN) of one supertile (ts tiles, at `sup`).
-// y[m * ldy + n] = result (ADD: y += result). NACC int32 accumulators per (tile, row): two
-// when few chains run at once, so the vpdpwssd latency stays hidden.
-template <int BITS, int TN, int MT, int NACC, bool ADD>
+// Tile codes for input columns 8k + 4h .. 8k + 4h + 3 of a block (h = 0, 1) as 64 unsigned bytes, four columns a
+// row lane (byte 4r + e = u[r, 8k + 4h + e]). 4 bits: the low (h = 0) or high nibbles of the part's 64 bytes.
+template <int BITS>
+static inline __m512i bytes(const uint8_t* tile, int k, int h) {
+  if (BITS == 4) {
+    const __m512i z = _mm512_loadu_si512(tile + 64 * k);
+    return _mm512_and_si512(h ? _mm512_srli_epi16(z, 4) : z, _mm512_set1_epi8(0x0F));
+  }
+  return _mm512_loadu_si512(tile + 128 * k + 64 * h);
+}
+
+// The same part as int16 pairs for vpdpwssd: lane r holds row r's codes of columns 8k + (0, 2), (1, 3), (4, 6) or
+// (5, 7) for h = 0..3 (the two 16-bit words of lane r are bytes (4r, 4r + 1) and (4r + 2, 4r + 3), so each pair is a
+// mask or a shift of them away).
+template <int BITS>
+static inline __m512i pair(const uint8_t* tile, int k, int h) {
+  if (BITS == 4) {
+    const __m512i z = _mm512_loadu_si512(tile + 64 * k), nib = _mm512_set1_epi16(0x000F);
+    switch (h) {
+      case 0: return _mm512_and_si512(z, nib);
+      case 1: return _mm512_and_si512(_mm512_srli_epi16(z, 8), nib);
+      case 2: return _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+      default: return _mm512_srli_epi16(z, 12);
+    }
+  }
+  const __m512i w = _mm512_loadu_si512(tile + 128 * k + 64 * (h / 2));
+  return h % 2 ? _mm512_srli_epi16(w, 8) : _mm512_and_si512(w, _mm512_set1_epi16(0x00FF));
+}
+
+// Rows [m0, m0 + MT) of x, all wide or all narrow (WIDE), against tiles [i0, i0 + TN) of one supertile (ts tiles, at
+// `sup`). y[m * ldy + n] = result (ADD: y += result). Up to two int32 accumulators per (tile, row): a narrow row's two
+// 16-column halves; a wide row's block in one, or two when a single row runs (so the vpdpwssd latency stays hidden).
+// Per block, every lane does y += s * (d * dx) + m * sx wide and y += (dx0 * half0 + dx1 * half1) * d + m * sx narrow,
+// whatever the tiling: a row's result never depends on its batch.
+template <int BITS, int TN, int MT, bool WIDE, bool ADD>
 static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float* y, int64_t ldy, int64_t m0,
                         int64_t col0) {
-  const int64_t nb = a.K / 32, cb = chunk_bytes<BITS>(ts), code_bytes = BITS * 64, kp = a.K / 2;
-  const int32_t* xq = (const int32_t*)a.q;  // activation pairs (2j, 2j + 1) as one int32
+  const int64_t nb = a.K / 32, cb = chunk_bytes<BITS>(ts), code_bytes = BITS * 64, row = a.K / 2;
+  const int32_t* xq = (const int32_t*)a.q;  // a row is K / 2 int32: 4 int8 codes or 2 int16 codes each
   __m512 facc[TN][MT];
   for (int i = 0; i < TN; ++i)
     for (int t = 0; t < MT; ++t) facc[i][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* chunk = sup + b * cb;
-    __m512i acc[TN][MT][NACC];
+    __m512i acc[TN][MT][2];
     for (int i = 0; i < TN; ++i)
-      for (int t = 0; t < MT; ++t)
-        for (int c = 0; c < NACC; ++c) acc[i][t][c] = _mm512_setzero_si512();
-    if (BITS == 4) {
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        for (int i = 0; i < TN; ++i) {
-          __m512i z =
-              _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(chunk + (i0 + i) * code_bytes + 32 * j)));
-          __m512i lo = _mm512_and_si512(z, _mm512_set1_epi16(0x0F)), hi = _mm512_srli_epi16(z, 4);
-          for (int t = 0; t < MT; ++t) {
-            const int32_t* xr = xq + (m0 + t) * kp + b * 16;
-            acc[i][t][0] = _mm512_dpwssd_epi32(acc[i][t][0], lo, _mm512_set1_epi32(xr[j]));
-            acc[i][t][NACC - 1] = _mm512_dpwssd_epi32(acc[i][t][NACC - 1], hi, _mm512_set1_epi32(xr[8 + j]));
+      for (int t = 0; t < MT; ++t) acc[i][t][0] = acc[i][t][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      if (WIDE) {
+        for (int h = 0; h < 4; ++h)
+          for (int i = 0; i < TN; ++i) {
+            const __m512i p = pair<BITS>(chunk + (i0 + i) * code_bytes, k, h);
+            for (int t = 0; t < MT; ++t) {
+              const int c = MT == 1 ? h & 1 : 0;
+              const int32_t* xr = xq + (m0 + t) * row + b * 16 + 4 * k;
+              acc[i][t][c] = _mm512_dpwssd_epi32(acc[i][t][c], p, _mm512_set1_epi32(xr[h]));
+            }
           }
-        }
-      }
-    } else {
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        for (int i = 0; i < TN; ++i) {
-          __m512i z =
-              _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(chunk + (i0 + i) * code_bytes + 32 * j)));
-          for (int t = 0; t < MT; ++t) {
-            const int32_t* xr = xq + (m0 + t) * kp + b * 16;
-            acc[i][t][j % NACC] = _mm512_dpwssd_epi32(acc[i][t][j % NACC], z, _mm512_set1_epi32(xr[j]));
+      } else {
+        for (int h = 0; h < 2; ++h)
+          for (int i = 0; i < TN; ++i) {
+            const __m512i w = bytes<BITS>(chunk + (i0 + i) * code_bytes, k, h);
+            for (int t = 0; t < MT; ++t) {
+              const int32_t* xr = xq + (m0 + t) * row + b * 8 + 2 * k;
+              acc[i][t][k / 2] = _mm512_dpbusd_epi32(acc[i][t][k / 2], w, _mm512_set1_epi32(xr[h]));
+            }
           }
-        }
       }
     }
     const uint16_t* dh = (const uint16_t*)(chunk + ts * code_bytes);
     for (int i = 0; i < TN; ++i) {
-      __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dh + (i0 + i) * 16)));
-      __m512 mv = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dh + (ts + i0 + i) * 16))) : dv;
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dh + (i0 + i) * 16)));
+      const __m512 mv = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dh + (ts + i0 + i) * 16)))
+                                  : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // Q8_0: m = -128 d, exact
       for (int t = 0; t < MT; ++t) {
         const int64_t r = (m0 + t) * nb + b;
-        __m512i s = NACC == 2 ? _mm512_add_epi32(acc[i][t][0], acc[i][t][NACC - 1]) : acc[i][t][0];  // exact
-        facc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.dx[r])), facc[i][t]);
-        if (BITS == 4) facc[i][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sx[r]), facc[i][t]);
+        if (WIDE) {
+          const __m512i s = MT == 1 ? _mm512_add_epi32(acc[i][t][0], acc[i][t][1]) : acc[i][t][0];  // exact
+          facc[i][t] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.dx[2 * r])), facc[i][t]);
+        } else {
+          __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][t][0]), _mm512_set1_ps(a.dx[2 * r]));
+          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][t][1]), _mm512_set1_ps(a.dx[2 * r + 1]), f);
+          facc[i][t] = _mm512_fmadd_ps(f, dv, facc[i][t]);
+        }
+        facc[i][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sx[r]), facc[i][t]);
       }
     }
   }
@@ -102,15 +161,36 @@ static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float*
     }
 }
 
-template <int BITS, int TN, int MT, int NACC, bool ADD>
+template <int BITS, int TN, int MT, bool WIDE, bool ADD>
 static inline void over_tiles(const Act& a, const uint8_t* sup, int ts, float* y, int64_t ldy, int64_t m0,
                               int64_t col0) {
   int i = 0;
-  for (; i + TN <= ts; i += TN) kern<BITS, TN, MT, NACC, ADD>(a, sup, ts, i, y, ldy, m0, col0);
-  for (; i < ts; ++i) kern<BITS, 1, MT, 2, ADD>(a, sup, ts, i, y, ldy, m0, col0);
+  for (; i + TN <= ts; i += TN) kern<BITS, TN, MT, WIDE, ADD>(a, sup, ts, i, y, ldy, m0, col0);
+  for (; i < ts; ++i) kern<BITS, 1, MT, WIDE, ADD>(a, sup, ts, i, y, ldy, m0, col0);
 }
 
-// y[:, rows of supertiles [sa, sz)] (+)= x @ W^T for a packed weight with N rows.
+// Rows [m0, m1), all of one kind, against one supertile: as many rows at a time as the registers hold (two int32
+// and one fp32 accumulator per (tile, row)).
+template <int BITS, bool WIDE, bool ADD>
+static inline void rows_of_kind(const Act& a, const uint8_t* sup, int ts, float* y, int64_t ldy, int64_t m0, int64_t m1,
+                                int64_t col0) {
+  int64_t m = m0;
+  if (WIDE) {
+    for (; m + 4 <= m1; m += 4) over_tiles<BITS, 2, 4, WIDE, ADD>(a, sup, ts, y, ldy, m, col0);
+  } else {
+    for (; m + 8 <= m1; m += 8) over_tiles<BITS, 1, 8, WIDE, ADD>(a, sup, ts, y, ldy, m, col0);
+    for (; m + 4 <= m1; m += 4) over_tiles<BITS, 2, 4, WIDE, ADD>(a, sup, ts, y, ldy, m, col0);
+  }
+  switch (m1 - m) {
+    case 3: over_tiles<BITS, 2, 3, WIDE, ADD>(a, sup, ts, y, ldy, m, col0); break;
+    case 2: over_tiles<BITS, WIDE ? 2 : 4, 2, WIDE, ADD>(a, sup, ts, y, ldy, m, col0); break;
+    case 1: over_tiles<BITS, 4, 1, WIDE, ADD>(a, sup, ts, y, ldy, m, col0); break;
+    default: break;
+  }
+}
+
+// y[:, rows of supertiles [sa, sz)] (+)= x @ W^T for a packed weight with N rows. Each supertile meets the
+// activation rows run by run (consecutive rows of one kind) while its weights are in cache.
 template <int BITS, bool ADD>
 static void gemm_bits(const Act& a, const uint8_t* w, int64_t N, int64_t sa, int64_t sz, float* y, int64_t ldy) {
   const int64_t nb = a.K / 32, T = N / 16;
@@ -118,13 +198,15 @@ static void gemm_bits(const Act& a, const uint8_t* w, int64_t N, int64_t sa, int
     const int ts = (int)std::min<int64_t>(4, T - 4 * s);
     const uint8_t* sup = w + s * nb * chunk_bytes<BITS>(4);
     const int64_t col0 = s * 64;
-    int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) over_tiles<BITS, 2, 4, 1, ADD>(a, sup, ts, y, ldy, m, col0);
-    switch (a.M - m) {
-      case 3: over_tiles<BITS, 2, 3, 1, ADD>(a, sup, ts, y, ldy, m, col0); break;
-      case 2: over_tiles<BITS, 4, 2, 1, ADD>(a, sup, ts, y, ldy, m, col0); break;
-      case 1: over_tiles<BITS, 4, 1, 2, ADD>(a, sup, ts, y, ldy, m, col0); break;
-      default: break;
+    for (int64_t m = 0; m < a.M;) {
+      const bool wide = a.is_wide(m);
+      int64_t e = m + 1;
+      while (e < a.M && a.is_wide(e) == wide) ++e;
+      if (wide)
+        rows_of_kind<BITS, true, ADD>(a, sup, ts, y, ldy, m, e, col0);
+      else
+        rows_of_kind<BITS, false, ADD>(a, sup, ts, y, ldy, m, e, col0);
+      m = e;
     }
   }
 }

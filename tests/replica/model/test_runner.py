@@ -1,0 +1,27 @@
+"""replica.model.runner's pure planning helpers."""
+
+from replica.model.plan import StepPlan
+from replica.model.runner import narrow_rows
+
+
+def test_narrow_rows_are_prompt_tokens_that_sample_nothing():
+    # one tree (3 nodes), one decode, then extends: C finishes its prompt (sampled), D is a
+    # middle chunk, E resumes (prompt 3, then generated tokens: the prompt's last token stays
+    # wide as when it sampled), F asked for prompt logprobs
+    p = StepPlan(input_ids=[0] * 24, starts=[9, 5, 0, 4, 0, 0], num_tokens=[3, 1, 5, 4, 6, 5],
+                 block_tables=[[0]] * 6, sample_rows=[2, 4, 5], num_decodes=1, trees=[[-1, 0, 0]],
+                 prompt_lens=[9, 5, 5, 20, 3, 5], extra_logits=[20, 21])
+    cu = [0, 3, 4, 9, 13, 19, 24]
+    got = narrow_rows(p, cu)
+    assert got == ([False] * 3 + [False]  # tree nodes and the decode sample
+                   + [True] * 4 + [False]  # C: its last token samples
+                   + [True] * 4  # D: every token narrow
+                   + [True] * 2 + [False] * 4  # E: the prompt's last and the generated tokens stay wide
+                   + [True, False, False, True, False])  # F: its logprob positions (20, 21) and last token wide
+
+
+def test_only_prompts_from_the_threshold_on_have_narrow_rows():
+    p = StepPlan(input_ids=[0] * 9, starts=[0, 0], num_tokens=[4, 5], block_tables=[[0]] * 2, sample_rows=[0, 1],
+                 num_decodes=0, prompt_lens=[4, 5])
+    assert narrow_rows(p, [0, 4, 9], 5) == [False] * 4 + [True] * 4 + [False]
+    assert narrow_rows(p, [0, 4, 9], 6) == [False] * 9
