@@ -3,9 +3,10 @@
     .venv/bin/python bench/activations.py                    # every scheme, 12 held-out prompts
     .venv/bin/python bench/activations.py --prompts 24 --tokens 32 --schemes a8 a8-exact
 
-The served GEMM quantizes each activation row per block of 32 to int16 (kernels/qgemm_cpu.py);
-int8 codes would run at twice the multiply-adds an instruction (`vpdpbusd`, bench/prefill.py) but
-move the logits. This runs the model op by op with its GGUF weights (dequantized exactly, so only
+This is how the served scheme was chosen (kernels/qgemm_cpu.py's narrow rows: a8-exact-b16-static,
+`--prefill-activations`): the GEMM quantized each activation row per block of 32 to int16; int8
+codes run at twice the multiply-adds an instruction (`vpdpbusd`, bench/prefill.py) but move the
+logits. This runs the model op by op with its GGUF weights (dequantized exactly, so only
 the activations' rounding differs between schemes) and a PyTorch GEMM that rounds activations as
 each scheme says:
 
@@ -18,6 +19,11 @@ each scheme says:
                they leave), int16 for every row that samples a token (a prompt's last row,
                every decode row): the first token and every later one see their own row exact;
   a8-exact-outliers   both.
+  a8-exact-b16 int8 per 16-block for the prompt rows that sample nothing, int16 for sampling rows;
+  a8-exact-static     as a8-exact, with the 8 outlier columns of each matmul fixed once per model
+               (the largest |x| over `--calibration` training prompts run with a16), so a row's
+               result never depends on the other rows of its call;
+  a8-exact-b16-static both.
 
 Per scheme: greedy answers (`--tokens` new tokens, each a full forward, so "a8-exact" marks
 exactly the rows a replica's prefill would send through int8) identical to a16's, tokens before
@@ -49,7 +55,8 @@ from replica.engine.llm_engine import LLMEngine  # noqa: E402
 from replica.model.loader import load_checkpoint  # noqa: E402
 from bench.quality import forward_logits as logits  # noqa: E402
 
-SCHEMES = ["a16", "a8", "a8-b16", "a8-outliers", "a8-exact", "a8-exact-outliers"]
+SCHEMES = ["a16", "a8", "a8-b16", "a8-outliers", "a8-exact", "a8-exact-outliers", "a8-exact-b16", "a8-exact-static",
+           "a8-exact-b16-static"]
 OUTLIERS = 8
 
 
@@ -61,6 +68,8 @@ class Gemm:
         self.weights: dict[int, torch.Tensor] = {}
         self.scheme = "a16"
         self.exact_from: int | None = None
+        self.col_amax: dict[int, torch.Tensor] = {}  # per weight: the largest |x| of each input column seen (a16)
+        self.static: dict[int, torch.Tensor] = {}  # per weight: its fixed outlier columns
 
     def weight(self, qs, d, m, bits) -> torch.Tensor:
         w = self.weights.get(id(qs))
@@ -77,23 +86,36 @@ class Gemm:
         q = torch.round(g / torch.where(dx > 0, dx, torch.ones_like(dx))).clamp(-levels, levels)
         return (q * dx).reshape(x.shape)
 
-    def int8(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        block = 16 if self.scheme == "a8-b16" else 32
-        if not self.scheme.endswith("outliers") or x.shape[0] == 0:
+    def int8(self, x: torch.Tensor, w: torch.Tensor, key: int) -> torch.Tensor:
+        block = 16 if "b16" in self.scheme else 32
+        if not self.scheme.endswith(("outliers", "static")) or x.shape[0] == 0:
             return self.rounded(x, 127, block) @ w.T
-        out = torch.zeros(x.shape[1], dtype=torch.bool)
-        out[x.abs().amax(0).topk(OUTLIERS).indices] = True
+        if self.scheme.endswith("static"):
+            out = self.static[key]
+        else:
+            out = torch.zeros(x.shape[1], dtype=torch.bool)
+            out[x.abs().amax(0).topk(OUTLIERS).indices] = True
         rest = x.masked_fill(out, 0.0)
         return self.rounded(rest, 127, block) @ w.T + x[:, out] @ w[:, out].T
 
+    def calibrate(self) -> None:
+        """Fix each weight's outlier columns from the column maxima the a16 runs so far saw."""
+        for key, amax in self.col_amax.items():
+            out = torch.zeros(amax.shape[0], dtype=torch.bool)
+            out[amax.topk(OUTLIERS).indices] = True
+            self.static[key] = out
+
     def __call__(self, x, qs, d, m, bits):
         w, x = self.weight(qs, d, m, bits), x.float()
-        if self.scheme == "a16":
+        if self.scheme == "calibrate":
+            seen = x.abs().amax(0)
+            self.col_amax[id(qs)] = torch.maximum(self.col_amax.get(id(qs), seen), seen)
+        if self.scheme in ("a16", "calibrate"):
             return self.rounded(x, 32767, 32) @ w.T
         if "exact" not in self.scheme:
-            return self.int8(x, w)
+            return self.int8(x, w, id(qs))
         e0 = x.shape[0] if self.exact_from is None else self.exact_from
-        return torch.cat([self.int8(x[:e0], w), self.rounded(x[e0:], 32767, 32) @ w.T])
+        return torch.cat([self.int8(x[:e0], w, id(qs)), self.rounded(x[e0:], 32767, 32) @ w.T])
 
 
 def main() -> None:
@@ -101,6 +123,7 @@ def main() -> None:
     ap.add_argument("--schemes", nargs="+", default=SCHEMES, choices=SCHEMES)
     ap.add_argument("--prompts", type=int, default=12, help="held-out prompts (speculative/data/prompts.json)")
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens per answer")
+    ap.add_argument("--calibration", type=int, default=8, help="training prompts that fix the static outliers")
     args = ap.parse_args()
     ckpt = load_checkpoint("default", dtype=torch.float32)
     tok = ckpt.tokenizer
@@ -121,6 +144,11 @@ def main() -> None:
             ids.append(int(logits(engine, ids)[-1].argmax()))
         return ids
 
+    if any(s.endswith("static") for s in args.schemes):
+        gemm.scheme = "calibrate"
+        for p in json.loads((ROOT / "speculative" / "data" / "prompts.json").read_text())["train"][: args.calibration]:
+            logits(engine, tok.encode_chat([{"role": "user", "content": p}]))
+        gemm.calibrate()
     gemm.scheme = "a16"
     ref = [answer(p) for p in prompts]
     ref_logits = [logits(engine, ids)[len(p) - 1:] for ids, p in zip(ref, prompts)]

@@ -226,12 +226,17 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
     out = []
     for spec in names:
         name, _, tree = spec.partition("@")
+        name, *mods = name.split("+")  # proxy+a8: int8 prefill activations (--prefill-activations int8)
         name, _, own = name.partition(":")  # proxy:48: this server's own step budget
         port = free_port()
-        if (tree or own) and name not in ("edgechat", "proxy"):
-            raise SystemExit(f"{spec!r}: only edgechat and proxy take another checkout or a budget")
+        if (tree or own or mods) and name not in ("edgechat", "proxy"):
+            raise SystemExit(f"{spec!r}: only edgechat and proxy take another checkout, a budget or +a8")
+        if set(mods) - {"a8"}:
+            raise SystemExit(f"{spec!r}: the one modifier is +a8")
         b = int(own) if own else budget
         ours = ["--quantization", quantization, "--speculative", "off"]
+        if mods:
+            ours += ["--prefill-activations", "int8"]
         if b:  # a budget under the replica's 64 seats takes as many seats (each decode needs its token)
             ours += ["--max-num-batched-tokens", str(b)] + (["--max-num-seqs", str(b)] if b < 64 else [])
         if name == "llama":
@@ -262,6 +267,8 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
             raise SystemExit(f"unknown server {name!r}: choose from llama, vllm, edgechat, proxy")
         if own:
             out[-1].name += f", budget {b}"
+        if mods:
+            out[-1].name += ", int8 prefill"
         if tree:
             where = Path(tree).resolve()
             rev = subprocess.run(["git", "-C", str(where), "log", "-1", "--format=%h"], capture_output=True,
@@ -554,7 +561,8 @@ def main() -> None:
     ap.add_argument("--servers", nargs="+", default=["llama", "vllm", "edgechat", "proxy"],
                     help="llama, vllm, edgechat, proxy; edgechat@DIR / proxy@DIR run another checkout's code (a "
                          "before/after pair in one run; repeat names to alternate them); proxy:N / edgechat:N with "
-                         "the step budget N (--max-num-batched-tokens): proxy:32 proxy:48 proxy:64 is a trade-off "
+                         "the step budget N (--max-num-batched-tokens), proxy+a8 with int8 prefill activations "
+                         "(--prefill-activations int8): proxy:32 proxy:48 proxy:64 is a trade-off "
                          "curve in one run")
     ap.add_argument("--workload", choices=["chat", "serve", "both"], default="chat",
                     help="chat: multi-turn sessions through the openai SDK; serve: `vllm bench serve` random "

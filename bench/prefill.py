@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/prefill.py                       # 256-token prompts, every core
     .venv/bin/python bench/prefill.py --prompt-lens 64 256 1024 --threads 2
+    .venv/bin/python bench/prefill.py --activations int16      # main's default only
 
 Four tables, one run:
 
@@ -9,12 +10,13 @@ Four tables, one run:
    `--threads` threads at once (kernels/csrc/vnni_peak.cpp): `vpdpbusd` (int8 x
    int8, 64 multiply-adds an instruction, the machine's int8 peak) and `vpdpwssd`
    (int16 pairs, 32, what the block-quantized GEMM in csrc/include/edgechat/qgemm.h
-   uses today).
+   is the arithmetic of an int16 activation).
 2. Each matmul of the default model alone at M = prompt rows (kernels.qgemm_cpu on
-   its packed weights, the engine's threads): ms, G multiply-adds/s and the share
-   of both peaks.
+   its packed weights, the engine's threads), every row wide (int16) or narrow
+   (int8): ms, G multiply-adds/s and the share of both peaks.
 3. A cold prompt's prefill through the engine (the C++ whole step, sampling one
-   token; every repetition a new prompt, so nothing is cached): ms, and the
+   token; every repetition a new prompt, so nothing is cached), per
+   `--activations` (the engine's `prefill_activations`): ms, and the
    matmuls' multiply-adds (LM head for the last row only) over that time against
    the peaks. The rest of the step (attention, norms, RoPE, activation prep) is
    the difference between its time and table 2's sum.
@@ -100,6 +102,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--peak-iters", type=int, default=5_000_000)
+    ap.add_argument("--activations", nargs="+", default=["int16", "int8"], choices=["int16", "int8"],
+                    help="the engines' prefill_activations, one engine each")
     args = ap.parse_args()
     if not qgemm_cpu.available():
         sys.exit("bench/prefill.py needs the AVX-512 VNNI kernels (kernels.qgemm_cpu.available() is False here)")
@@ -116,55 +120,64 @@ def main() -> None:
     int8, int16 = pk["dpbusd", args.threads], pk["dpwssd", args.threads]
 
     ckpt = load_checkpoint("default", dtype=torch.float32)
-    cfg = EngineConfig(quantization="gguf", num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=max(4096, max(args.prompt_lens)),
-                       cpu_threads=args.threads)
-    engine = LLMEngine(cfg, ckpt.config, ckpt.weights)
+    engines = {}
+    for acts in args.activations:
+        cfg = EngineConfig(quantization="gguf", num_blocks=2048, max_num_seqs=16,
+                           max_num_batched_tokens=max(4096, max(args.prompt_lens)), cpu_threads=args.threads,
+                           prefill_activations=acts)
+        engines[acts] = LLMEngine(cfg, ckpt.config, ckpt.weights, tokenizer=ckpt.tokenizer)
     c = ckpt.config
-    lins = matmuls(engine)
+    lins = matmuls(next(iter(engines.values())))
     print(f"\n## The matmuls alone ({c.name}, {cfg.quantization} weights, M = prompt rows)\n")
-    print("| prompt rows | matmul | N x K | bits | ms | G MAC/s | of int8 peak | of int16 peak |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    print("| prompt rows | activations | matmul | N x K | bits | ms | G MAC/s | of int8 peak | of int16 peak |")
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|")
     per_layer_ms = {}
     for plen in args.prompt_lens:
         x = torch.randn(plen, max(m.in_features for m in lins.values()))
-        total = 0.0
-        for name, m in lins.items():
-            xi = x[:, :m.in_features].contiguous()
-            ms = best_ms(lambda m=m, xi=xi: qgemm_cpu.qgemm_cpu(xi, m.packed, m.out_features, m.bits), args.reps)
-            rate = plen * m.out_features * m.in_features / ms / 1e6
-            total += ms
-            print(f"| {plen} | {name} | {m.out_features} x {m.in_features} | {m.bits} | {ms:.2f} | {rate:.0f} | "
-                  f"{rate * 1e9 / int8:.0%} | {rate * 1e9 / int16:.0%} |")
-        per_layer_ms[plen] = total
+        for acts in args.activations:
+            narrow = torch.full((plen,), acts == "int8")
+            total = 0.0
+            for name, m in lins.items():
+                xi = x[:, :m.in_features].contiguous()
+                ms = best_ms(lambda m=m, xi=xi: qgemm_cpu.qgemm_cpu(xi, m.packed, m.out_features, m.bits, narrow),
+                             args.reps)
+                rate = plen * m.out_features * m.in_features / ms / 1e6
+                total += ms
+                print(f"| {plen} | {acts} | {name} | {m.out_features} x {m.in_features} | {m.bits} | {ms:.2f} | "
+                      f"{rate:.0f} | {rate * 1e9 / int8:.0%} | {rate * 1e9 / int16:.0%} |")
+            per_layer_ms[plen, acts] = total
 
     macs_token = sum(m.out_features * m.in_features for m in lins.values()) * c.num_layers
     head = c.vocab_size * c.hidden_size
     print(f"\n## A cold prompt's prefill (engine step, {args.threads} threads, best and median of {args.reps})\n")
-    print("| prompt tokens | best ms | median ms | ms a token | G MAC/s (matmuls) | of int8 peak | of int16 peak | "
-          "matmuls alone x layers, ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| prompt tokens | activations | best ms | median ms | ms a token | G MAC/s (matmuls) | of int8 peak | "
+          "of int16 peak | matmuls alone x layers, ms |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for plen in args.prompt_lens:
-        t = prefill_ms(engine, plen, args.reps, c.vocab_size)
-        best, med = min(t) * 1e3, statistics.median(t) * 1e3
-        rate = (plen * macs_token + head) / best / 1e6
-        print(f"| {plen} | {best:.1f} | {med:.1f} | {best / plen:.2f} | {rate:.0f} | {rate * 1e9 / int8:.0%} | "
-              f"{rate * 1e9 / int16:.0%} | {per_layer_ms[plen] * c.num_layers:.1f} |", flush=True)
+        for acts, engine in engines.items():
+            t = prefill_ms(engine, plen, args.reps, c.vocab_size)
+            best, med = min(t) * 1e3, statistics.median(t) * 1e3
+            rate = (plen * macs_token + head) / best / 1e6
+            print(f"| {plen} | {acts} | {best:.1f} | {med:.1f} | {best / plen:.2f} | {rate:.0f} | "
+                  f"{rate * 1e9 / int8:.0%} | {rate * 1e9 / int16:.0%} | {per_layer_ms[plen, acts] * c.num_layers:.1f} |",
+                  flush=True)
 
-    decoder = getattr(engine.runner.model, "decoder", None)  # the C++ step (replica.model.cpu_model.CpuModel)
-    if decoder is None:
+    if not all(hasattr(e.runner.model, "decoder") for e in engines.values()):  # the C++ step: CpuModel
         return
     print(f"\n## Where a cold prompt's prefill goes (the C++ step's phases, summed over the layers, ms a prompt, "
           f"mean of {args.reps})\n")
-    print("| prompt tokens | " + " | ".join(PHASES) + " | step, ms |")
-    print("|---:|" + "---:|" * (len(PHASES) + 1))
+    print("| prompt tokens | activations | " + " | ".join(PHASES) + " | step, ms |")
+    print("|---:|---|" + "---:|" * (len(PHASES) + 1))
     for plen in args.prompt_lens:
-        decoder.set_timing(True)
-        t = prefill_ms(engine, plen, args.reps, c.vocab_size, seed=1)  # prompts the first table did not cache
-        steps, *ms = decoder.phase_ms()
-        decoder.set_timing(False)
-        n = len(t) + 1  # prefill_ms runs a warm-up prompt too
-        print(f"| {plen} | " + " | ".join(f"{x / n:.1f}" for x in ms) + f" | {sum(ms) / n:.1f} (steps a prompt: "
-              f"{steps / n:g}) |", flush=True)
+        for acts, engine in engines.items():
+            decoder = engine.runner.model.decoder
+            decoder.set_timing(True)
+            t = prefill_ms(engine, plen, args.reps, c.vocab_size, seed=1)  # prompts the first table did not cache
+            steps, *ms = decoder.phase_ms()
+            decoder.set_timing(False)
+            n = len(t) + 1  # prefill_ms runs a warm-up prompt too
+            print(f"| {plen} | {acts} | " + " | ".join(f"{x / n:.1f}" for x in ms) + f" | {sum(ms) / n:.1f} "
+                  f"(steps a prompt: {steps / n:g}) |", flush=True)
 
 
 if __name__ == "__main__":
