@@ -130,7 +130,15 @@ class Decoder {
       TORCH_CHECK(cols[i].empty() || (w[i].dim() == 2 && w[i].size(0) == (int64_t)cols[i].size() &&
                                       w[i].size(1) == mats_[i].N && w[i].scalar_type() == torch::kFloat),
                   "set_outliers: weight columns must be (len(cols), N) fp32");
-      outliers_[i] = {cols[i], w[i].contiguous()};
+      const int64_t n = cols[i].size(), N = mats_[i].N;
+      std::vector<float> wt(n * N);
+      if (n) {
+        const auto src = w[i].contiguous();
+        const float* p = src.data_ptr<float>();
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t c = 0; c < N; ++c) wt[((c / 16) * n + j) * 16 + c % 16] = p[j * N + c];
+      }
+      outliers_[i] = {cols[i], std::move(wt)};
     }
   }
   // (steps, steps run on the caller alone since the pool judged its helpers not worth it)
@@ -217,28 +225,26 @@ class Decoder {
     const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2;
     const float scale = 1.f / std::sqrt((float)D_);
 
-    // Norm (optional) and quantize the T rows of src for matmul mi; a narrow row's outlier columns go to xo.
+    // Norm (optional) and quantize the T rows of src for matmul mi; a narrow row's outlier columns go to xo and
+    // are zeroed where the row is quantized from (the norm's scratch row, or src itself: without a norm src is the
+    // attention output or the SwiGLU product, read by nothing after this matmul).
     std::vector<float> xo(T * kMaxOutliers);
     const bool any_narrow = std::find(wide.begin(), wide.end(), 0) != wide.end();
     auto prep = [&](const float* src, int64_t K, const float* norm_w, int64_t mi) -> qg::Act {
       const std::vector<int64_t>* cols = mi < (int64_t)outliers_.size() ? &outliers_[mi].cols : nullptr;
       auto one = [&](int64_t t, int w) {
-        const float* row = src + t * K;
-        float* scratch = rows[w].row.data();
+        float* row = const_cast<float*>(src) + t * K;
         if (norm_w) {
-          rms_norm_row(row, norm_w, K, eps_, scratch);
-          row = scratch;
+          rms_norm_row(row, norm_w, K, eps_, rows[w].row.data());
+          row = rows[w].row.data();
         }
         if (calibrating_)
           for (int64_t c = 0; c < K; ++c) col_amax_[mi][c] = std::max(col_amax_[mi][c], std::fabs(row[c]));
-        if (!wide[t] && cols && !cols->empty()) {
-          if (row != scratch) std::memcpy(scratch, row, K * sizeof(float));
+        if (!wide[t] && cols)
           for (size_t j = 0; j < cols->size(); ++j) {
-            xo[t * kMaxOutliers + j] = scratch[(*cols)[j]];
-            scratch[(*cols)[j]] = 0.f;
+            xo[t * kMaxOutliers + j] = row[(*cols)[j]];
+            row[(*cols)[j]] = 0.f;
           }
-          row = scratch;
-        }
         act_q.quantize(row, t, K, wide[t]);
       };
       if (T < kSplitRows || calibrating_)
@@ -260,15 +266,19 @@ class Decoder {
         const int64_t sa = c * per, sz = std::min(S, sa + per);
         qg::gemm(a, w, m.bits, m.N, sa, sz, y, m.N, add);
         if (o) {
-          const float* wo = o->w.data_ptr<float>();
+          const float* wo = o->w.data();
           const int64_t n0 = sa * 64, n1 = std::min(sz * 64, m.N);
-          for (int64_t t = 0; t < T; ++t) {
+          const int64_t n_out = o->cols.size();
+          for (int64_t t = 0; t < T; ++t) {  // y += sum_j x[col j] W[:, col j], j in order, 16 columns at a time
             if (wide[t]) continue;
             float* yr = y + t * m.N;
-            for (size_t j = 0; j < o->cols.size(); ++j) {
-              const float v = xo[t * kMaxOutliers + j];
-              const float* wr = wo + j * m.N;
-              for (int64_t n = n0; n < n1; ++n) yr[n] += v * wr[n];
+            __m512 v[kMaxOutliers];
+            for (int64_t j = 0; j < n_out; ++j) v[j] = _mm512_set1_ps(xo[t * kMaxOutliers + j]);
+            for (int64_t n = n0; n < n1; n += 16) {
+              __m512 acc = _mm512_loadu_ps(yr + n);
+              const float* wn = wo + n * n_out;  // (n / 16) n_out 16
+              for (int64_t j = 0; j < n_out; ++j) acc = _mm512_fmadd_ps(v[j], _mm512_loadu_ps(wn + 16 * j), acc);
+              _mm512_storeu_ps(yr + n, acc);
             }
           }
         }
@@ -459,11 +469,12 @@ class Decoder {
   std::array<double, 7> phase_s_{};
   int64_t timed_steps_ = 0;
   // Narrow rows' outlier columns per matmul (4 a layer): their values leave the int8 blocks and meet the
-  // exact weight columns in fp32 (w: (n, N)). col_amax_: each matmul input's largest |x| per column while
-  // calibrating (every row of every step so far).
+  // exact weight columns in fp32, w[((n / 16) n_cols + j) 16 + n % 16] = W[n, cols[j]] (each 16 outputs' weights
+  // in one run: rows of (n_cols, N) would be 4 KB multiples apart and share L1 sets). col_amax_: each matmul
+  // input's largest |x| per column while calibrating (every row of every step so far).
   struct Outliers {
     std::vector<int64_t> cols;
-    torch::Tensor w;
+    std::vector<float> w;
   };
   std::vector<Outliers> outliers_;
   bool calibrating_ = false;
