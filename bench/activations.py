@@ -23,7 +23,8 @@ each scheme says:
   a8-exact-static     as a8-exact, with the 8 outlier columns of each matmul fixed once per model
                (the largest |x| over `--calibration` training prompts run with a16), so a row's
                result never depends on the other rows of its call;
-  a8-exact-b16-static both.
+  a8-exact-b16-static both (what `--prefill-activations` serves);
+  a8-exact-row-static as a8-exact-static with one int8 scale per row (per token) instead of per block.
 
 Per scheme: greedy answers (`--tokens` new tokens, each a full forward, so "a8-exact" marks
 exactly the rows a replica's prefill would send through int8) identical to a16's, tokens before
@@ -56,7 +57,7 @@ from replica.model.loader import load_checkpoint  # noqa: E402
 from bench.quality import forward_logits as logits  # noqa: E402
 
 SCHEMES = ["a16", "a8", "a8-b16", "a8-outliers", "a8-exact", "a8-exact-outliers", "a8-exact-b16", "a8-exact-static",
-           "a8-exact-b16-static"]
+           "a8-exact-b16-static", "a8-exact-row-static"]
 OUTLIERS = 8
 
 
@@ -87,7 +88,7 @@ class Gemm:
         return (q * dx).reshape(x.shape)
 
     def int8(self, x: torch.Tensor, w: torch.Tensor, key: int) -> torch.Tensor:
-        block = 16 if "b16" in self.scheme else 32
+        block = 16 if "b16" in self.scheme else x.shape[1] if "-row" in self.scheme else 32
         if not self.scheme.endswith(("outliers", "static")) or x.shape[0] == 0:
             return self.rounded(x, 127, block) @ w.T
         if self.scheme.endswith("static"):
