@@ -91,7 +91,7 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(max(1, threads - 1))  # as the engine process: torch's own pool leaves a core
         engine = LLMEngine(EngineConfig(quantization=args.quantization, cpu_threads=threads, num_blocks=256),
-                           ckpt.config, ckpt.weights)
+                           ckpt.config, ckpt.weights, tokenizer=ckpt.tokenizer)  # as served: int8 prefill rows
         engine_round(engine, 16, 16, -1)  # warm-up
         ours, theirs = [], []
         for r in range(args.rounds):
