@@ -7,8 +7,9 @@ through it unchanged: on CPU this is where CUDA would replay a graph. The wrappe
 model stays the reference and keeps the weights; the C++ `Decoder` reads the same
 packed tensors (gate/up repacked with its rows interleaved). Its KV pool is fp16 by
 default (the Runner allocates it in `kernels.Ops.cpu_step_kv`); fp32 and int8 are served too.
-Prompt rows the Runner marks narrow (`Context.narrow_rows`, `prefill_activations="int8"`) run
-their matmuls on int8 activations, with each matmul's outlier columns (`calibrate`) in fp32.
+Prompt rows the Runner marks narrow (`Context.narrow_rows`: `prefill_activations` "auto" for
+prompts of 128+ tokens, or "int8") run their matmuls on int8 activations, with each matmul's
+outlier columns (`calibrate`, `set_outliers`) in fp32.
 """
 
 from __future__ import annotations
