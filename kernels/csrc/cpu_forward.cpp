@@ -176,6 +176,18 @@ class Decoder {
     std::vector<torch::Tensor> keep;  // contiguous copies that the Keys' tables point into
     const std::vector<attn::Keys> keys =
         tokens(T, num_decode, dec_tables, dec_lens, ext_tables, ext_cu, ext_lens, tree_mask, tree_prefix, keep);
+    // Every block a table names and every slot written must lie in the pool: checked here, on the calling thread
+    // (a failed check inside a pool worker would end the process instead of raising).
+    for (const auto* t : {&dec_tables, &ext_tables})
+      if (t->has_value() && (*t)->numel()) {
+        const auto tb = (*t)->contiguous();
+        const int32_t* p = tb.data_ptr<int32_t>();
+        for (int64_t i = 0; i < tb.numel(); ++i)
+          TORCH_CHECK(p[i] >= 0 && p[i] < kv.size(2), "Decoder: a block table names block ", p[i], " of ", kv.size(2));
+      }
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(slots.data_ptr<int64_t>()[t] < kv.size(2) * kv.size(3), "Decoder: slot ",
+                  slots.data_ptr<int64_t>()[t], " is past the pool's end");
     // attention items: (token, chunk of keys), every kv head's; a token's chunks are consecutive
     std::vector<Item> items;
     std::vector<int64_t> first(T + 1, 0);

@@ -328,3 +328,10 @@ def test_calibrated_outlier_columns_take_a_large_channel_out_of_the_int8_blocks(
         keys[acts] = r.kv_cache[0, 0].flatten(0, 1)[:19].float()  # layer 0's keys of the narrow rows
     err = {acts: (keys[acts] - keys["int16"]).abs().max().item() for acts in ("int8", "int8+calibrated")}
     assert 0 < 5 * err["int8+calibrated"] < err["int8"], err
+
+
+def test_a_table_past_the_pool_raises_instead_of_ending_the_process():
+    fast, _ = runners(False)  # a pool of 12 blocks
+    with pytest.raises(RuntimeError, match="block 20 of 12"):
+        fast.execute(plan(list(range(1, 21)), [0], [20], [[3, 20]], [0], 0))
+    fast.execute(plan(list(range(1, 21)), [0], [20], [[3, 4]], [0], 0))  # the step still runs
