@@ -52,6 +52,7 @@ struct Buf {
 constexpr int64_t kSplitRows = 16;       // from this many tokens on, the activation prep is shared out too
 constexpr int64_t kChunksPerWorker = 8;  // a matmul's supertiles in about this many claims per thread
 constexpr size_t kMaxOutliers = 16;      // outlier columns a matmul's narrow rows may keep in fp32
+constexpr int64_t kMinRowBlock = 32;     // a matmul's rows are split into blocks of at least this many
 
 using rowops::rms_norm_row;
 using rowops::rotate;
@@ -174,17 +175,10 @@ class Decoder {
     positions = positions.contiguous();
     slots = slots.contiguous();
     std::vector<torch::Tensor> keep;  // contiguous copies that the Keys' tables point into
-    const std::vector<attn::Keys> keys =
-        tokens(T, num_decode, dec_tables, dec_lens, ext_tables, ext_cu, ext_lens, tree_mask, tree_prefix, keep);
     // Every block a table names and every slot written must lie in the pool: checked here, on the calling thread
-    // (a failed check inside a pool worker would end the process instead of raising).
-    for (const auto* t : {&dec_tables, &ext_tables})
-      if (t->has_value() && (*t)->numel()) {
-        const auto tb = (*t)->contiguous();
-        const int32_t* p = tb.data_ptr<int32_t>();
-        for (int64_t i = 0; i < tb.numel(); ++i)
-          TORCH_CHECK(p[i] >= 0 && p[i] < kv.size(2), "Decoder: a block table names block ", p[i], " of ", kv.size(2));
-      }
+    // (a failed check inside a pool worker would end the process instead of raising); tokens() checks the tables.
+    const std::vector<attn::Keys> keys = tokens(T, num_decode, dec_tables, dec_lens, ext_tables, ext_cu, ext_lens,
+                                                tree_mask, tree_prefix, kv.size(2), keep);
     for (int64_t t = 0; t < T; ++t)
       TORCH_CHECK(slots.data_ptr<int64_t>()[t] < kv.size(2) * kv.size(3), "Decoder: slot ",
                   slots.data_ptr<int64_t>()[t], " is past the pool's end");
@@ -240,8 +234,8 @@ class Decoder {
     // Norm (optional) and quantize the T rows of src for matmul mi; a narrow row's outlier columns go to xo and
     // are zeroed where the row is quantized from (the norm's scratch row, or src itself: without a norm src is the
     // attention output or the SwiGLU product, read by nothing after this matmul).
-    std::vector<float> xo(T * kMaxOutliers);
     const bool any_narrow = std::find(wide.begin(), wide.end(), 0) != wide.end();
+    std::vector<float> xo(any_narrow ? T * kMaxOutliers : 0);
     auto prep = [&](const float* src, int64_t K, const float* norm_w, int64_t mi) -> qg::Act {
       const std::vector<int64_t>* cols = mi < (int64_t)outliers_.size() ? &outliers_[mi].cols : nullptr;
       auto one = [&](int64_t t, int w) {
@@ -265,23 +259,30 @@ class Decoder {
         pool_->run(T, one);
       return act_q.act(T, K, wide.data());
     };
-    // y (+)= a W^T over every supertile, shared out in chunks (narrow rows: plus their outlier columns against
-    // the exact weight columns, in column order); then(sa, sz) finishes a chunk's columns.
+    // y (+)= a W^T over every supertile, shared out in chunks of supertiles and, for a prompt's many rows, of rows too
+    // (a matmul of 9 supertiles on 2 threads would otherwise wait on the one with 5). Narrow rows add their outlier
+    // columns against the exact weight columns, in column order; then(sa, sz, t0, t1) finishes a chunk.
     auto matmul = [&](const qg::Act& a, int64_t mi, float* y, bool add,
-                      const std::function<void(int64_t, int64_t)>& then) {
+                      const std::function<void(int64_t, int64_t, int64_t, int64_t)>& then) {
       const QMat& m = mats_[mi];
       const int64_t S = qg::supertiles(m.N), per = std::max<int64_t>(1, S / (kChunksPerWorker * W));
+      const int64_t cols = (S + per - 1) / per, want = kChunksPerWorker * W;
+      // row blocks: a multiple of 8 rows (the narrow kernel's tile), at least kMinRowBlock, enough chunks in all
+      const int64_t blocks =
+          W > 1 && cols < want ? std::max<int64_t>(1, std::min((want + cols - 1) / cols, T / kMinRowBlock)) : 1;
+      const int64_t rb = blocks == 1 ? T : ((T + blocks - 1) / blocks + 7) / 8 * 8;
+      const int64_t nrb = (T + rb - 1) / rb;
       const uint8_t* w = m.w.data_ptr<uint8_t>();
       const Outliers* o =
           any_narrow && mi < (int64_t)outliers_.size() && !outliers_[mi].cols.empty() ? &outliers_[mi] : nullptr;
-      pool_->run((S + per - 1) / per, [&](int64_t c, int) {
-        const int64_t sa = c * per, sz = std::min(S, sa + per);
-        qg::gemm(a, w, m.bits, m.N, sa, sz, y, m.N, add);
+      pool_->run(cols * nrb, [&](int64_t c, int) {
+        const int64_t sa = (c / nrb) * per, sz = std::min(S, sa + per), t0 = (c % nrb) * rb, t1 = std::min(T, t0 + rb);
+        qg::gemm(a.rows(t0, t1), w, m.bits, m.N, sa, sz, y + t0 * m.N, m.N, add);
         if (o) {
           const float* wo = o->w.data();
           const int64_t n0 = sa * 64, n1 = std::min(sz * 64, m.N);
           const int64_t n_out = o->cols.size();
-          for (int64_t t = 0; t < T; ++t) {  // y += sum_j x[col j] W[:, col j], j in order, 16 columns at a time
+          for (int64_t t = t0; t < t1; ++t) {  // y += sum_j x[col j] W[:, col j], j in order, 16 columns at a time
             if (wide[t]) continue;
             float* yr = y + t * m.N;
             __m512 v[kMaxOutliers];
@@ -294,7 +295,7 @@ class Decoder {
             }
           }
         }
-        if (then) then(sa, sz);
+        if (then) then(sa, sz, t0, t1);
       });
     };
 
@@ -314,11 +315,12 @@ class Decoder {
       char* vc = kc + pool * esize;
       // qkv = norm(x) Wqkv^T (+ bias)
       const float* bias = biases_[l].numel() ? biases_[l].data_ptr<float>() : nullptr;
-      matmul(prep(xp, h_, norms_[2 * l].data_ptr<float>(), 4 * l), 4 * l, qkvp, false, [&](int64_t sa, int64_t sz) {
-        if (!bias) return;
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t c = sa * 64; c < std::min(sz * 64, qkv_n); ++c) qkvp[t * qkv_n + c] += bias[c];
-      });
+      matmul(prep(xp, h_, norms_[2 * l].data_ptr<float>(), 4 * l), 4 * l, qkvp, false,
+             [&](int64_t sa, int64_t sz, int64_t t0, int64_t t1) {
+               if (!bias) return;
+               for (int64_t t = t0; t < t1; ++t)
+                 for (int64_t c = sa * 64; c < std::min(sz * 64, qkv_n); ++c) qkvp[t * qkv_n + c] += bias[c];
+             });
       mark(0);
       // RoPE on q and k heads; k and v into the pool as it stores them (slot -1: padding, not stored)
       pool_->run(T, [&](int64_t t, int) {
@@ -363,8 +365,8 @@ class Decoder {
       mark(4);
       // act = silu(gate) * up: gate/up rows interleaved by 32, so supertile s gives act[:, 32 s : 32 s + 32]
       matmul(prep(xp, h_, norms_[2 * l + 1].data_ptr<float>(), 4 * l + 2), 4 * l + 2, gup, false,
-             [&](int64_t sa, int64_t sz) {
-               for (int64_t t = 0; t < T; ++t)
+             [&](int64_t sa, int64_t sz, int64_t t0, int64_t t1) {
+               for (int64_t t = t0; t < t1; ++t)
                  for (int64_t s = sa; s < sz; ++s) {
                    const float* g = gup + t * 2 * I_ + 64 * s;
                    float* o = actp + t * I_ + 32 * s;
@@ -418,15 +420,23 @@ class Decoder {
                                  const c10::optional<torch::Tensor>& ext_cu,
                                  const c10::optional<torch::Tensor>& ext_lens,
                                  const c10::optional<torch::Tensor>& tree_mask,
-                                 const c10::optional<torch::Tensor>& tree_prefix, std::vector<torch::Tensor>& keep) {
+                                 const c10::optional<torch::Tensor>& tree_prefix, int64_t blocks,
+                                 std::vector<torch::Tensor>& keep) {
     std::vector<attn::Keys> keys(T);
     auto hold = [&](const torch::Tensor& t) {
       keep.push_back(t.contiguous());
       return keep.back();
     };
+    auto table = [&](const torch::Tensor& t) {  // a block table, every entry checked against the pool
+      const auto& tb = hold(t);
+      const int32_t* p = tb.data_ptr<int32_t>();
+      for (int64_t i = 0; i < tb.numel(); ++i)
+        TORCH_CHECK(p[i] >= 0 && p[i] < blocks, "Decoder: a block table names block ", p[i], " of ", blocks);
+      return tb;
+    };
     if (nd > 0) {
       TORCH_CHECK(dec_tables.has_value() && dec_lens.has_value(), "Decoder: decode rows need tables and lengths");
-      auto tb = hold(*dec_tables);
+      auto tb = table(*dec_tables);
       auto ln = hold(*dec_lens);
       for (int64_t b = 0; b < nd; ++b) {
         keys[b].table = tb.data_ptr<int32_t>() + b * tb.size(1);
@@ -435,7 +445,7 @@ class Decoder {
     }
     if (nd == T) return keys;
     TORCH_CHECK(ext_tables.has_value() && ext_cu.has_value(), "Decoder: extend rows need tables and cu_seqlens");
-    auto tb = hold(*ext_tables);
+    auto tb = table(*ext_tables);
     auto cu = hold(*ext_cu);
     const int32_t* cup = cu.data_ptr<int32_t>();
     const int64_t B = cu.size(0) - 1;

@@ -47,16 +47,14 @@ class CpuModel(nn.Module):
         super().__init__()
         self.model = model
         c = model.cfg
-        order = self.gate_up_order = cpu_forward.interleave_gate_up(c.intermediate_size)
-        norms, biases, packed, bits = [], [], [], []
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            gu = mlp.gate_up_proj
-            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            biases.append(attn.qkv_proj.bias)
-            packed += [attn.qkv_proj.packed, attn.o_proj.packed,
-                       qgemm_cpu.pack(gu.qs[order], gu.d[order], gu.m[order], gu.bits), mlp.down_proj.packed]
-            bits += [attn.qkv_proj.bits, attn.o_proj.bits, gu.bits, mlp.down_proj.bits]
+        self.gate_up_order = cpu_forward.interleave_gate_up(c.intermediate_size)
+        norms = [n for layer in model.layers
+                 for n in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        biases = [layer.self_attn.qkv_proj.bias for layer in model.layers]
+        # gate/up is packed again with its rows interleaved by 32 (the step's SwiGLU reads a supertile's pairs)
+        packed = [lin.packed if order is None else qgemm_cpu.pack(lin.qs[order], lin.d[order], lin.m[order], lin.bits)
+                  for lin, order in self.linears()]
+        bits = [lin.bits for lin, _ in self.linears()]
         shape = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers)
         self.decoder = cpu_forward.decoder(shape, c.rms_norm_eps, model.embed_tokens.weight.detach(), model.cos_sin,
                                            model.norm.weight.detach(), [n.detach() for n in norms], biases, packed,

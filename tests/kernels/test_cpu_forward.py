@@ -196,17 +196,20 @@ def test_padding_rows_are_inert():
 
 def test_the_result_does_not_depend_on_the_thread_count():
     """Chunks go to whichever thread claims them and a loaded machine runs steps on the
-    caller alone (kernels/cpu_pool.py): every chunk's arithmetic is the same either way."""
+    caller alone (kernels/cpu_pool.py): every chunk's arithmetic is the same either way.
+    A prompt step of 70 rows is also split into row blocks on more than one thread (a
+    matmul of few supertiles), and on one thread not."""
     cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=3)
     w = tiny_weights(cfg, seed=4)
     outs = []
     for threads in (1, 2, 3):
         r = Runner(EngineConfig(quantization="int4", num_blocks=12, cpu_threads=threads, max_num_seqs=4,
-                                max_num_batched_tokens=64), cfg, w)
+                                max_num_batched_tokens=128), cfg, w)
         r.allocate_kv()
         assert r.model.decoder.threads() == threads
-        prompts = plan(list(range(1, 34)), [0, 0], [25, 8], [[0, 1], [2]], [0, 1], 0)
-        outs.append((r.execute(prompts).logits, r.execute(plan([5, 6], [25, 8], [1, 1], [[0, 1], [2]], [0, 1], 2)).logits))
+        tables = [[0, 1, 2, 3], [4, 5]]
+        prompts = plan(list(range(1, 71)), [0, 0], [50, 20], tables, [0, 1], 0)
+        outs.append((r.execute(prompts).logits, r.execute(plan([5, 6], [50, 20], [1, 1], tables, [0, 1], 2)).logits))
     assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
 
 

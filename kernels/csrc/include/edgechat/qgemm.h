@@ -57,6 +57,10 @@ struct Act {
   int64_t M, K;
   const uint8_t* wide = nullptr;
   bool is_wide(int64_t m) const { return !wide || wide[m]; }
+  // Rows [m0, m1) alone.
+  Act rows(int64_t m0, int64_t m1) const {
+    return {q + 2 * K * m0, dx + 2 * (K / 32) * m0, sx + (K / 32) * m0, m1 - m0, K, wide ? wide + m0 : nullptr};
+  }
 };
 
 template <int BITS>
