@@ -63,3 +63,13 @@ def decoder(shape: tuple[int, int, int, int, int, int], eps: float, embed: torch
     return _ext().Decoder(list(shape), eps, embed, cos_sin, final_norm, norms,
                           [empty if b is None else b.float().contiguous() for b in biases], packed, bits, head,
                           head_bits, threads)
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, plain0: int,
+                     blocked: bool) -> torch.Tensor:
+    """The step's attention for nq consecutive prompt tokens of one sequence over one layer's
+    pool (one thread): q (nq, heads, head_dim) fp32, k and v (blocks, page, kv_heads, head_dim)
+    as the pool stores them, table the sequence's blocks (int32); token i sees keys
+    [0, plain0 + i). `blocked`: the kernel the step runs for a prompt's int8 (narrow) rows,
+    tokens in blocks over each key once; else the one-token kernel of every other row."""
+    return _ext().prompt_attention(q, k, v, table, plain0, blocked)

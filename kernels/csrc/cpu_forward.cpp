@@ -26,10 +26,73 @@ struct QMat {
   int64_t N, K, bits;
 };
 
-// One attention work item: a token's heads (every kv head's) over one chunk of its keys.
-struct Item {
-  int64_t t, i0, i1;
+// One attention work item: every kv head's heads of rows [t, t + n) over chunk c of their keys (kChunk keys from
+// c kChunk); n > 1 or `block`: consecutive prompt tokens of one sequence through attn::block_any, else one token
+// through attn::partial_any. Partials go to slot first[t'] + c of each row t' (a row's chunks are consecutive slots).
+struct Work {
+  int64_t t, n, c;
+  bool block;
 };
+
+struct AttentionPlan {
+  std::vector<Work> work;
+  std::vector<int64_t> first;  // T + 1: row t's partial slots are [first[t], first[t + 1])
+  // rows of a block whose keys are one chunk: their block writes the heads' outputs, nothing to merge
+  std::vector<uint8_t> direct;
+};
+
+// Rows where blocked[t] (prompt rows that see plain keys only) go in blocks of up to kBlockLanes / G consecutive
+// tokens of one sequence, the heaviest blocks first; every other row alone, per chunk, in row order.
+AttentionPlan plan_attention(const std::vector<attn::Keys>& keys, const std::vector<uint8_t>& blocked, int64_t G) {
+  const int64_t T = keys.size(), nq_max = attn::kBlockLanes / G;
+  AttentionPlan p;
+  p.first.assign(T + 1, 0);
+  p.direct.assign(T, 0);
+  for (int64_t t = 0; t < T; ++t) p.first[t + 1] = p.first[t] + (keys[t].size() + attn::kChunk - 1) / attn::kChunk;
+  std::vector<Work> single;
+  for (int64_t t = 0; t < T;) {
+    int64_t n = 1;
+    if (nq_max >= 1 && blocked[t] && keys[t].extra.empty())
+      while (t + n < T && n < nq_max && blocked[t + n] && keys[t + n].extra.empty() &&
+             keys[t + n].table == keys[t].table && keys[t + n].plain == keys[t].plain + n)
+        ++n;
+    const bool block = nq_max >= 1 && blocked[t] && keys[t].extra.empty();
+    for (int64_t r = t; r < t + n && block; ++r) p.direct[r] = keys[r].size() >= 1 && keys[r].size() <= attn::kChunk;
+    const int64_t chunks = (keys[t + n - 1].size() + attn::kChunk - 1) / attn::kChunk;
+    for (int64_t c = 0; c < chunks; ++c) (block ? p.work : single).push_back({t, n, c, block});
+    t += n;
+  }
+  auto cost = [&](const Work& w) {  // row-keys in the chunk
+    return w.n * std::min<int64_t>(attn::kChunk, keys[w.t + w.n - 1].size() - w.c * attn::kChunk);
+  };
+  std::stable_sort(p.work.begin(), p.work.end(), [&](const Work& a, const Work& b) { return cost(a) > cost(b); });
+  p.work.insert(p.work.end(), single.begin(), single.end());
+  return p;
+}
+
+// Work item w's partials: parts[(first[t'] + c) part] for its rows t' (nullptr past a row's keys), where part is every
+// head's acc[D], m, l; a `direct` row's heads' outputs at out + t' H D instead.
+void attend(const AttentionPlan& p, const Work& w, const std::vector<attn::Keys>& keys, const float* q,
+            int64_t q_stride, int64_t G, float scale, const attn::Cache& cache, float* scratch, float* parts,
+            int64_t part, float* out) {
+  const int64_t i0 = w.c * attn::kChunk;
+  if (!w.block) {
+    attn::partial_any(keys[w.t], i0, std::min(keys[w.t].size(), i0 + attn::kChunk), q + w.t * q_stride, (int)G, scale,
+                      cache, scratch, parts + (p.first[w.t] + w.c) * part);
+    return;
+  }
+  const int64_t H = part / (cache.D + 2);
+  float* partial[attn::kBlockLanes];
+  float* final[attn::kBlockLanes];
+  for (int64_t r = 0; r < w.n; ++r) {
+    const int64_t t = w.t + r;
+    partial[r] = keys[t].size() > i0 && !p.direct[t] ? parts + (p.first[t] + w.c) * part : nullptr;
+    final[r] = p.direct[t] ? out + t * H * cache.D : nullptr;
+  }
+  const int64_t n = std::min(attn::kChunk, keys[w.t + w.n - 1].size() - i0);
+  attn::block_any(keys[w.t].table, keys[w.t].plain, (int)w.n, i0, n, q + w.t * q_stride, q_stride, (int)G, scale, cache,
+                  scratch, partial, final);
+}
 
 // Quantized activations of the next matmul (qg::Act's layout), and a scratch row for the norm.
 struct Buf {
@@ -182,15 +245,15 @@ class Decoder {
     for (int64_t t = 0; t < T; ++t)
       TORCH_CHECK(slots.data_ptr<int64_t>()[t] < kv.size(2) * kv.size(3), "Decoder: slot ",
                   slots.data_ptr<int64_t>()[t], " is past the pool's end");
-    // attention items: (token, chunk of keys), every kv head's; a token's chunks are consecutive
-    std::vector<Item> items;
-    std::vector<int64_t> first(T + 1, 0);
-    for (int64_t t = 0; t < T; ++t) {
-      first[t] = items.size();
-      for (int64_t i0 = 0; i0 < keys[t].size(); i0 += attn::kChunk)
-        items.push_back({t, i0, std::min<int64_t>(keys[t].size(), i0 + attn::kChunk)});
-    }
-    first[T] = items.size();
+    // attention work: a prompt's narrow rows in blocks of tokens, every other row alone (plan_attention)
+    const int64_t G = H_ / Hkv_, part = H_ * (D_ + 2);  // a row's partials per chunk: every head's acc[D], m, l
+    std::vector<uint8_t> blocked(T, 0);
+    for (int64_t t = num_decode; t < T; ++t) blocked[t] = !wide[t];
+    const AttentionPlan plan = plan_attention(keys, blocked, G);
+    const bool any_block = !plan.work.empty() && plan.work.front().block;
+    std::vector<int64_t> to_merge;  // rows whose heads' outputs are merged from their parts
+    for (int64_t t = 0; t < T; ++t)
+      if (!plan.direct[t]) to_merge.push_back(t);
 
     auto opts = embed_.options();
     auto x = torch::empty({T, h_}, opts);
@@ -210,9 +273,9 @@ class Decoder {
     Buf act_q;
     act_q.reserve(T, kmax);
     const int W = pool_->workers();
-    const int64_t G = H_ / Hkv_, part = H_ * (D_ + 2);  // an item's partials: every head's acc[D], m, l
-    std::vector<std::vector<float>> scores(W, std::vector<float>(H_ * attn::kChunk));
-    std::vector<float> parts(items.size() * part);
+    std::vector<std::vector<float>> scores(
+        W, std::vector<float>(std::max(H_ * attn::kChunk, any_block ? attn::block_scratch_floats(D_) : 0)));
+    std::vector<float> parts(plan.first[T] * part);
     std::vector<Buf> rows(W);
     for (auto& r : rows) r.reserve(0, kmax);
 
@@ -344,21 +407,20 @@ class Decoder {
       mark(1);
       // attention: chunk partials per token, then merged per (token, kv head) into its G heads' outputs
       const attn::Cache cache{kc, vc, page, Hkv_, D_, kind};
-      pool_->run(items.size(), [&](int64_t i, int w) {
-        const Item& it = items[i];
-        attn::partial_any(keys[it.t], it.i0, it.i1, qkvp + it.t * qkv_n, (int)G, scale, cache, scores[w].data(),
-                          parts.data() + i * part);
+      pool_->run(plan.work.size(), [&](int64_t i, int w) {
+        attend(plan, plan.work[i], keys, qkvp, qkv_n, G, scale, cache, scores[w].data(), parts.data(), part, ap);
       });
       mark(2);
-      auto merge = [&](int64_t j, int) {  // j = t * Hkv + kv head
-        const int64_t t = j / Hkv_, kh = j % Hkv_;
-        attn::merge(parts.data() + first[t] * part + kh * G * (D_ + 2), first[t + 1] - first[t], part, (int)G, D_,
-                    ap + j * G * D_);
+      auto merge = [&](int64_t i, int) {  // i = (index into to_merge) * Hkv + kv head
+        const int64_t t = to_merge[i / Hkv_], kh = i % Hkv_, j = t * Hkv_ + kh;
+        attn::merge(parts.data() + plan.first[t] * part + kh * G * (D_ + 2), plan.first[t + 1] - plan.first[t], part,
+                    (int)G, D_, ap + j * G * D_);
       };
-      if (T < kSplitRows)
-        for (int64_t j = 0; j < T * Hkv_; ++j) merge(j, 0);
+      const int64_t n_merge = (int64_t)to_merge.size() * Hkv_;
+      if ((int64_t)to_merge.size() < kSplitRows)
+        for (int64_t i = 0; i < n_merge; ++i) merge(i, 0);
       else
-        pool_->run(T * Hkv_, merge);
+        pool_->run(n_merge, merge);
       mark(3);
       // x += attn Wo^T
       matmul(prep(ap, H_ * D_, nullptr, 4 * l + 1), 4 * l + 1, xp, true, nullptr);
@@ -503,6 +565,50 @@ class Decoder {
   std::vector<std::vector<float>> col_amax_;
 };
 
+// Attention of nq consecutive prompt tokens of one sequence over one layer's pool, on the calling thread (tests and
+// benches of the step's two kernels): q (nq, H, D) fp32; k, v (blocks, page, Hkv, D) fp16 or fp32, or int8 (..., D +
+// 4); table: the sequence's blocks (int32); token i sees keys [0, plain0 + i). blocked: the kernel of the step's narrow
+// rows (attn::block_any), else the one-token kernel. Returns (nq, H, D).
+torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t plain0,
+                               bool blocked) {
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  table = table.contiguous();
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.scalar_type() == torch::kFloat,
+              "prompt_attention: q (nq, H, D) fp32, k and v (blocks, page, Hkv, D)");
+  const int64_t nq = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(2), page = k.size(1);
+  const attn::Kind kind = k.scalar_type() == torch::kHalf   ? attn::Kind::f16
+                          : k.scalar_type() == torch::kChar ? attn::Kind::i8
+                                                            : attn::Kind::f32;
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128) && H % Hkv == 0 && (page & (page - 1)) == 0 &&
+                  k.size(3) == (kind == attn::Kind::i8 ? D + attn::kScaleBytes : D) &&
+                  table.scalar_type() == torch::kInt && table.numel() * page >= plain0 + nq - 1,
+              "prompt_attention: shapes do not match");
+  for (int64_t i = 0; i < table.numel(); ++i)
+    TORCH_CHECK(table.data_ptr<int32_t>()[i] >= 0 && table.data_ptr<int32_t>()[i] < k.size(0),
+                "prompt_attention: the table names a block past the pool");
+  std::vector<attn::Keys> keys(nq);
+  for (int64_t i = 0; i < nq; ++i) {
+    keys[i].table = table.data_ptr<int32_t>();
+    keys[i].plain = plain0 + i;
+  }
+  const int64_t G = H / Hkv, part = H * (D + 2);
+  const AttentionPlan plan = plan_attention(keys, std::vector<uint8_t>(nq, blocked), G);
+  std::vector<float> scratch(std::max(H * attn::kChunk, attn::block_scratch_floats(D)));
+  std::vector<float> parts(plan.first[nq] * part);
+  const attn::Cache cache{k.data_ptr(), v.data_ptr(), page, Hkv, D, kind};
+  auto out = torch::empty_like(q);
+  for (const Work& w : plan.work)
+    attend(plan, w, keys, q.data_ptr<float>(), H * D, G, 1.f / std::sqrt((float)D), cache, scratch.data(), parts.data(),
+           part, out.data_ptr<float>());
+  for (int64_t t = 0; t < nq; ++t)
+    for (int64_t kh = 0; kh < Hkv && !plan.direct[t]; ++kh)
+      attn::merge(parts.data() + plan.first[t] * part + kh * G * (D + 2), plan.first[t + 1] - plan.first[t], part,
+                  (int)G, D, out.data_ptr<float>() + (t * H + kh * G) * D);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<int64_t>, double, torch::Tensor, torch::Tensor, torch::Tensor,
@@ -517,4 +623,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_calibration", &Decoder::set_calibration)
       .def("column_amax", &Decoder::column_amax)
       .def("set_outliers", &Decoder::set_outliers);
+  m.def("prompt_attention", &prompt_attention);
 }

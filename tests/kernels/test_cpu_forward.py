@@ -310,6 +310,28 @@ def test_int8_prefill_rounds_only_the_prompt_rows_that_sample_nothing():
     assert 0 < (a - b).abs().max() < 0.1 * b.abs().max()
 
 
+def test_a_prompts_int8_rows_leave_the_same_kv_however_it_is_chunked():
+    """Narrow rows run their matmuls and their attention (tokens in blocks of 24 here: 2 query
+    heads a kv head) row by row: a 60-token prompt prefilled whole and in chunks of 25 and 35
+    (other blocks, other block edges) leaves bit for bit the same KV and samples the same logits."""
+    run = activation_runners(kinds=("int8", "int8 chunked"))
+    narrow_from(run)
+    ids = torch.randint(1, 96, (60,), generator=torch.Generator().manual_seed(11)).tolist()
+    tables = [[0, 1, 2, 3]]
+
+    def step(r, lo, hi, sample):
+        p = plan(ids[lo:hi], [lo], [hi - lo], tables, [0] if sample else [], 0)
+        p.prompt_lens = [60]
+        return r.execute(p)
+
+    whole = step(run["int8"], 0, 60, True).logits
+    step(run["int8 chunked"], 0, 25, False)
+    chunked = step(run["int8 chunked"], 25, 60, True).logits
+    assert torch.equal(whole, chunked)
+    kv = {name: r.kv_cache[:, :, :4].flatten(2, 3)[:, :, :60] for name, r in run.items()}  # the prompt's slots
+    assert torch.equal(kv["int8"], kv["int8 chunked"])
+
+
 def test_calibrated_outlier_columns_take_a_large_channel_out_of_the_int8_blocks():
     """A hidden channel 60x the others (its input norm weight scaled) makes every narrow row's
     int8 block that holds it coarse. Calibration finds that column for the layer's qkv and

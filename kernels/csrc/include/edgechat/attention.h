@@ -315,6 +315,181 @@ inline void partial_any(const Keys& keys, int64_t i0, int64_t i1, const float* q
   }
 }
 
+// Prompt rows in blocks (a prefill's narrow rows, cpu_forward.cpp): nq consecutive tokens of one sequence, token tq
+// seeing keys [0, plain0 + tq), against one chunk of keys [c0, c0 + n) (every row's own chunk: a row whose keys end
+// inside it stops there). Per kv head, its G query heads of the nq tokens are the block's rows, one fp32 lane each
+// (R = 16 RV lanes; padding lanes see no key), so a key row is converted once for every row and no sum crosses lanes:
+//   * scores S[j][r] = scale ks_j sum_d q_r[d] k_j[d], over d in order, 8 keys at a time (q transposed, k_j[d]
+//     broadcast): a row's lane, its arithmetic alone;
+//   * m_r = max_j S, e = exp(S - m_r), l_r = sum_j e in key order; past a row's keys e is 0 (masked), so a key beyond
+//     its end adds exactly nothing;
+//   * acc_r = sum_j (e vs_j) v_j in key order, RB rows at a time.
+// A row's result therefore depends on its own keys alone, not on the block it shares (its arithmetic is not the
+// one-token kernel's: the step uses one kernel per row kind). Writes each row's acc[D], m, l per head at out[tq] (its
+// part for this chunk; nullptr where the row has no key in it or its keys are this chunk alone); where final[tq], the
+// row's keys are this chunk alone and its heads' outputs acc / l go there (what merge would write for one part).
+constexpr int kBlockLanes = 48;  // a block's rows (tokens x G) fit 3 vectors
+
+inline int64_t block_scratch_floats(int64_t D) {
+  return D * kBlockLanes + 2 * kChunk * D + kChunk * kBlockLanes + 2 * kChunk;
+}
+
+template <int NV, int RB>
+inline void block_values(const float* e, int64_t R, int64_t r0, int64_t n, const float* vf, float* acc) {
+  constexpr int64_t D = 16 * NV;
+  __m512 a[RB][NV];
+  for (int b = 0; b < RB; ++b)
+    for (int c = 0; c < NV; ++c) a[b][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(vf + j * D + 16 * c);
+    for (int b = 0; b < RB; ++b) {
+      const __m512 w = _mm512_set1_ps(e[j * R + r0 + b]);
+      for (int c = 0; c < NV; ++c) a[b][c] = _mm512_fmadd_ps(w, v[c], a[b][c]);
+    }
+  }
+  for (int b = 0; b < RB; ++b)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (r0 + b) * D + 16 * c, a[b][c]);
+}
+
+template <int NV, int RV, typename E>
+void block_heads(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64_t n, const float* q, int64_t q_stride,
+                 int G, float scale, const Cache& pool, float* scratch, float* const* out, float* const* final) {
+  constexpr int64_t D = 16 * NV, R = 16 * RV, RD = row_elems<E>(D);
+  constexpr int RB = NV >= 8 ? 3 : NV == 4 ? 6 : 8;  // value rows at a time: RB NV accumulators in registers
+  const int64_t rows = (int64_t)nq * G, Hkv = pool.Hkv, shift = __builtin_ctzll(pool.page), mask = pool.page - 1;
+  float* qt = scratch;                    // D x R: the rows' queries, transposed
+  float* kf = qt + D * kBlockLanes;       // n (rounded up to 8) x D keys as fp32
+  float* vf = kf + kChunk * D;            // n x D values as fp32
+  float* sc = vf + kChunk * D;            // n x R scores, then e vs
+  float* ks = sc + kChunk * kBlockLanes;  // per key: scale ks_j
+  float* vs = ks + kChunk;                // per key: vs_j
+  const E* kp = (const E*)pool.k;
+  const E* vp = (const E*)pool.v;
+  const int64_t n8 = (n + 7) / 8 * 8;
+  alignas(64) int32_t lim[R];  // keys a row has in the chunk (0 for padding lanes)
+  for (int64_t r = 0; r < R; ++r) lim[r] = r < rows ? (int32_t)std::clamp<int64_t>(plain0 + r / G - c0, 0, n) : 0;
+  for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = r < rows ? q + (r / G) * q_stride + (kvh * G + r % G) * D : nullptr;
+      for (int64_t d = 0; d < D; ++d) qt[d * R + r] = qr ? qr[d] : 0.f;
+    }
+    for (int64_t j = 0; j < n8; ++j) {
+      if (j >= n) {
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(kf + j * D + 16 * c, _mm512_setzero_ps());
+        ks[j] = 0.f;
+        continue;
+      }
+      const int64_t p = c0 + j, at = (((int64_t)table[p >> shift] << shift) + (p & mask)) * Hkv * RD + kvh * RD;
+      const E* k = kp + at;
+      const E* v = vp + at;
+      for (int c = 0; c < NV; ++c) {
+        _mm512_storeu_ps(kf + j * D + 16 * c, load16(k + 16 * c));
+        _mm512_storeu_ps(vf + j * D + 16 * c, load16(v + 16 * c));
+      }
+      ks[j] = row_scale(k, D) * scale;
+      vs[j] = row_scale(v, D);
+    }
+    __m512i lv[RV];
+    __m512 mx[RV], l[RV];
+    for (int rv = 0; rv < RV; ++rv) {
+      lv[rv] = _mm512_load_si512((const void*)(lim + 16 * rv));
+      mx[rv] = _mm512_set1_ps(-INFINITY);
+      l[rv] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < n8; j += 8) {  // scores, 8 keys x RV lane vectors
+      __m512 a[8][RV];
+      for (int k = 0; k < 8; ++k)
+        for (int rv = 0; rv < RV; ++rv) a[k][rv] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        __m512 qv[RV];
+        for (int rv = 0; rv < RV; ++rv) qv[rv] = _mm512_loadu_ps(qt + d * R + 16 * rv);
+        for (int k = 0; k < 8; ++k) {
+          const __m512 kv = _mm512_set1_ps(kf[(j + k) * D + d]);
+          for (int rv = 0; rv < RV; ++rv) a[k][rv] = _mm512_fmadd_ps(kv, qv[rv], a[k][rv]);
+        }
+      }
+      for (int k = 0; k < 8 && j + k < n; ++k)
+        for (int rv = 0; rv < RV; ++rv) {  // lanes whose keys end before key j + k: -inf
+          const __mmask16 in = _mm512_cmpgt_epi32_mask(lv[rv], _mm512_set1_epi32((int32_t)(j + k)));
+          const __m512 s =
+              _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), in, _mm512_mul_ps(a[k][rv], _mm512_set1_ps(ks[j + k])));
+          _mm512_storeu_ps(sc + (j + k) * R + 16 * rv, s);
+          mx[rv] = _mm512_max_ps(mx[rv], s);
+        }
+    }
+    for (int64_t j = 0; j < n; ++j)  // e = exp(s - m) (0 past a row's keys), l = sum e; stored e vs
+      for (int rv = 0; rv < RV; ++rv) {
+        const __mmask16 in = _mm512_cmpgt_epi32_mask(lv[rv], _mm512_set1_epi32((int32_t)j));
+        float* s = sc + j * R + 16 * rv;
+        const __m512 e = _mm512_maskz_mov_ps(in, exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mx[rv])));
+        l[rv] = _mm512_add_ps(l[rv], e);
+        _mm512_storeu_ps(s, std::is_same_v<E, int8_t> ? _mm512_mul_ps(e, _mm512_set1_ps(vs[j])) : e);
+      }
+    float* acc = kf;  // the keys are done with: rows x D sums
+    int64_t r0 = 0;
+    for (; r0 + RB <= rows; r0 += RB) block_values<NV, RB>(sc, R, r0, n, vf, acc);
+    for (; r0 < rows; ++r0) block_values<NV, 1>(sc, R, r0, n, vf, acc);
+    alignas(64) float ms[R], ls[R];
+    for (int rv = 0; rv < RV; ++rv) {
+      _mm512_store_ps(ms + 16 * rv, mx[rv]);
+      _mm512_store_ps(ls + 16 * rv, l[rv]);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!lim[r]) continue;
+      if (final[r / G]) {  // merge's one-part case: (0 + 1 acc) / (0 + 1 l), exactly acc / l
+        float* o = final[r / G] + (kvh * G + r % G) * D;
+        const __m512 lv = _mm512_set1_ps(ls[r]);
+        for (int c = 0; c < NV; ++c)
+          _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(_mm512_loadu_ps(acc + r * D + 16 * c), lv));
+        continue;
+      }
+      if (!out[r / G]) continue;
+      float* o = out[r / G] + (kvh * G + r % G) * (D + 2);
+      std::memcpy(o, acc + r * D, D * sizeof(float));
+      o[D] = ms[r];
+      o[D + 1] = ls[r];
+    }
+  }
+}
+
+template <int NV, typename E>
+void block_rv(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64_t n, const float* q, int64_t q_stride,
+              int G, float scale, const Cache& pool, float* scratch, float* const* out, float* const* final) {
+  const int64_t rows = (int64_t)nq * G;
+  if (rows <= 16)
+    block_heads<NV, 1, E>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final);
+  else if (rows <= 32)
+    block_heads<NV, 2, E>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final);
+  else
+    block_heads<NV, 3, E>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final);
+}
+
+template <typename E>
+void block_dim(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64_t n, const float* q, int64_t q_stride,
+               int G, float scale, const Cache& pool, float* scratch, float* const* out, float* const* final) {
+  switch (pool.D) {
+    case 64: block_rv<4, E>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final); break;
+    case 128: block_rv<8, E>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final); break;
+    case 32: block_rv<2, E>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final); break;
+    default: block_rv<1, E>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final); break;
+  }
+}
+
+// The block's rows (nq * G <= kBlockLanes) over keys [c0, c0 + n) (n <= kChunk); q: token 0's query row, the next
+// token's q_stride floats on; scratch: block_scratch_floats(D); out and final: per token, as block_heads says.
+inline void block_any(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64_t n, const float* q,
+                      int64_t q_stride, int G, float scale, const Cache& pool, float* scratch, float* const* out,
+                      float* const* final) {
+  switch (pool.kind) {
+    case Kind::f16:
+      block_dim<uint16_t>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final);
+      break;
+    case Kind::i8: block_dim<int8_t>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final); break;
+    default: block_dim<float>(table, plain0, nq, c0, n, q, q_stride, G, scale, pool, scratch, out, final); break;
+  }
+}
+
 // parts: nchunks partials of G heads, `stride` floats apart; out: G rows of D (the heads' outputs).
 inline void merge(const float* parts, int64_t nchunks, int64_t stride, int G, int64_t D, float* out) {
   for (int g = 0; g < G; ++g) {
