@@ -216,8 +216,9 @@ class Decoder {
                                      c10::optional<torch::Tensor> ext_cu, c10::optional<torch::Tensor> ext_lens,
                                      c10::optional<torch::Tensor> tree_mask, c10::optional<torch::Tensor> tree_prefix,
                                      torch::Tensor kv, std::vector<int64_t> aux_layers,
-                                     c10::optional<torch::Tensor> narrow) {
+                                     c10::optional<torch::Tensor> narrow, c10::optional<torch::Tensor> out_rows) {
     const int64_t T = ids.size(0);
+    int64_t Tn = T;  // rows a phase computes: T, in the last layer only out_rows' (see `outs` below)
     // each row's activations wide (int16) or, where `narrow` says, narrow (int8): edgechat/qgemm.h
     std::vector<uint8_t> wide(T, 1);
     if (narrow.has_value() && narrow->numel()) {
@@ -254,6 +255,9 @@ class Decoder {
     std::vector<int64_t> to_merge;  // rows whose heads' outputs are merged from their parts
     for (int64_t t = 0; t < T; ++t)
       if (!plan.direct[t]) to_merge.push_back(t);
+    const AttentionPlan* plan_now = &plan;
+    AttentionPlan plan_last;           // the last layer's, when only `outs` go on
+    std::vector<attn::Keys> keys_now;  // the last layer's rows' keys then (empty: `keys`)
 
     auto opts = embed_.options();
     auto x = torch::empty({T, h_}, opts);
@@ -269,6 +273,18 @@ class Decoder {
     for (int64_t i = 0; i < n_aux; ++i) {
       TORCH_CHECK(aux_layers[i] >= 0 && aux_layers[i] < L_, "Decoder: aux layer out of range");
       aux_slot[aux_layers[i]] = i;
+    }
+    // rows whose final hidden state is read (out_rows, ascending, distinct), when fewer than T and the last layer's
+    // residual is no aux output (and not while calibrating, which records every row's inputs): then `prune`
+    std::vector<int64_t> outs;
+    bool prune = false;
+    if (out_rows.has_value() && !calibrating_ && aux_slot[L_ - 1] < 0) {
+      const auto o = out_rows->to(torch::kLong).contiguous();
+      outs.assign(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + o.numel());
+      std::sort(outs.begin(), outs.end());
+      outs.erase(std::unique(outs.begin(), outs.end()), outs.end());
+      for (int64_t t : outs) TORCH_CHECK(t >= 0 && t < T, "Decoder: out_rows names row ", t, " of ", T);
+      prune = (int64_t)outs.size() < T;
     }
     Buf act_q;
     act_q.reserve(T, kmax);
@@ -316,30 +332,31 @@ class Decoder {
           }
         act_q.quantize(row, t, K, wide[t]);
       };
-      if (T < kSplitRows || calibrating_)
-        for (int64_t t = 0; t < T; ++t) one(t, 0);
+      if (Tn < kSplitRows || calibrating_)
+        for (int64_t t = 0; t < Tn; ++t) one(t, 0);
       else
-        pool_->run(T, one);
-      return act_q.act(T, K, wide.data());
+        pool_->run(Tn, one);
+      return act_q.act(Tn, K, wide.data());
     };
     // y (+)= a W^T over every supertile, shared out in chunks of supertiles and, for a prompt's many rows, of rows too
     // (a matmul of 9 supertiles on 2 threads would otherwise wait on the one with 5). Narrow rows add their outlier
     // columns against the exact weight columns, in column order; then(sa, sz, t0, t1) finishes a chunk.
     auto matmul = [&](const qg::Act& a, int64_t mi, float* y, bool add,
                       const std::function<void(int64_t, int64_t, int64_t, int64_t)>& then) {
+      if (Tn == 0) return;
       const QMat& m = mats_[mi];
       const int64_t S = qg::supertiles(m.N), per = std::max<int64_t>(1, S / (kChunksPerWorker * W));
       const int64_t cols = (S + per - 1) / per, want = kChunksPerWorker * W;
       // row blocks: a multiple of 8 rows (the narrow kernel's tile), at least kMinRowBlock, enough chunks in all
       const int64_t blocks =
-          W > 1 && cols < want ? std::max<int64_t>(1, std::min((want + cols - 1) / cols, T / kMinRowBlock)) : 1;
-      const int64_t rb = blocks == 1 ? T : ((T + blocks - 1) / blocks + 7) / 8 * 8;
-      const int64_t nrb = (T + rb - 1) / rb;
+          W > 1 && cols < want ? std::max<int64_t>(1, std::min((want + cols - 1) / cols, Tn / kMinRowBlock)) : 1;
+      const int64_t rb = blocks == 1 ? Tn : ((Tn + blocks - 1) / blocks + 7) / 8 * 8;
+      const int64_t nrb = (Tn + rb - 1) / rb;
       const uint8_t* w = m.w.data_ptr<uint8_t>();
       const Outliers* o =
           any_narrow && mi < (int64_t)outliers_.size() && !outliers_[mi].cols.empty() ? &outliers_[mi] : nullptr;
       pool_->run(cols * nrb, [&](int64_t c, int) {
-        const int64_t sa = (c / nrb) * per, sz = std::min(S, sa + per), t0 = (c % nrb) * rb, t1 = std::min(T, t0 + rb);
+        const int64_t sa = (c / nrb) * per, sz = std::min(S, sa + per), t0 = (c % nrb) * rb, t1 = std::min(Tn, t0 + rb);
         qg::gemm(a.rows(t0, t1), w, m.bits, m.N, sa, sz, y + t0 * m.N, m.N, add);
         if (o) {
           const float* wo = o->w.data();
@@ -405,16 +422,41 @@ class Decoder {
         }
       });
       mark(1);
+      if (l == L_ - 1 && prune) {
+        // The last layer's KV is stored; past it only the rows whose final hidden state is read go on (llama.cpp's
+        // inp_out_ids): the others' attention, o and MLP outputs would reach nothing. Rows move up in place
+        // (outs ascending), with their kind and keys, and are computed exactly as in place.
+        Tn = outs.size();
+        std::vector<attn::Keys> kept(Tn);
+        std::vector<uint8_t> kept_blocked(Tn);
+        for (int64_t i = 0; i < Tn; ++i) {
+          const int64_t t = outs[i];
+          if (t != i) {
+            std::memcpy(qkvp + i * qkv_n, qkvp + t * qkv_n, qkv_n * sizeof(float));
+            std::memcpy(xp + i * h_, xp + t * h_, h_ * sizeof(float));
+          }
+          wide[i] = wide[t];
+          kept[i] = keys[t];
+          kept_blocked[i] = blocked[t];
+        }
+        keys_now = std::move(kept);
+        plan_last = plan_attention(keys_now, kept_blocked, G);
+        plan_now = &plan_last;
+        to_merge.clear();
+        for (int64_t t = 0; t < Tn; ++t)
+          if (!plan_last.direct[t]) to_merge.push_back(t);
+      }
       // attention: chunk partials per token, then merged per (token, kv head) into its G heads' outputs
       const attn::Cache cache{kc, vc, page, Hkv_, D_, kind};
-      pool_->run(plan.work.size(), [&](int64_t i, int w) {
-        attend(plan, plan.work[i], keys, qkvp, qkv_n, G, scale, cache, scores[w].data(), parts.data(), part, ap);
+      pool_->run(plan_now->work.size(), [&](int64_t i, int w) {
+        attend(*plan_now, plan_now->work[i], keys_now.empty() ? keys : keys_now, qkvp, qkv_n, G, scale, cache,
+               scores[w].data(), parts.data(), part, ap);
       });
       mark(2);
       auto merge = [&](int64_t i, int) {  // i = (index into to_merge) * Hkv + kv head
         const int64_t t = to_merge[i / Hkv_], kh = i % Hkv_, j = t * Hkv_ + kh;
-        attn::merge(parts.data() + plan.first[t] * part + kh * G * (D_ + 2), plan.first[t + 1] - plan.first[t], part,
-                    (int)G, D_, ap + j * G * D_);
+        attn::merge(parts.data() + plan_now->first[t] * part + kh * G * (D_ + 2),
+                    plan_now->first[t + 1] - plan_now->first[t], part, (int)G, D_, ap + j * G * D_);
       };
       const int64_t n_merge = (int64_t)to_merge.size() * Hkv_;
       if ((int64_t)to_merge.size() < kSplitRows)
@@ -448,8 +490,10 @@ class Decoder {
         for (int64_t t = 0; t < T; ++t)
           std::memcpy(aux.data_ptr<float>() + t * n_aux * h_ + aux_slot[l] * h_, xp + t * h_, h_ * sizeof(float));
     }
-    for (int64_t t = 0; t < T; ++t)
-      rms_norm_row(xp + t * h_, final_norm_.data_ptr<float>(), h_, eps_, hidden.data_ptr<float>() + t * h_);
+    if (prune) hidden.zero_();  // rows not in out_rows: zeros
+    for (int64_t t = 0; t < Tn; ++t)
+      rms_norm_row(xp + t * h_, final_norm_.data_ptr<float>(), h_, eps_,
+                   hidden.data_ptr<float>() + (prune ? outs[t] : t) * h_);
     pool_->end_step();
     if (n_aux) return {hidden, aux};
     return {hidden};

@@ -7,6 +7,7 @@ through it unchanged: on CPU this is where CUDA would replay a graph. The wrappe
 model stays the reference and keeps the weights; the C++ `Decoder` reads the same
 packed tensors (gate/up repacked with its rows interleaved). Its KV pool is fp16 by
 default (the Runner allocates it in `kernels.Ops.cpu_step_kv`); fp32 and int8 are served too.
+Past the last layer's KV store only the rows whose logits are computed go on (`Context.logits_rows`).
 Prompt rows the Runner marks narrow (`Context.narrow_rows`: `prefill_activations` "auto" for
 prompts of 128+ tokens, or "int8") run their matmuls on int8 activations, with each matmul's
 outlier columns (`calibrate`, `set_outliers`) in fp32.
@@ -78,7 +79,7 @@ class CpuModel(nn.Module):
         out = self.decoder.forward(input_ids, positions, ctx.slot_mapping, ctx.num_decode_tokens,
                                    ctx.decode_block_tables, ctx.decode_seq_lens, ctx.extend_block_tables,
                                    ctx.extend_cu_seqlens_q, ctx.extend_seq_lens, ctx.tree_mask, ctx.tree_prefix_lens,
-                                   kv_cache, list(aux_layers), ctx.narrow_rows)
+                                   kv_cache, list(aux_layers), ctx.narrow_rows, ctx.logits_rows)
         if not aux_layers:
             return out[0]
         return out[0], list(out[1].split(self.cfg.hidden_size, dim=-1))

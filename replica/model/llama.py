@@ -41,6 +41,10 @@ class Context:
     # The C++ CPU step (replica.model.cpu_model): rows whose matmul activations may be rounded
     # narrow (int8, kernels/qgemm_cpu.py); None: every row wide. Others ignore it.
     narrow_rows: torch.Tensor | None = None  # (T,) bool
+    # The C++ CPU step: the rows whose final hidden states are read (logits rows); it computes the
+    # last layer past its KV store for those alone, the others' hidden states left zero. None: all.
+    # Others ignore it.
+    logits_rows: torch.Tensor | None = None  # (R,) int64
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

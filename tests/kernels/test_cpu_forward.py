@@ -332,6 +332,38 @@ def test_a_prompts_int8_rows_leave_the_same_kv_however_it_is_chunked():
     assert torch.equal(kv["int8"], kv["int8 chunked"])
 
 
+def test_the_last_layer_goes_on_for_the_logits_rows_alone():
+    """Past the last layer's KV store the step computes only the rows whose logits are read
+    (`Context.logits_rows`): their logits and every row's KV are bit for bit those of a step
+    that computes every row (a Runner keeping hidden states, as training data needs), the
+    other rows' hidden states are zeros, and a chunk that samples nothing still stores its
+    last layer's KV."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, num_layers=3)
+    w = tiny_weights(cfg, seed=6)
+    run = {}
+    for keep in (False, True):
+        run[keep] = Runner(EngineConfig(quantization="int4", num_blocks=12, cpu_threads=2, max_num_seqs=4,
+                                        max_num_batched_tokens=64), cfg, w)
+        run[keep].allocate_kv(keep_hidden=keep)
+        fill_noise(run[keep].kv_cache)
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(1, 96, (40,), generator=g).tolist()
+    tables = [[0, 1], [2, 3]]
+    steps = [plan(ids[:20] + ids[20:30], [0, 0], [20, 10], tables, [0], 0),  # the second prompt's chunk samples nothing
+             plan(ids[30:40] + [7], [10, 20], [10, 1], tables[::-1], [0, 1], 0),
+             plan([5, 6], [20, 21], [1, 1], tables, [0, 1], 2)]
+    for p in steps:
+        out = {keep: r.execute(p) for keep, r in run.items()}
+        assert torch.equal(out[False].logits, out[True].logits)
+        kv = {keep: r.kv_cache[:, :, :4].flatten(2, 3) for keep, r in run.items()}
+        assert torch.equal(kv[False][:, :, :21], kv[True][:, :, :21])
+        assert torch.equal(kv[False][:, :, 32:53], kv[True][:, :, 32:53])
+    ctx = run[False].prepare(steps[0])[2]
+    assert ctx.logits_rows.tolist() == [19]
+    hidden = run[False].model(*run[False].prepare(steps[0])[:3], run[False].kv_cache)
+    assert hidden[19].abs().sum() > 0 and not hidden[:19].any() and not hidden[20:].any()
+
+
 def test_calibrated_outlier_columns_take_a_large_channel_out_of_the_int8_blocks():
     """A hidden channel 60x the others (its input norm weight scaled) makes every narrow row's
     int8 block that holds it coarse. Calibration finds that column for the layer's qkv and
