@@ -116,6 +116,7 @@ constexpr int64_t kSplitRows = 16;       // from this many tokens on, the activa
 constexpr int64_t kChunksPerWorker = 8;  // a matmul's supertiles in about this many claims per thread
 constexpr size_t kMaxOutliers = 16;      // outlier columns a matmul's narrow rows may keep in fp32
 constexpr int64_t kMinRowBlock = 32;     // a matmul's rows are split into blocks of at least this many
+constexpr int64_t kRowsPerClaim = 4;     // rows a claim of a per-row phase takes (RoPE and KV store)
 
 using rowops::rms_norm_row;
 using rowops::rotate;
@@ -403,7 +404,7 @@ class Decoder {
              });
       mark(0);
       // RoPE on q and k heads; k and v into the pool as it stores them (slot -1: padding, not stored)
-      pool_->run(T, [&](int64_t t, int) {
+      auto rope_store = [&](int64_t t) {
         float* row = qkvp + t * qkv_n;
         const float* c = cs + pos[t] * cs_stride;
         for (int64_t hh = 0; hh < H_ + Hkv_; ++hh) rotate(row + hh * D_, c, half);
@@ -420,6 +421,9 @@ class Decoder {
           case attn::Kind::i8: store((int8_t*)kc, (int8_t*)vc); break;
           default: store((float*)kc, (float*)vc); break;
         }
+      };
+      pool_->run((T + kRowsPerClaim - 1) / kRowsPerClaim, [&](int64_t c, int) {
+        for (int64_t t = c * kRowsPerClaim; t < std::min(T, (c + 1) * kRowsPerClaim); ++t) rope_store(t);
       });
       mark(1);
       if (l == L_ - 1 && prune) {
