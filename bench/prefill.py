@@ -22,6 +22,11 @@ Four tables, one run:
    the difference between its time and table 2's sum.
 4. The same prefill by phase of the C++ step (Decoder.set_timing): qkv, RoPE and
    KV store, attention, merge, o, gate/up, down, summed over the layers.
+5. The step's two attention kernels for one layer of a prompt (kernels.cpu_forward
+   `prompt_attention`, one thread, the model's head shape over an fp16 pool): the
+   one-token kernel (every row but a prompt's narrow ones) and the blocked one
+   (narrow rows), ms x layers, against one core's fp32 FMA rate (16 lanes a cycle at
+   the clock the vpdpbusd peak implies: 64 multiply-adds an instruction a cycle).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import qgemm_cpu  # noqa: E402
+from kernels import cpu_forward, qgemm_cpu  # noqa: E402
 from kernels.cpu_build import load_cpp  # noqa: E402
 from replica.config import EngineConfig  # noqa: E402
 from replica.engine.llm_engine import LLMEngine  # noqa: E402
@@ -178,6 +183,26 @@ def main() -> None:
             n = len(t) + 1  # prefill_ms runs a warm-up prompt too
             print(f"| {plen} | {acts} | " + " | ".join(f"{x / n:.1f}" for x in ms) + f" | {sum(ms) / n:.1f} "
                   f"(steps a prompt: {steps / n:g}) |", flush=True)
+
+    fma = pk["dpbusd", 1] / 64 * 16  # fp32 multiply-adds a second on one core
+    print("\n## The prefill attention kernels (one thread, one layer's prompt rows x layers, fp16 pool, "
+          f"best of {args.reps})\n")
+    print("| prompt tokens | one-token kernel, ms | blocked kernel, ms | multiply-adds (scores, values) | "
+          "blocked: of one core's fp32 FMA rate |")
+    print("|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for plen in args.prompt_lens:
+        page = 16
+        blocks = -(-plen // page)
+        k = torch.randn(blocks, page, c.num_kv_heads, c.head_dim, generator=g).half()
+        v = torch.randn(blocks, page, c.num_kv_heads, c.head_dim, generator=g).half()
+        table = torch.randperm(blocks, generator=g).int()
+        q = torch.randn(plen, c.num_heads, c.head_dim, generator=g)
+        ms = {b: best_ms(lambda b=b: cpu_forward.prompt_attention(q, k, v, table, 1, b), args.reps) * c.num_layers
+              for b in (False, True)}
+        macs = 2 * plen * (plen + 1) / 2 * c.num_heads * c.head_dim * c.num_layers
+        print(f"| {plen} | {ms[False]:.1f} | {ms[True]:.1f} | {macs / 1e9:.2f} G | "
+              f"{macs / (ms[True] / 1e3) / fma:.0%} |", flush=True)
 
 
 if __name__ == "__main__":
