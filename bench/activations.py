@@ -25,6 +25,8 @@ each scheme says:
                result never depends on the other rows of its call;
   a8-exact-b16-static both (what `--prefill-activations` serves);
   a8-exact-row-static as a8-exact-static with one int8 scale per row (per token) instead of per block.
+  a8-exact-p2-static  as a8-exact-b16-static with each 16-block's scale the row's scale over a power of two
+                      (2^-e, e <= 15): a block's codes then meet the others' in integers (a shift).
 
 Per scheme: greedy answers (`--tokens` new tokens, each a full forward, so "a8-exact" marks
 exactly the rows a replica's prefill would send through int8) identical to a16's, tokens before
@@ -57,7 +59,7 @@ from replica.model.loader import load_checkpoint  # noqa: E402
 from bench.quality import forward_logits as logits  # noqa: E402
 
 SCHEMES = ["a16", "a8", "a8-b16", "a8-outliers", "a8-exact", "a8-exact-outliers", "a8-exact-b16", "a8-exact-static",
-           "a8-exact-b16-static", "a8-exact-row-static"]
+           "a8-exact-b16-static", "a8-exact-row-static", "a8-exact-p2-static"]
 OUTLIERS = 8
 
 
@@ -81,14 +83,18 @@ class Gemm:
         return w
 
     @staticmethod
-    def rounded(x: torch.Tensor, levels: int, block: int) -> torch.Tensor:
+    def rounded(x: torch.Tensor, levels: int, block: int, pow2: bool = False) -> torch.Tensor:
         g = x.reshape(x.shape[0], -1, block)
         dx = g.abs().amax(-1, keepdim=True) / levels
+        if pow2:  # the row's scale over a power of two per block: 2^-e, e = floor(log2(row max / block max)) <= 15
+            row = dx.amax(1, keepdim=True)
+            e = torch.floor(torch.log2(row / dx.clamp_min(1e-30))).clamp(0, 15)
+            dx = torch.where(dx > 0, row * torch.exp2(-e), dx)
         q = torch.round(g / torch.where(dx > 0, dx, torch.ones_like(dx))).clamp(-levels, levels)
         return (q * dx).reshape(x.shape)
 
     def int8(self, x: torch.Tensor, w: torch.Tensor, key: int) -> torch.Tensor:
-        block = 16 if "b16" in self.scheme else x.shape[1] if "-row" in self.scheme else 32
+        block = 16 if ("b16" in self.scheme or "p2" in self.scheme) else x.shape[1] if "-row" in self.scheme else 32
         if not self.scheme.endswith(("outliers", "static")) or x.shape[0] == 0:
             return self.rounded(x, 127, block) @ w.T
         if self.scheme.endswith("static"):
@@ -97,7 +103,7 @@ class Gemm:
             out = torch.zeros(x.shape[1], dtype=torch.bool)
             out[x.abs().amax(0).topk(OUTLIERS).indices] = True
         rest = x.masked_fill(out, 0.0)
-        return self.rounded(rest, 127, block) @ w.T + x[:, out] @ w[:, out].T
+        return self.rounded(rest, 127, block, "p2" in self.scheme) @ w.T + x[:, out] @ w[:, out].T
 
     def calibrate(self) -> None:
         """Fix each weight's outlier columns from the column maxima the a16 runs so far saw."""
