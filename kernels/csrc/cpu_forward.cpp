@@ -26,9 +26,10 @@ struct QMat {
   int64_t N, K, bits;
 };
 
-// One attention work item: every kv head's heads of rows [t, t + n) over chunk c of their keys (kChunk keys from
-// c kChunk); n > 1 or `block`: consecutive prompt tokens of one sequence through attn::block_any, else one token
-// through attn::partial_any. Partials go to slot first[t'] + c of each row t' (a row's chunks are consecutive slots).
+// One attention work item: every kv head's heads of one token t over chunk c of its keys (kChunk keys from c kChunk),
+// through attn::partial_any, its partials to slot first[t] + c; or (`block`) rows [t, t + n), consecutive prompt
+// tokens of one sequence, over every chunk of their keys in turn through attn::block_any, each row's chunks merged in
+// the worker's scratch and the heads' outputs written (no slot, nothing left to merge).
 struct Work {
   int64_t t, n, c;
   bool block;
@@ -36,9 +37,13 @@ struct Work {
 
 struct AttentionPlan {
   std::vector<Work> work;
-  std::vector<int64_t> first;  // T + 1: row t's partial slots are [first[t], first[t + 1])
-  // rows of a block whose keys are one chunk: their block writes the heads' outputs, nothing to merge
-  std::vector<uint8_t> direct;
+  std::vector<int64_t> first;                // T + 1: row t's partial slots are [first[t], first[t + 1])
+  std::vector<uint8_t> direct;               // rows a block writes whole: nothing to merge
+  int64_t block_chunks = 0, block_rows = 0;  // the most chunks a block spans, the most rows it holds
+  // floats of a worker's scratch for a block (kernel scratch, then its rows' chunk partials)
+  int64_t block_scratch(int64_t H, int64_t D) const {
+    return attn::block_scratch_floats(D) + block_rows * block_chunks * H * (D + 2);
+  }
 };
 
 // Rows where blocked[t] (prompt rows that see plain keys only) go in blocks of up to kBlockLanes / G consecutive
@@ -52,46 +57,63 @@ AttentionPlan plan_attention(const std::vector<attn::Keys>& keys, const std::vec
   std::vector<Work> single;
   for (int64_t t = 0; t < T;) {
     int64_t n = 1;
-    if (nq_max >= 1 && blocked[t] && keys[t].extra.empty())
+    const bool block = nq_max >= 1 && blocked[t] && keys[t].extra.empty();
+    if (block)
       while (t + n < T && n < nq_max && blocked[t + n] && keys[t + n].extra.empty() &&
              keys[t + n].table == keys[t].table && keys[t + n].plain == keys[t].plain + n)
         ++n;
-    const bool block = nq_max >= 1 && blocked[t] && keys[t].extra.empty();
-    for (int64_t r = t; r < t + n && block; ++r) p.direct[r] = keys[r].size() >= 1 && keys[r].size() <= attn::kChunk;
     const int64_t chunks = (keys[t + n - 1].size() + attn::kChunk - 1) / attn::kChunk;
-    for (int64_t c = 0; c < chunks; ++c) (block ? p.work : single).push_back({t, n, c, block});
+    if (block) {
+      for (int64_t r = t; r < t + n; ++r) p.direct[r] = 1;
+      p.work.push_back({t, n, 0, true});
+      p.block_chunks = std::max(p.block_chunks, chunks);
+      p.block_rows = std::max(p.block_rows, n);
+    } else {
+      for (int64_t c = 0; c < chunks; ++c) single.push_back({t, 1, c, false});
+    }
     t += n;
   }
-  auto cost = [&](const Work& w) {  // row-keys in the chunk
-    return w.n * std::min<int64_t>(attn::kChunk, keys[w.t + w.n - 1].size() - w.c * attn::kChunk);
-  };
+  auto cost = [&](const Work& w) { return w.n * keys[w.t + w.n - 1].size(); };  // row-keys
   std::stable_sort(p.work.begin(), p.work.end(), [&](const Work& a, const Work& b) { return cost(a) > cost(b); });
   p.work.insert(p.work.end(), single.begin(), single.end());
   return p;
 }
 
-// Work item w's partials: parts[(first[t'] + c) part] for its rows t' (nullptr past a row's keys), where part is every
-// head's acc[D], m, l; a `direct` row's heads' outputs at out + t' H D instead.
+// Work item w: a token's partials for one chunk at parts[(first[t] + c) part] (part: every head's acc[D], m, l), or a
+// block's heads' outputs at out + t' H D for its rows t'. scratch: the worker's, p.block_scratch(H, D) floats for a
+// block.
 void attend(const AttentionPlan& p, const Work& w, const std::vector<attn::Keys>& keys, const float* q,
             int64_t q_stride, int64_t G, float scale, const attn::Cache& cache, float* scratch, float* parts,
             int64_t part, float* out) {
-  const int64_t i0 = w.c * attn::kChunk;
   if (!w.block) {
+    const int64_t i0 = w.c * attn::kChunk;
     attn::partial_any(keys[w.t], i0, std::min(keys[w.t].size(), i0 + attn::kChunk), q + w.t * q_stride, (int)G, scale,
                       cache, scratch, parts + (p.first[w.t] + w.c) * part);
     return;
   }
-  const int64_t H = part / (cache.D + 2);
+  const int64_t H = part / (cache.D + 2), D = cache.D, last = keys[w.t + w.n - 1].size();
+  const int64_t nch = (last + attn::kChunk - 1) / attn::kChunk;
+  float* local = scratch + attn::block_scratch_floats(D);  // row r's chunk c: local + (r nch + c) part
+  auto chunks = [&](int64_t r) { return (keys[w.t + r].size() + attn::kChunk - 1) / attn::kChunk; };
   float* partial[attn::kBlockLanes];
   float* final[attn::kBlockLanes];
-  for (int64_t r = 0; r < w.n; ++r) {
-    const int64_t t = w.t + r;
-    partial[r] = keys[t].size() > i0 && !p.direct[t] ? parts + (p.first[t] + w.c) * part : nullptr;
-    final[r] = p.direct[t] ? out + t * H * cache.D : nullptr;
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t i0 = c * attn::kChunk;
+    for (int64_t r = 0; r < w.n; ++r) {  // a one-chunk row's outputs directly (merge's one-part case)
+      const bool one = chunks(r) == 1;
+      partial[r] = keys[w.t + r].size() > i0 && !one ? local + (r * nch + c) * part : nullptr;
+      final[r] = one && c == 0 ? out + (w.t + r) * H * D : nullptr;
+    }
+    attn::block_any(keys[w.t].table, keys[w.t].plain, (int)w.n, i0, std::min(attn::kChunk, last - i0),
+                    q + w.t * q_stride, q_stride, (int)G, scale, cache, scratch, partial, final);
   }
-  const int64_t n = std::min(attn::kChunk, keys[w.t + w.n - 1].size() - i0);
-  attn::block_any(keys[w.t].table, keys[w.t].plain, (int)w.n, i0, n, q + w.t * q_stride, q_stride, (int)G, scale, cache,
-                  scratch, partial, final);
+  for (int64_t r = 0; r < w.n; ++r)
+    if (chunks(r) == 0)  // no keys: zeros, as merge writes
+      std::fill(out + (w.t + r) * H * D, out + (w.t + r + 1) * H * D, 0.f);
+    else if (chunks(r) > 1)
+      for (int64_t kh = 0; kh < cache.Hkv; ++kh)
+        attn::merge(local + r * nch * part + kh * G * (D + 2), chunks(r), part, (int)G, D,
+                    out + (w.t + r) * H * D + kh * G * D);
 }
 
 // Quantized activations of the next matmul (qg::Act's layout), and a scratch row for the norm.
@@ -291,7 +313,7 @@ class Decoder {
     act_q.reserve(T, kmax);
     const int W = pool_->workers();
     std::vector<std::vector<float>> scores(
-        W, std::vector<float>(std::max(H_ * attn::kChunk, any_block ? attn::block_scratch_floats(D_) : 0)));
+        W, std::vector<float>(std::max(H_ * attn::kChunk, any_block ? plan.block_scratch(H_, D_) : 0)));
     std::vector<float> parts(plan.first[T] * part);
     std::vector<Buf> rows(W);
     for (auto& r : rows) r.reserve(0, kmax);
@@ -643,7 +665,7 @@ torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   }
   const int64_t G = H / Hkv, part = H * (D + 2);
   const AttentionPlan plan = plan_attention(keys, std::vector<uint8_t>(nq, blocked), G);
-  std::vector<float> scratch(std::max(H * attn::kChunk, attn::block_scratch_floats(D)));
+  std::vector<float> scratch(std::max(H * attn::kChunk, plan.block_scratch(H, D)));
   std::vector<float> parts(plan.first[nq] * part);
   const attn::Cache cache{k.data_ptr(), v.data_ptr(), page, Hkv, D, kind};
   auto out = torch::empty_like(q);
