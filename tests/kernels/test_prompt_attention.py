@@ -11,7 +11,7 @@ from kernels import cpu_forward
 from kernels.paged import dequantize_kv_ref, quantize_kv_ref
 from tests.kernels.pool import make_pool
 
-pytestmark = pytest.mark.skipif(not cpu_forward.available(), reason="needs the C++ step (AVX-512 VNNI)")
+pytestmark = pytest.mark.usefixtures("cpu_forward_built")  # built when a test runs, never while collecting
 
 
 def pool(n_keys, kv_heads, head_dim, dtype, seed=0):
