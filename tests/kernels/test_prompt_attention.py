@@ -28,17 +28,14 @@ def pool(n_keys, kv_heads, head_dim, dtype, seed=0):
 def reference(q, kd, vd, table, plain0):
     """Token i over keys [0, plain0 + i): softmax(q k^T / sqrt(D)) v in fp64."""
     nq, H, D = q.shape
-    page, G = kd.shape[1], H // kd.shape[2]
+    G = H // kd.shape[2]
     n = plain0 + nq - 1
-    keys = kd[table.long()].flatten(0, 1)[:n]  # (n, Hkv, D)
-    vals = vd[table.long()].flatten(0, 1)[:n]
-    out = torch.empty(nq, H, D, dtype=torch.float64)
-    for i in range(nq):
-        m = plain0 + i
-        for h in range(H):
-            s = keys[:m, h // G] @ q[i, h].double() / D**0.5
-            out[i, h] = torch.softmax(s, 0) @ vals[:m, h // G]
-    return out
+    keys = kd[table.long()].flatten(0, 1)[:n].repeat_interleave(G, 1)  # (n, H, D)
+    vals = vd[table.long()].flatten(0, 1)[:n].repeat_interleave(G, 1)
+    s = torch.einsum("ihd,jhd->hij", q.double(), keys) / D**0.5  # (H, nq, n)
+    causal = torch.arange(n)[None, :] < (plain0 + torch.arange(nq))[:, None]  # token i sees plain0 + i keys
+    p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+    return torch.einsum("hij,jhd->ihd", p, vals)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
