@@ -288,8 +288,9 @@ class Runner:
         if self.narrow_from is not None and plan.prompt_lens:
             narrow = narrow_rows(plan, cu, self.narrow_from)
             ctx.narrow_rows = self._tensor(narrow, torch.bool) if any(narrow) else None
+        pruned = not self.keep_hidden and len(set(rows)) < len(plan.input_ids)
         rows = self._tensor(rows, torch.int64)
-        if not self.keep_hidden:  # only the logits rows' final hidden states are read
+        if pruned:  # only the logits rows' states are read
             ctx.logits_rows = rows
         return self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx, rows
 
