@@ -47,13 +47,14 @@ struct AttentionPlan {
 };
 
 // Rows where blocked[t] (prompt rows that see plain keys only) go in blocks of up to kBlockLanes / G consecutive
-// tokens of one sequence, the heaviest blocks first; every other row alone, per chunk, in row order.
+// tokens of one sequence, the heaviest blocks first; every other row alone, per chunk, in row order. Partial slots
+// only for rows that are not direct.
 AttentionPlan plan_attention(const std::vector<attn::Keys>& keys, const std::vector<uint8_t>& blocked, int64_t G) {
   const int64_t T = keys.size(), nq_max = attn::kBlockLanes / G;
+  auto chunks = [&](int64_t t) { return (keys[t].size() + attn::kChunk - 1) / attn::kChunk; };
   AttentionPlan p;
   p.first.assign(T + 1, 0);
   p.direct.assign(T, 0);
-  for (int64_t t = 0; t < T; ++t) p.first[t + 1] = p.first[t] + (keys[t].size() + attn::kChunk - 1) / attn::kChunk;
   std::vector<Work> single;
   for (int64_t t = 0; t < T;) {
     int64_t n = 1;
@@ -62,21 +63,37 @@ AttentionPlan plan_attention(const std::vector<attn::Keys>& keys, const std::vec
       while (t + n < T && n < nq_max && blocked[t + n] && keys[t + n].extra.empty() &&
              keys[t + n].table == keys[t].table && keys[t + n].plain == keys[t].plain + n)
         ++n;
-    const int64_t chunks = (keys[t + n - 1].size() + attn::kChunk - 1) / attn::kChunk;
     if (block) {
       for (int64_t r = t; r < t + n; ++r) p.direct[r] = 1;
       p.work.push_back({t, n, 0, true});
-      p.block_chunks = std::max(p.block_chunks, chunks);
+      p.block_chunks = std::max(p.block_chunks, chunks(t + n - 1));
       p.block_rows = std::max(p.block_rows, n);
     } else {
-      for (int64_t c = 0; c < chunks; ++c) single.push_back({t, 1, c, false});
+      for (int64_t c = 0; c < chunks(t); ++c) single.push_back({t, 1, c, false});
     }
     t += n;
+  }
+  for (int64_t t = 0; t < T; ++t) p.first[t + 1] = p.first[t] + (p.direct[t] ? 0 : chunks(t));
+  if (p.work.empty()) {  // a decode step: nothing blocked
+    p.work = std::move(single);
+    return p;
   }
   auto cost = [&](const Work& w) { return w.n * keys[w.t + w.n - 1].size(); };  // row-keys
   std::stable_sort(p.work.begin(), p.work.end(), [&](const Work& a, const Work& b) { return cost(a) > cost(b); });
   p.work.insert(p.work.end(), single.begin(), single.end());
   return p;
+}
+
+// The pool's element kind from its dtype: fp16, int8 codes with their scales, else fp32.
+attn::Kind pool_kind(torch::ScalarType t) {
+  return t == torch::kHalf ? attn::Kind::f16 : t == torch::kChar ? attn::Kind::i8 : attn::Kind::f32;
+}
+
+// Row t's (not direct) kv head kh: its chunks' partials merged into its G heads' outputs at out + (t H + kh G) D.
+void merge_row(const AttentionPlan& p, const float* parts, int64_t part, int64_t t, int64_t kh, int64_t H, int64_t G,
+               int64_t D, float* out) {
+  attn::merge(parts + p.first[t] * part + kh * G * (D + 2), p.first[t + 1] - p.first[t], part, (int)G, (int)D,
+              out + (t * H + kh * G) * D);
 }
 
 // Work item w: a token's partials for one chunk at parts[(first[t] + c) part] (part: every head's acc[D], m, l), or a
@@ -250,9 +267,7 @@ class Decoder {
       for (int64_t t = 0; t < T; ++t) wide[t] = !n.data_ptr<bool>()[t];
     }
     // the pool's elements: fp16 (its bits), fp32, or int8 rows of D codes and a 4-byte scale
-    const attn::Kind kind = kv.scalar_type() == torch::kHalf   ? attn::Kind::f16
-                            : kv.scalar_type() == torch::kChar ? attn::Kind::i8
-                                                               : attn::Kind::f32;
+    const attn::Kind kind = pool_kind(kv.scalar_type());
     const int64_t rd = kind == attn::Kind::i8 ? D_ + attn::kScaleBytes : D_;  // elements a (token, kv head)
     TORCH_CHECK(kv.is_contiguous() && (kind != attn::Kind::f32 || kv.scalar_type() == torch::kFloat) && kv.dim() == 6 &&
                     kv.size(0) == L_ && kv.size(4) == Hkv_ && kv.size(5) == rd,
@@ -480,9 +495,7 @@ class Decoder {
       });
       mark(2);
       auto merge = [&](int64_t i, int) {  // i = (index into to_merge) * Hkv + kv head
-        const int64_t t = to_merge[i / Hkv_], kh = i % Hkv_, j = t * Hkv_ + kh;
-        attn::merge(parts.data() + plan_now->first[t] * part + kh * G * (D_ + 2),
-                    plan_now->first[t + 1] - plan_now->first[t], part, (int)G, D_, ap + j * G * D_);
+        merge_row(*plan_now, parts.data(), part, to_merge[i / Hkv_], i % Hkv_, H_, G, D_, ap);
       };
       const int64_t n_merge = (int64_t)to_merge.size() * Hkv_;
       if ((int64_t)to_merge.size() < kSplitRows)
@@ -648,9 +661,7 @@ torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.scalar_type() == torch::kFloat,
               "prompt_attention: q (nq, H, D) fp32, k and v (blocks, page, Hkv, D)");
   const int64_t nq = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(2), page = k.size(1);
-  const attn::Kind kind = k.scalar_type() == torch::kHalf   ? attn::Kind::f16
-                          : k.scalar_type() == torch::kChar ? attn::Kind::i8
-                                                            : attn::Kind::f32;
+  const attn::Kind kind = pool_kind(k.scalar_type());
   TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128) && H % Hkv == 0 && (page & (page - 1)) == 0 &&
                   k.size(3) == (kind == attn::Kind::i8 ? D + attn::kScaleBytes : D) &&
                   table.scalar_type() == torch::kInt && table.numel() * page >= plain0 + nq - 1,
@@ -674,8 +685,7 @@ torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
            part, out.data_ptr<float>());
   for (int64_t t = 0; t < nq; ++t)
     for (int64_t kh = 0; kh < Hkv && !plan.direct[t]; ++kh)
-      attn::merge(parts.data() + plan.first[t] * part + kh * G * (D + 2), plan.first[t + 1] - plan.first[t], part,
-                  (int)G, D, out.data_ptr<float>() + (t * H + kh * G) * D);
+      merge_row(plan, parts.data(), part, t, kh, H, G, D, out.data_ptr<float>());
   return out;
 }
 
