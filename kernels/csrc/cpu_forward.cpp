@@ -374,7 +374,10 @@ class Decoder {
         for (int64_t t = 0; t < Tn; ++t) one(t, 0);
       else
         pool_->run(Tn, one);
-      return act_q.act(Tn, K, wide.data());
+      qg::Act a = act_q.act(Tn, K, wide.data());
+      if (any_narrow && cols && !cols->empty())
+        a.out = {xo.data(), outliers_[mi].w.data(), (int64_t)cols->size(), (int64_t)kMaxOutliers};
+      return a;
     };
     // y (+)= a W^T over every supertile, shared out in chunks of supertiles and, for a prompt's many rows, of rows too
     // (a matmul of 9 supertiles on 2 threads would otherwise wait on the one with 5). Narrow rows add their outlier
@@ -391,28 +394,9 @@ class Decoder {
       const int64_t rb = blocks == 1 ? Tn : ((Tn + blocks - 1) / blocks + 7) / 8 * 8;
       const int64_t nrb = (Tn + rb - 1) / rb;
       const uint8_t* w = m.w.data_ptr<uint8_t>();
-      const Outliers* o =
-          any_narrow && mi < (int64_t)outliers_.size() && !outliers_[mi].cols.empty() ? &outliers_[mi] : nullptr;
       pool_->run(cols * nrb, [&](int64_t c, int) {
         const int64_t sa = (c / nrb) * per, sz = std::min(S, sa + per), t0 = (c % nrb) * rb, t1 = std::min(Tn, t0 + rb);
         qg::gemm(a.rows(t0, t1), w, m.bits, m.N, sa, sz, y + t0 * m.N, m.N, add);
-        if (o) {
-          const float* wo = o->w.data();
-          const int64_t n0 = sa * 64, n1 = std::min(sz * 64, m.N);
-          const int64_t n_out = o->cols.size();
-          for (int64_t t = t0; t < t1; ++t) {  // y += sum_j x[col j] W[:, col j], j in order, 16 columns at a time
-            if (wide[t]) continue;
-            float* yr = y + t * m.N;
-            __m512 v[kMaxOutliers];
-            for (int64_t j = 0; j < n_out; ++j) v[j] = _mm512_set1_ps(xo[t * kMaxOutliers + j]);
-            for (int64_t n = n0; n < n1; n += 16) {
-              __m512 acc = _mm512_loadu_ps(yr + n);
-              const float* wn = wo + n * n_out;  // (n / 16) n_out 16
-              for (int64_t j = 0; j < n_out; ++j) acc = _mm512_fmadd_ps(v[j], _mm512_loadu_ps(wn + 16 * j), acc);
-              _mm512_storeu_ps(yr + n, acc);
-            }
-          }
-        }
         if (then) then(sa, sz, t0, t1);
       });
     };

@@ -48,18 +48,29 @@ static inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx,
   }
 }
 
+// Outlier columns of narrow rows, kept out of their int8 blocks: row m's n values at x + m stride, against the exact
+// weight columns at w + (n / 16) n 16 for output columns [n, n + 16) (16 outputs of column j at a time).
+struct Outliers {
+  const float* x = nullptr;
+  const float* w = nullptr;
+  int64_t n = 0, stride = 0;
+};
+
 // Quantized activations: M rows of K, row m's codes at q + 2 K m, its scales at dx + 2 (K / 32) m and sx + (K / 32) m.
-// wide[m] says how row m was quantized (nullptr: every row wide).
+// wide[m] says how row m was quantized (nullptr: every row wide); `out`: the narrow rows' outlier columns, if any.
 struct Act {
   const int8_t* q;
   const float* dx;
   const float* sx;
   int64_t M, K;
   const uint8_t* wide = nullptr;
+  Outliers out{};
   bool is_wide(int64_t m) const { return !wide || wide[m]; }
   // Rows [m0, m1) alone.
   Act rows(int64_t m0, int64_t m1) const {
-    return {q + 2 * K * m0, dx + 2 * (K / 32) * m0, sx + (K / 32) * m0, m1 - m0, K, wide ? wide + m0 : nullptr};
+    Outliers o = out;
+    if (o.x) o.x += m0 * o.stride;
+    return {q + 2 * K * m0, dx + 2 * (K / 32) * m0, sx + (K / 32) * m0, m1 - m0, K, wide ? wide + m0 : nullptr, o};
   }
 };
 
@@ -161,7 +172,14 @@ static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float*
   for (int i = 0; i < TN; ++i)
     for (int t = 0; t < MT; ++t) {
       float* out = y + (m0 + t) * ldy + col0 + (i0 + i) * 16;
-      _mm512_storeu_ps(out, ADD ? _mm512_add_ps(_mm512_loadu_ps(out), facc[i][t]) : facc[i][t]);
+      __m512 v = ADD ? _mm512_add_ps(_mm512_loadu_ps(out), facc[i][t]) : facc[i][t];
+      if (!WIDE && a.out.n) {  // then y += sum_j x[col j] W[:, col j], j in order
+        const float* xo = a.out.x + (m0 + t) * a.out.stride;
+        const float* wo = a.out.w + (col0 + (i0 + i) * 16) * a.out.n;
+        for (int64_t j = 0; j < a.out.n; ++j)
+          v = _mm512_fmadd_ps(_mm512_set1_ps(xo[j]), _mm512_loadu_ps(wo + 16 * j), v);
+      }
+      _mm512_storeu_ps(out, v);
     }
 }
 
