@@ -71,6 +71,7 @@ def forward_logits(engine: LLMEngine, ids: list[int], rows: slice = slice(None),
     plan = StepPlan(input_ids=ids, starts=[0], num_tokens=[len(ids)], block_tables=[blocks], sample_rows=[0],
                     num_decodes=0, prompt_lens=[max(0, prompt - 1)])
     input_ids, positions, ctx, _ = runner.prepare(plan)
+    ctx.logits_rows = None  # every row's final hidden state: the plan samples only one, these logits read ids[rows]
     hidden = runner.model(input_ids, positions, ctx, runner.kv_cache)
     return runner.model.compute_logits(hidden[rows]).float()
 
