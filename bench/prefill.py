@@ -25,8 +25,9 @@ Four tables, one run:
 5. The step's two attention kernels for one layer of a prompt (kernels.cpu_forward
    `prompt_attention`, one thread, the model's head shape over an fp16 pool): the
    one-token kernel (every row but a prompt's narrow ones) and the blocked one
-   (narrow rows), ms x layers, against one core's fp32 FMA rate (16 lanes a cycle at
-   the clock the vpdpbusd peak implies: 64 multiply-adds an instruction a cycle).
+   (narrow rows; its products on bf16 pairs where the CPU has AVX512_BF16), ms x layers,
+   against one core's fp32 FMA rate (16 lanes a cycle at the clock the vpdpbusd peak
+   implies: 64 multiply-adds an instruction a cycle; bf16 pairs can reach twice it).
 """
 
 from __future__ import annotations
@@ -187,8 +188,10 @@ def main() -> None:
     fma = pk["dpbusd", 1] / 64 * 16  # fp32 multiply-adds a second on one core
     print("\n## The prefill attention kernels (one thread, one layer's prompt rows x layers, fp16 pool, "
           f"best of {args.reps})\n")
-    print("| prompt tokens | one-token kernel, ms | blocked kernel, ms | multiply-adds (scores, values) | "
-          "blocked: of one core's fp32 FMA rate |")
+    bf16 = cpu_forward.block_bf16()  # its products on bf16 pairs: two multiply-adds a lane an instruction
+    print("| prompt tokens | one-token kernel, ms | blocked kernel" + (" (bf16 products)" if bf16 else "") +
+          ", ms | multiply-adds (scores, values) | blocked: of one core's fp32 FMA rate" +
+          (" (bf16 pairs reach 200 %)" if bf16 else "") + " |")
     print("|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     for plen in args.prompt_lens:

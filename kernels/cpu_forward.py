@@ -73,3 +73,9 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: t
     [0, plain0 + i). `blocked`: the kernel the step runs for a prompt's int8 (narrow) rows,
     tokens in blocks over each key once; else the one-token kernel of every other row."""
     return _ext().prompt_attention(q, k, v, table, plain0, blocked)
+
+
+def block_bf16() -> bool:
+    """Whether the blocked kernel's products run on bf16 pairs (a CPU with AVX512_BF16; the
+    softmax stays fp32), else fp32 as the one-token kernel."""
+    return bool(_ext().block_bf16)

@@ -2,7 +2,8 @@
 `prompt_attention`): the one-token kernel every row but a prompt's narrow rows runs, and
 the blocked kernel those rows run (tokens in blocks over each key once), against a dense
 fp64 causal softmax, over every pool dtype, head size and grouping, across the 256-key
-chunk edge; and a blocked row's result the same bit for bit whatever block it shares."""
+chunk edge (the blocked kernel within bf16's rounding where the CPU has AVX512_BF16); and a
+blocked row's result the same bit for bit whatever block it shares."""
 
 import pytest
 import torch
@@ -45,11 +46,15 @@ def test_both_kernels_match_a_dense_softmax(dtype, heads, kv_heads, head_dim, pl
     k, v, kd, vd, table = pool(plain0 + nq, kv_heads, head_dim, dtype)
     q = torch.randn(nq, heads, head_dim, generator=torch.Generator().manual_seed(1))
     ref = reference(q, kd, vd, table, plain0)
+    scale = max(1.0, ref.abs().max().item())
     for blocked in (False, True):
         out = cpu_forward.prompt_attention(q, k, v, table, plain0, blocked)
         assert out.shape == ref.shape and torch.isfinite(out).all()
-        err = (out.double() - ref).abs().max().item()
-        assert err < 2e-5 * max(1.0, ref.abs().max().item()), (blocked, err)
+        err = (out.double() - ref).abs()
+        if blocked and cpu_forward.block_bf16():  # q, k, e and v rounded to bf16 (8 bits): ~1e-2 at most, ~5e-4 mean
+            assert err.max().item() < 3e-2 * scale and err.mean().item() < 2e-3 * scale, (err.max(), err.mean())
+        else:
+            assert err.max().item() < 2e-5 * scale, (blocked, err.max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.int8])

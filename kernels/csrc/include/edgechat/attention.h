@@ -324,6 +324,9 @@ inline void partial_any(const Keys& keys, int64_t i0, int64_t i1, const float* q
 //   * m_r = max_j S, e = exp(S - m_r), l_r = sum_j e in key order; past a row's keys e is 0 (masked), so a key beyond
 //     its end adds exactly nothing;
 //   * acc_r = sum_j (e vs_j) v_j in key order, RB rows at a time.
+// Where the CPU has AVX512_BF16 (kBlockBf16) both sums run on bf16 pairs, two dimensions (scores) or two keys (values)
+// a 32-bit lane: q, k, e vs and v rounded to bf16, products exact and summed in fp32 (half the instructions; the
+// prompt's narrow rows already run their matmuls on int8 activations). m, e and l stay fp32.
 // A row's result therefore depends on its own keys alone, not on the block it shares (its arithmetic is not the
 // one-token kernel's: the step uses one kernel per row kind). Writes each row's acc[D], m, l per head at out[tq] (its
 // part for this chunk; nullptr where the row has no key in it or its keys are this chunk alone); where final[tq], the
@@ -352,6 +355,42 @@ inline void block_values(const float* e, int64_t R, int64_t r0, int64_t n, const
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (r0 + b) * D + 16 * c, a[b][c]);
 }
 
+#if defined(__AVX512BF16__)
+// With AVX512_BF16 the block's two products run on bf16 pairs (vdpbf16ps: 32 multiply-adds an instruction, fp32
+// sums): q and k rounded to bf16 for the scores, e and v for the values; the softmax (m, e, l) stays fp32.
+constexpr bool kBlockBf16 = true;
+
+// Lanes 2i and 2i + 1 of the result: a[i], b[i] (32 bf16, a's element i then b's, i = 0..15).
+inline __m512i bf16_zip(__m512 a, __m512 b) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,  //
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// acc_r += sum over key pairs p of e[2p][r] v[2p] + e[2p + 1][r] v[2p + 1], RB rows at a time: eb (pairs x R) and vb
+// (pairs x D) hold each pair's two bf16 in one 32-bit lane.
+template <int NV, int RB>
+inline void block_values_bf16(const uint32_t* eb, int64_t R, int64_t r0, int64_t pairs, const uint32_t* vb,
+                              float* acc) {
+  constexpr int64_t D = 16 * NV;
+  __m512 a[RB][NV];
+  for (int b = 0; b < RB; ++b)
+    for (int c = 0; c < NV; ++c) a[b][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_si512(vb + p * D + 16 * c);
+    for (int b = 0; b < RB; ++b) {
+      const __m512i w = _mm512_set1_epi32((int32_t)eb[p * R + r0 + b]);
+      for (int c = 0; c < NV; ++c) a[b][c] = _mm512_dpbf16_ps(a[b][c], (__m512bh)v[c], (__m512bh)w);
+    }
+  }
+  for (int b = 0; b < RB; ++b)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (r0 + b) * D + 16 * c, a[b][c]);
+}
+#else
+constexpr bool kBlockBf16 = false;
+#endif
+
 template <int NV, int RV, typename E>
 void block_heads(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64_t n, const float* q, int64_t q_stride,
                  int G, float scale, const Cache& pool, float* scratch, float* const* out, float* const* final) {
@@ -372,11 +411,26 @@ void block_heads(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64
   for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
     for (int64_t r = 0; r < R; ++r) {
       const float* qr = r < rows ? q + (r / G) * q_stride + (kvh * G + r % G) * D : nullptr;
+#if defined(__AVX512BF16__)  // qt as (D / 2) x R pairs (q[2i], q[2i + 1]) in bf16
+      alignas(64) uint32_t pr[D / 2];
+      for (int c = 0; c < NV; ++c)
+        _mm256_store_si256((__m256i*)pr + c,
+                           qr ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qr + 16 * c)) : _mm256_setzero_si256());
+      for (int64_t i = 0; i < D / 2; ++i) ((uint32_t*)qt)[i * R + r] = pr[i];
+#else
       for (int64_t d = 0; d < D; ++d) qt[d * R + r] = qr ? qr[d] : 0.f;
+#endif
     }
     for (int64_t j = 0; j < n8; ++j) {
       if (j >= n) {
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(kf + j * D + 16 * c, _mm512_setzero_ps());
+        for (int c = 0; c < NV; ++c) {  // a padding key: zeros (its scores are never read; v's pair needs them)
+#if defined(__AVX512BF16__)
+          _mm256_storeu_si256((__m256i*)(kf + j * D / 2) + c, _mm256_setzero_si256());
+#else
+          _mm512_storeu_ps(kf + j * D + 16 * c, _mm512_setzero_ps());
+#endif
+          _mm512_storeu_ps(vf + j * D + 16 * c, _mm512_setzero_ps());
+        }
         ks[j] = 0.f;
         continue;
       }
@@ -384,7 +438,11 @@ void block_heads(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64
       const E* k = kp + at;
       const E* v = vp + at;
       for (int c = 0; c < NV; ++c) {
+#if defined(__AVX512BF16__)  // key j as D bf16 (pairs of dimensions), at kf + j D / 2 floats
+        _mm256_storeu_si256((__m256i*)(kf + j * D / 2) + c, (__m256i)_mm512_cvtneps_pbh(load16(k + 16 * c)));
+#else
         _mm512_storeu_ps(kf + j * D + 16 * c, load16(k + 16 * c));
+#endif
         _mm512_storeu_ps(vf + j * D + 16 * c, load16(v + 16 * c));
       }
       ks[j] = row_scale(k, D) * scale;
@@ -401,6 +459,17 @@ void block_heads(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64
       __m512 a[8][RV];
       for (int k = 0; k < 8; ++k)
         for (int rv = 0; rv < RV; ++rv) a[k][rv] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+      const uint32_t* kb = (const uint32_t*)kf;
+      for (int64_t i = 0; i < D / 2; ++i) {
+        __m512i qv[RV];
+        for (int rv = 0; rv < RV; ++rv) qv[rv] = _mm512_loadu_si512((const uint32_t*)qt + i * R + 16 * rv);
+        for (int k = 0; k < 8; ++k) {
+          const __m512i kv = _mm512_set1_epi32((int32_t)kb[(j + k) * (D / 2) + i]);
+          for (int rv = 0; rv < RV; ++rv) a[k][rv] = _mm512_dpbf16_ps(a[k][rv], (__m512bh)qv[rv], (__m512bh)kv);
+        }
+      }
+#else
       for (int64_t d = 0; d < D; ++d) {
         __m512 qv[RV];
         for (int rv = 0; rv < RV; ++rv) qv[rv] = _mm512_loadu_ps(qt + d * R + 16 * rv);
@@ -409,6 +478,7 @@ void block_heads(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64
           for (int rv = 0; rv < RV; ++rv) a[k][rv] = _mm512_fmadd_ps(kv, qv[rv], a[k][rv]);
         }
       }
+#endif
       for (int k = 0; k < 8 && j + k < n; ++k)
         for (int rv = 0; rv < RV; ++rv) {  // lanes whose keys end before key j + k: -inf
           const __mmask16 in = _mm512_cmpgt_epi32_mask(lv[rv], _mm512_set1_epi32((int32_t)(j + k)));
@@ -428,8 +498,28 @@ void block_heads(const int32_t* table, int64_t plain0, int nq, int64_t c0, int64
       }
     float* acc = kf;  // the keys are done with: rows x D sums
     int64_t r0 = 0;
+#if defined(__AVX512BF16__)
+    // key pairs (2p, 2p + 1) zipped in place: e over sc, v over vf (pair p's lanes overwrite rows < 2p + 2 only after
+    // reading them); an odd n's last pair has key n (its v row zeroed above, its e 0)
+    const int64_t pairs = (n + 1) / 2;
+    uint32_t* eb = (uint32_t*)sc;
+    uint32_t* vb = (uint32_t*)vf;
+    for (int64_t p = 0; p < pairs; ++p) {
+      for (int rv = 0; rv < RV; ++rv) {
+        const __m512 e1 = 2 * p + 1 < n ? _mm512_loadu_ps(sc + (2 * p + 1) * R + 16 * rv) : _mm512_setzero_ps();
+        _mm512_storeu_si512(eb + p * R + 16 * rv, bf16_zip(_mm512_loadu_ps(sc + 2 * p * R + 16 * rv), e1));
+      }
+      for (int c = 0; c < NV; ++c) {
+        const __m512 v0 = _mm512_loadu_ps(vf + 2 * p * D + 16 * c), v1 = _mm512_loadu_ps(vf + (2 * p + 1) * D + 16 * c);
+        _mm512_storeu_si512(vb + p * D + 16 * c, bf16_zip(v0, v1));
+      }
+    }
+    for (; r0 + RB <= rows; r0 += RB) block_values_bf16<NV, RB>(eb, R, r0, pairs, vb, acc);
+    for (; r0 < rows; ++r0) block_values_bf16<NV, 1>(eb, R, r0, pairs, vb, acc);
+#else
     for (; r0 + RB <= rows; r0 += RB) block_values<NV, RB>(sc, R, r0, n, vf, acc);
     for (; r0 < rows; ++r0) block_values<NV, 1>(sc, R, r0, n, vf, acc);
+#endif
     alignas(64) float ms[R], ls[R];
     for (int rv = 0; rv < RV; ++rv) {
       _mm512_store_ps(ms + 16 * rv, mx[rv]);
