@@ -3,8 +3,8 @@
     .venv/bin/python bench/activations.py                    # every scheme, 12 held-out prompts
     .venv/bin/python bench/activations.py --prompts 24 --tokens 32 --schemes a8 a8-exact
 
-This is how the served scheme was chosen (kernels/qgemm_cpu.py's narrow rows: a8-exact-b16-static,
-`--prefill-activations`): the GEMM quantized each activation row per block of 32 to int16; int8
+This is how the served scheme was chosen (kernels/qgemm_cpu.py's narrow rows, `--prefill-activations`:
+a8-exact-b16-static until 2026-11-28, a8-exact-static since, two instructions a block fewer): the GEMM quantized each activation row per block of 32 to int16; int8
 codes run at twice the multiply-adds an instruction (`vpdpbusd`, bench/prefill.py) but move the
 logits. This runs the model op by op with its GGUF weights (dequantized exactly, so only
 the activations' rounding differs between schemes) and a PyTorch GEMM that rounds activations as
@@ -22,8 +22,8 @@ each scheme says:
   a8-exact-b16 int8 per 16-block for the prompt rows that sample nothing, int16 for sampling rows;
   a8-exact-static     as a8-exact, with the 8 outlier columns of each matmul fixed once per model
                (the largest |x| over `--calibration` training prompts run with a16), so a row's
-               result never depends on the other rows of its call;
-  a8-exact-b16-static both (what `--prefill-activations` serves);
+               result never depends on the other rows of its call (what `--prefill-activations` serves);
+  a8-exact-b16-static both (served until 2026-11-28);
   a8-exact-row-static as a8-exact-static with one int8 scale per row (per token) instead of per block.
   a8-exact-p2-static  as a8-exact-b16-static with each 16-block's scale the row's scale over a power of two
                       (2^-e, e <= 15): a block's codes then meet the others' in integers (a shift).

@@ -11,7 +11,7 @@ quantized per block too (symmetric codes q, scale dx, sx = sum of dx q), so a bl
 dot product is integer work for VNNI's `vpdpbusd` (unsigned weight bytes times signed
 activation bytes, four at a time):
 
-    y[m, n] = sum_b  d[n, b] (sum_h dx[m, b, h] * sum_i u[n, 32 b + i] q[m, 32 b + i])  +  m[n, b] sx[m, b]
+    y[m, n] = sum_b  d[n, b] dx[m, b] sum_i u[n, 32 b + i] q[m, 32 b + i]  +  m[n, b] sx[m, b]
 
 Each row is quantized one of two ways:
   * wide (the default, every row that samples a token): int16 codes, one scale per
@@ -19,9 +19,10 @@ Each row is quantized one of two ways:
     int16 as they are loaded. int8 activations moved SmolLM2's logits by ~1-3 and
     changed its greedy answers; int16 moves them by ~0.01 (tests/replica/model/test_quant.py).
   * narrow (`narrow` rows: prompt rows whose only output is the KV they leave, when the
-    replica is told so): int8 codes with a scale per 16 columns (h = the two halves
-    of a block), one `vpdpbusd`: twice the multiply-adds an instruction. What it costs in
-    quality: bench/activations.py and bench/quality.py (docs/perf.md, "Prefill").
+    replica is told so): int8 codes, one scale per block as llama.cpp's Q8_1 activations,
+    one `vpdpbusd`: twice the multiply-adds an instruction. (A scale per 16 columns was
+    more exact and cost two more instructions a block: docs/perf.md, "Prefill".) What it
+    costs in quality: bench/activations.py and bench/quality.py.
 
 Packed layout (`pack`), what makes the kernel fast. A 512-bit register holds one
 int32 lane per output row, so 16 rows (a *tile*) are computed together: for each
@@ -69,13 +70,13 @@ WIDE, NARROW = 32767, 127  # largest code of a wide (int16) and a narrow (int8) 
 
 
 def quantize_activations_ref(x: torch.Tensor, narrow: torch.Tensor | None = None):
-    """Codes (M, K) int32, dx (M, K/32, 2) (a scale per 16 columns; a wide row's twice),
+    """Codes (M, K) int32, dx (M, K/32, 2) (the block's scale, twice: the kernel's layout),
     sx (M, K/32) = sum of dx * codes per block. Rows where `narrow` (M,) bool is set are
-    int8 per 16 columns, the others int16 per 32."""
+    int8, the others int16, a scale per 32 columns either way."""
     M, K = x.shape
     g = x.float().reshape(M, K // BLOCK, 2, BLOCK // 2)
     wide = torch.ones(M, dtype=torch.bool) if narrow is None else ~narrow.bool()
-    amax = torch.where(wide[:, None, None], g.abs().amax((-1, -2))[..., None].expand(-1, -1, 2), g.abs().amax(-1))
+    amax = g.abs().amax((-1, -2))[..., None].expand(-1, -1, 2)
     levels = torch.where(wide, WIDE, NARROW).float()[:, None, None]
     dx = amax / levels
     inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))

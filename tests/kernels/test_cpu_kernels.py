@@ -56,7 +56,7 @@ def test_qgemm_reference_is_the_dequantized_matmul_up_to_activation_rounding():
     # wide (int16) activations per block of 32: relative error ~ 1/65278 per element
     err = (qgemm_cpu.qgemm_ref(x, qs, d, m, 4) - exact).abs().max() / exact.abs().max()
     assert 0 < err < 1e-4
-    # narrow (int8 per 16 columns): each code off by at most half a step, amax / 254
+    # narrow (int8 per 32 columns): each code off by at most half a step, amax / 254
     narrow = torch.tensor([True, False, True, False])
     got = qgemm_cpu.qgemm_ref(x, qs, d, m, 4, narrow)
     err8 = (got - exact).abs().amax(1) / exact.abs().max()

@@ -2,9 +2,9 @@
 // kernels/qgemm_cpu.py's `pack` writes and its docstring draws (tiles of 16 output rows, one int32 lane each, four
 // input columns a lane; supertiles of 4 tiles, block-major). Each activation row is quantized per 32-block either
 // *wide* (int16 codes, multiplied as pairs by vpdpwssd: the weight bytes widened to int16 as they are loaded) or
-// *narrow* (int8 codes with a scale per 16 columns, multiplied four at a time by vpdpbusd, unsigned weight bytes x
-// signed activation bytes: twice the multiply-adds an instruction). `qgemm_ref` there is the definition. Used by
-// qgemm.cpp (one matmul) and cpu_forward.cpp (the whole step).
+// *narrow* (int8 codes, multiplied four at a time by vpdpbusd, unsigned weight bytes x signed activation bytes: twice
+// the multiply-adds an instruction; llama.cpp's Q8_1 activations have the same form), one scale per block either way.
+// `qgemm_ref` there is the definition. Used by qgemm.cpp (one matmul) and cpu_forward.cpp (the whole step).
 #pragma once
 
 #include <immintrin.h>
@@ -17,8 +17,8 @@ namespace qg {
 constexpr float kWide = 32767.f;
 constexpr float kNarrow = 127.f;
 
-// One activation row of K (K % 32 == 0) -> codes at q (2K bytes), scales dx (two per 32-block: one per 16 columns
-// narrow, the same one twice wide) and the scaled code sum sx per 32-block. Narrow: K int8 codes in column order.
+// One activation row of K (K % 32 == 0) -> codes at q (2K bytes), scales dx (the 32-block's scale, twice: the layout
+// once held one per 16 columns) and the scaled code sum sx per 32-block. Narrow: K int8 codes in column order.
 // Wide: K int16 codes, each 8 columns stored as the pairs the kernel multiplies, (0, 2), (1, 3), (4, 6), (5, 7).
 static inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, bool wide) {
   const __m512i pairs = _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17, 18, 16,  //
@@ -36,14 +36,13 @@ static inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx,
       dx[2 * b] = dx[2 * b + 1] = d;
       sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
     } else {
-      const float da = am / kNarrow, dc = cm / kNarrow;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(am > 0.f ? kNarrow / am : 0.f)));
-      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(cm > 0.f ? kNarrow / cm : 0.f)));
+      const float amax = std::max(am, cm), d = amax / kNarrow, inv = amax > 0.f ? kNarrow / amax : 0.f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
       _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(qa));
       _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(qc));
-      dx[2 * b] = da;
-      dx[2 * b + 1] = dc;
-      sx[b] = da * (float)_mm512_reduce_add_epi32(qa) + dc * (float)_mm512_reduce_add_epi32(qc);
+      dx[2 * b] = dx[2 * b + 1] = d;
+      sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
     }
   }
 }
@@ -109,10 +108,10 @@ static inline __m512i pair(const uint8_t* tile, int k, int h) {
 }
 
 // Rows [m0, m0 + MT) of x, all wide or all narrow (WIDE), against tiles [i0, i0 + TN) of one supertile (ts tiles, at
-// `sup`). y[m * ldy + n] = result (ADD: y += result). Up to two int32 accumulators per (tile, row): a narrow row's two
-// 16-column halves; a wide row's block in one, or two when a single row runs (so the vpdpwssd latency stays hidden).
-// Per block, every lane does y += s * (d * dx) + m * sx wide and y += (dx0 * half0 + dx1 * half1) * d + m * sx narrow,
-// whatever the tiling: a row's result never depends on its batch.
+// `sup`). y[m * ldy + n] = result (ADD: y += result). One int32 accumulator per (tile, row) for a block, two for a
+// wide row running alone (so the vpdpwssd latency stays hidden; their sum is exact). Per block, every lane does
+// y += s * (d * dx) + m * sx, s the block's integer sum, whatever the tiling: a row's result never depends on its
+// batch.
 template <int BITS, int TN, int MT, bool WIDE, bool ADD>
 static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float* y, int64_t ldy, int64_t m0,
                         int64_t col0) {
@@ -144,7 +143,7 @@ static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float*
             const __m512i w = bytes<BITS>(chunk + (i0 + i) * code_bytes, k, h);
             for (int t = 0; t < MT; ++t) {
               const int32_t* xr = xq + (m0 + t) * row + b * 8 + 2 * k;
-              acc[i][t][k / 2] = _mm512_dpbusd_epi32(acc[i][t][k / 2], w, _mm512_set1_epi32(xr[h]));
+              acc[i][t][0] = _mm512_dpbusd_epi32(acc[i][t][0], w, _mm512_set1_epi32(xr[h]));
             }
           }
       }
@@ -156,15 +155,8 @@ static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float*
                                   : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // Q8_0: m = -128 d, exact
       for (int t = 0; t < MT; ++t) {
         const int64_t r = (m0 + t) * nb + b;
-        if (WIDE) {
-          const __m512i s = MT == 1 ? _mm512_add_epi32(acc[i][t][0], acc[i][t][1]) : acc[i][t][0];  // exact
-          facc[i][t] =
-              _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.dx[2 * r])), facc[i][t]);
-        } else {
-          __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][t][0]), _mm512_set1_ps(a.dx[2 * r]));
-          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][t][1]), _mm512_set1_ps(a.dx[2 * r + 1]), f);
-          facc[i][t] = _mm512_fmadd_ps(f, dv, facc[i][t]);
-        }
+        const __m512i s = WIDE && MT == 1 ? _mm512_add_epi32(acc[i][t][0], acc[i][t][1]) : acc[i][t][0];  // exact
+        facc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.dx[2 * r])), facc[i][t]);
         facc[i][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sx[r]), facc[i][t]);
       }
     }
