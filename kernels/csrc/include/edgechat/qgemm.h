@@ -183,8 +183,9 @@ static inline void over_tiles(const Act& a, const uint8_t* sup, int ts, float* y
   for (; i < ts; ++i) kern<BITS, 1, MT, WIDE, ADD>(a, sup, ts, i, y, ldy, m0, col0);
 }
 
-// Rows [m0, m1), all of one kind, against one supertile: as many rows at a time as the registers hold (two int32
-// and one fp32 accumulator per (tile, row)).
+// Rows [m0, m1), all of one kind, against one supertile: as many rows at a time as the registers hold (int32 and fp32
+// accumulators per (tile, row)); narrow rows six at a time against two tiles (each broadcast activation feeds two
+// vpdpbusd: 2 x 6 was 6 % faster than 1 x 8 on Zen 4, 4 x 3 and 2 x 7 slower).
 template <int BITS, bool WIDE, bool ADD>
 static inline void rows_of_kind(const Act& a, const uint8_t* sup, int ts, float* y, int64_t ldy, int64_t m0, int64_t m1,
                                 int64_t col0) {
@@ -192,7 +193,7 @@ static inline void rows_of_kind(const Act& a, const uint8_t* sup, int ts, float*
   if (WIDE) {
     for (; m + 4 <= m1; m += 4) over_tiles<BITS, 2, 4, WIDE, ADD>(a, sup, ts, y, ldy, m, col0);
   } else {
-    for (; m + 8 <= m1; m += 8) over_tiles<BITS, 1, 8, WIDE, ADD>(a, sup, ts, y, ldy, m, col0);
+    for (; m + 6 <= m1; m += 6) over_tiles<BITS, 2, 6, WIDE, ADD>(a, sup, ts, y, ldy, m, col0);
     for (; m + 4 <= m1; m += 4) over_tiles<BITS, 2, 4, WIDE, ADD>(a, sup, ts, y, ldy, m, col0);
   }
   switch (m1 - m) {
