@@ -25,25 +25,20 @@ static inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx,
                                          15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0);
   for (int64_t b = 0; b < K / 32; ++b) {
     const __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
-    const float am = _mm512_reduce_max_ps(_mm512_abs_ps(a)), cm = _mm512_reduce_max_ps(_mm512_abs_ps(c));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));  // one reduction
+    const float levels = wide ? kWide : kNarrow, d = amax / levels, inv = amax > 0.f ? levels / amax : 0.f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
+    const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
     if (wide) {
-      const float amax = std::max(am, cm), d = amax / kWide, inv = amax > 0.f ? kWide / amax : 0.f;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
-      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
       const __m512i codes =
           _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(qa)), _mm512_cvtsepi32_epi16(qc), 1);
       _mm512_storeu_si512(q + 64 * b, _mm512_permutexvar_epi16(pairs, codes));
-      dx[2 * b] = dx[2 * b + 1] = d;
-      sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
     } else {
-      const float amax = std::max(am, cm), d = amax / kNarrow, inv = amax > 0.f ? kNarrow / amax : 0.f;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
       _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(qa));
       _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(qc));
-      dx[2 * b] = dx[2 * b + 1] = d;
-      sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
     }
+    dx[2 * b] = dx[2 * b + 1] = d;
+    sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
   }
 }
 
