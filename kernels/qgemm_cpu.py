@@ -70,18 +70,17 @@ WIDE, NARROW = 32767, 127  # largest code of a wide (int16) and a narrow (int8) 
 
 
 def quantize_activations_ref(x: torch.Tensor, narrow: torch.Tensor | None = None):
-    """Codes (M, K) int32, dx (M, K/32, 2) (the block's scale, twice: the kernel's layout),
-    sx (M, K/32) = sum of dx * codes per block. Rows where `narrow` (M,) bool is set are
-    int8, the others int16, a scale per 32 columns either way."""
+    """Codes (M, K) int32, dx (M, K/32) the block's scale, sx (M, K/32) = dx * the block's
+    code sum. Rows where `narrow` (M,) bool is set are int8, the others int16."""
     M, K = x.shape
-    g = x.float().reshape(M, K // BLOCK, 2, BLOCK // 2)
+    g = x.float().reshape(M, K // BLOCK, BLOCK)
     wide = torch.ones(M, dtype=torch.bool) if narrow is None else ~narrow.bool()
-    amax = g.abs().amax((-1, -2))[..., None].expand(-1, -1, 2)
-    levels = torch.where(wide, WIDE, NARROW).float()[:, None, None]
+    amax = g.abs().amax(-1)
+    levels = torch.where(wide, WIDE, NARROW).float()[:, None]
     dx = amax / levels
     inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
     q = torch.round(g * inv[..., None])  # within +-levels already: |g| <= amax
-    return q.to(torch.int32).reshape(M, K), dx, (dx * q.sum(-1)).sum(-1)
+    return q.to(torch.int32).reshape(M, K), dx, dx * q.sum(-1)
 
 
 def qgemm_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
@@ -91,9 +90,9 @@ def qgemm_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     q, dx, sx = quantize_activations_ref(x, narrow)
     u = unpack_codes(qs, bits).double()  # (N, K)
     N, K = u.shape
-    dots = torch.einsum("mbhi,nbhi->mnbh", q.double().reshape(-1, K // BLOCK, 2, BLOCK // 2),
-                        u.reshape(N, K // BLOCK, 2, BLOCK // 2))  # exact integer sums, per 16 columns
-    f = (dots * dx[:, None].double()).sum(-1).float()  # (M, N, blocks)
+    dots = torch.einsum("mbi,nbi->mnb", q.double().reshape(-1, K // BLOCK, BLOCK),
+                        u.reshape(N, K // BLOCK, BLOCK))  # exact integer sums per block
+    f = (dots * dx[:, None].double()).float()  # (M, N, blocks)
     return (f * d[None]).sum(-1) + sx @ m.T
 
 

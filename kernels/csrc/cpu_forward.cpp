@@ -139,12 +139,12 @@ struct Buf {
   std::vector<float> dx, sx, row;
   qg::Act act(int64_t M, int64_t K, const uint8_t* wide) const { return {q.data(), dx.data(), sx.data(), M, K, wide}; }
   void quantize(const float* x, int64_t t, int64_t K, bool wide) {
-    qg::quantize_row(x, K, q.data() + t * 2 * K, dx.data() + t * K / 16, sx.data() + t * K / 32, wide);
+    qg::quantize_row(x, K, q.data() + t * 2 * K, dx.data() + t * K / 32, sx.data() + t * K / 32, wide);
   }
   void reserve(int64_t M, int64_t K) {
     if ((int64_t)q.size() < 2 * M * K) {
       q.resize(2 * M * K);
-      dx.resize(M * K / 16);
+      dx.resize(M * K / 32);
       sx.resize(M * K / 32);
     }
     if ((int64_t)row.size() < K) row.resize(K);
@@ -380,8 +380,8 @@ class Decoder {
       return a;
     };
     // y (+)= a W^T over every supertile, shared out in chunks of supertiles and, for a prompt's many rows, of rows too
-    // (a matmul of 9 supertiles on 2 threads would otherwise wait on the one with 5). Narrow rows add their outlier
-    // columns against the exact weight columns, in column order; then(sa, sz, t0, t1) finishes a chunk.
+    // (a matmul of 9 supertiles on 2 threads would otherwise wait on the one with 5). Narrow rows' outlier columns
+    // ride in a.out (prep), added by the kernel; then(sa, sz, t0, t1) finishes a chunk.
     auto matmul = [&](const qg::Act& a, int64_t mi, float* y, bool add,
                       const std::function<void(int64_t, int64_t, int64_t, int64_t)>& then) {
       if (Tn == 0) return;

@@ -20,12 +20,12 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t bi
     wide = narrow->logical_not().to(torch::kByte).contiguous();
   }
   auto q = torch::empty({M, 2 * K}, x.options().dtype(torch::kChar));
-  auto dx = torch::empty({M, K / 16}, x.options());
+  auto dx = torch::empty({M, K / 32}, x.options());
   auto sx = torch::empty({M, K / 32}, x.options());
   const uint8_t* wp = wide.data_ptr<uint8_t>();
   for (int64_t i = 0; i < M; ++i)
     qg::quantize_row(x.data_ptr<float>() + i * K, K, q.data_ptr<int8_t>() + i * 2 * K,
-                     dx.data_ptr<float>() + i * K / 16, sx.data_ptr<float>() + i * K / 32, wp[i]);
+                     dx.data_ptr<float>() + i * K / 32, sx.data_ptr<float>() + i * K / 32, wp[i]);
   auto y = torch::empty({M, N}, x.options());
   const qg::Act a{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), M, K, wp};
   const int64_t S = qg::supertiles(N);

@@ -17,8 +17,8 @@ namespace qg {
 constexpr float kWide = 32767.f;
 constexpr float kNarrow = 127.f;
 
-// One activation row of K (K % 32 == 0) -> codes at q (2K bytes), scales dx (the 32-block's scale, twice: the layout
-// once held one per 16 columns) and the scaled code sum sx per 32-block. Narrow: K int8 codes in column order.
+// One activation row of K (K % 32 == 0) -> codes at q (2K bytes), the scale dx and the scaled code sum sx of each
+// 32-block. Narrow: K int8 codes in column order.
 // Wide: K int16 codes, each 8 columns stored as the pairs the kernel multiplies, (0, 2), (1, 3), (4, 6), (5, 7).
 static inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, bool wide) {
   const __m512i pairs = _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17, 18, 16,  //
@@ -37,7 +37,7 @@ static inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx,
       _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(qa));
       _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(qc));
     }
-    dx[2 * b] = dx[2 * b + 1] = d;
+    dx[b] = d;
     sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
   }
 }
@@ -50,7 +50,7 @@ struct Outliers {
   int64_t n = 0, stride = 0;
 };
 
-// Quantized activations: M rows of K, row m's codes at q + 2 K m, its scales at dx + 2 (K / 32) m and sx + (K / 32) m.
+// Quantized activations: M rows of K, row m's codes at q + 2 K m, its scales at dx + (K / 32) m and sx + (K / 32) m.
 // wide[m] says how row m was quantized (nullptr: every row wide); `out`: the narrow rows' outlier columns, if any.
 struct Act {
   const int8_t* q;
@@ -64,7 +64,7 @@ struct Act {
   Act rows(int64_t m0, int64_t m1) const {
     Outliers o = out;
     if (o.x) o.x += m0 * o.stride;
-    return {q + 2 * K * m0, dx + 2 * (K / 32) * m0, sx + (K / 32) * m0, m1 - m0, K, wide ? wide + m0 : nullptr, o};
+    return {q + 2 * K * m0, dx + (K / 32) * m0, sx + (K / 32) * m0, m1 - m0, K, wide ? wide + m0 : nullptr, o};
   }
 };
 
@@ -151,7 +151,7 @@ static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float*
       for (int t = 0; t < MT; ++t) {
         const int64_t r = (m0 + t) * nb + b;
         const __m512i s = WIDE && MT == 1 ? _mm512_add_epi32(acc[i][t][0], acc[i][t][1]) : acc[i][t][0];  // exact
-        facc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.dx[2 * r])), facc[i][t]);
+        facc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.dx[r])), facc[i][t]);
         facc[i][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sx[r]), facc[i][t]);
       }
     }
