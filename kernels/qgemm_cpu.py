@@ -13,6 +13,9 @@ activation bytes, four at a time):
 
     y[m, n] = sum_b  d[n, b] dx[m, b] sum_i u[n, 32 b + i] q[m, 32 b + i]  +  m[n, b] sx[m, b]
 
+(8 bits: the offset stays in the integer sum, d dx sum_i (u - 128) q, one multiply-add
+less a block: `qgemm_ref` computes it that way too.)
+
 Each row is quantized one of two ways:
   * wide (the default, every row that samples a token): int16 codes, one scale per
     block, multiplied two at a time by `vpdpwssd` against the weight bytes widened to
@@ -90,10 +93,14 @@ def qgemm_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     q, dx, sx = quantize_activations_ref(x, narrow)
     u = unpack_codes(qs, bits).double()  # (N, K)
     N, K = u.shape
+    symmetric = bits == 8 and torch.equal(m.float(), -128 * d.float())
+    if symmetric:  # the kernel's form: the offset inside the integer sums, u - 128 = the signed code
+        u = u - 128
     dots = torch.einsum("mbi,nbi->mnb", q.double().reshape(-1, K // BLOCK, BLOCK),
                         u.reshape(N, K // BLOCK, BLOCK))  # exact integer sums per block
     f = (dots * dx[:, None].double()).float()  # (M, N, blocks)
-    return (f * d[None]).sum(-1) + sx @ m.T
+    y = (f * d[None]).sum(-1)
+    return y if symmetric else y + sx @ m.T
 
 
 def packable(n: int, k: int) -> bool:

@@ -24,6 +24,7 @@ namespace {
 struct QMat {
   torch::Tensor w;  // packed (kernels/qgemm_cpu.py)
   int64_t N, K, bits;
+  qg::Packed packed() const { return {w.data_ptr<uint8_t>(), bits}; }
 };
 
 // One attention work item: every kv head's heads of one token t over chunk c of its keys (kChunk keys from c kChunk),
@@ -137,14 +138,19 @@ void attend(const AttentionPlan& p, const Work& w, const std::vector<attn::Keys>
 struct Buf {
   std::vector<int8_t> q;
   std::vector<float> dx, sx, row;
-  qg::Act act(int64_t M, int64_t K, const uint8_t* wide) const { return {q.data(), dx.data(), sx.data(), M, K, wide}; }
+  std::vector<int32_t> sq;
+  qg::Act act(int64_t M, int64_t K, const uint8_t* wide) const {
+    return {q.data(), dx.data(), sq.data(), sx.data(), M, K, wide};
+  }
   void quantize(const float* x, int64_t t, int64_t K, bool wide) {
-    qg::quantize_row(x, K, q.data() + t * 2 * K, dx.data() + t * K / 32, sx.data() + t * K / 32, wide);
+    const int64_t o = t * K / 32;
+    qg::quantize_row(x, K, q.data() + t * 2 * K, dx.data() + o, sq.data() + o, sx.data() + o, wide);
   }
   void reserve(int64_t M, int64_t K) {
     if ((int64_t)q.size() < 2 * M * K) {
       q.resize(2 * M * K);
       dx.resize(M * K / 32);
+      sq.resize(M * K / 32);
       sx.resize(M * K / 32);
     }
     if ((int64_t)row.size() < K) row.resize(K);
@@ -155,7 +161,7 @@ constexpr int64_t kSplitRows = 16;       // from this many tokens on, the activa
 constexpr int64_t kChunksPerWorker = 8;  // a matmul's supertiles in about this many claims per thread
 constexpr size_t kMaxOutliers = 16;      // outlier columns a matmul's narrow rows may keep in fp32
 constexpr int64_t kMinRowBlock = 32;     // a matmul's rows are split into blocks of at least this many
-constexpr int64_t kRowsPerClaim = 4;     // rows a claim of a per-row phase takes (RoPE and KV store)
+constexpr int64_t kRowsPerClaim = 4;     // rows a claim of a per-row phase takes (activation prep, RoPE and KV store)
 
 using rowops::rms_norm_row;
 using rowops::rotate;
@@ -303,7 +309,6 @@ class Decoder {
     const int64_t qkv_n = (H_ + 2 * Hkv_) * D_, kmax = std::max(std::max(h_, I_), H_ * D_);
     auto qkv = torch::empty({T, qkv_n}, opts);
     auto attn = torch::empty({T, H_ * D_}, opts);
-    auto gu = torch::empty({T, 2 * I_}, opts);
     auto act = torch::empty({T, I_}, opts);
     const int64_t n_aux = aux_layers.size();
     auto aux = torch::empty({T, n_aux * h_}, opts);
@@ -339,7 +344,6 @@ class Decoder {
     float* xp = x.data_ptr<float>();
     float* qkvp = qkv.data_ptr<float>();
     float* ap = attn.data_ptr<float>();
-    float* gup = gu.data_ptr<float>();
     float* actp = act.data_ptr<float>();
     // `pool` elements per layer's K (or V)
     const int64_t page = kv.size(3), pool = kv.size(2) * page * Hkv_ * rd, esize = kv.element_size();
@@ -348,6 +352,13 @@ class Decoder {
     const int64_t cs_stride = cos_sin_.size(1), half = D_ / 2;
     const float scale = 1.f / std::sqrt((float)D_);
 
+    // f(row, worker) for rows [0, n), kRowsPerClaim rows a claim: a claim is an atomic both cores write, and one a
+    // row (30,720 of a 256-token prompt's 34,808 claims) cost 3 % of its prefill on 2 threads
+    auto rows_in_claims = [&](int64_t n, const std::function<void(int64_t, int)>& f) {
+      pool_->run((n + kRowsPerClaim - 1) / kRowsPerClaim, [&](int64_t c, int w) {
+        for (int64_t t = c * kRowsPerClaim; t < std::min(n, (c + 1) * kRowsPerClaim); ++t) f(t, w);
+      });
+    };
     // Norm (optional) and quantize the T rows of src for matmul mi; a narrow row's outlier columns go to xo and
     // are zeroed where the row is quantized from (the norm's scratch row, or src itself: without a norm src is the
     // attention output or the SwiGLU product, read by nothing after this matmul).
@@ -373,7 +384,7 @@ class Decoder {
       if (Tn < kSplitRows || calibrating_)
         for (int64_t t = 0; t < Tn; ++t) one(t, 0);
       else
-        pool_->run(Tn, one);
+        rows_in_claims(Tn, one);
       qg::Act a = act_q.act(Tn, K, wide.data());
       if (any_narrow && cols && !cols->empty())
         a.out = {xo.data(), outliers_[mi].w.data(), (int64_t)cols->size(), (int64_t)kMaxOutliers};
@@ -382,7 +393,7 @@ class Decoder {
     // y (+)= a W^T over every supertile, shared out in chunks of supertiles and, for a prompt's many rows, of rows too
     // (a matmul of 9 supertiles on 2 threads would otherwise wait on the one with 5). Narrow rows' outlier columns
     // ride in a.out (prep), added by the kernel; then(sa, sz, t0, t1) finishes a chunk.
-    auto matmul = [&](const qg::Act& a, int64_t mi, float* y, bool add,
+    auto matmul = [&](const qg::Act& a, int64_t mi, float* y, qg::Out out,
                       const std::function<void(int64_t, int64_t, int64_t, int64_t)>& then) {
       if (Tn == 0) return;
       const QMat& m = mats_[mi];
@@ -393,10 +404,11 @@ class Decoder {
           W > 1 && cols < want ? std::max<int64_t>(1, std::min((want + cols - 1) / cols, Tn / kMinRowBlock)) : 1;
       const int64_t rb = blocks == 1 ? Tn : ((Tn + blocks - 1) / blocks + 7) / 8 * 8;
       const int64_t nrb = (Tn + rb - 1) / rb;
-      const uint8_t* w = m.w.data_ptr<uint8_t>();
+      const qg::Packed w = m.packed();
+      const int64_t ldy = out == qg::kGlu ? m.N / 2 : m.N;
       pool_->run(cols * nrb, [&](int64_t c, int) {
         const int64_t sa = (c / nrb) * per, sz = std::min(S, sa + per), t0 = (c % nrb) * rb, t1 = std::min(Tn, t0 + rb);
-        qg::gemm(a.rows(t0, t1), w, m.bits, m.N, sa, sz, y + t0 * m.N, m.N, add);
+        qg::gemm(a.rows(t0, t1), w, m.N, sa, sz, y + t0 * ldy, ldy, out);
         if (then) then(sa, sz, t0, t1);
       });
     };
@@ -417,7 +429,7 @@ class Decoder {
       char* vc = kc + pool * esize;
       // qkv = norm(x) Wqkv^T (+ bias)
       const float* bias = biases_[l].numel() ? biases_[l].data_ptr<float>() : nullptr;
-      matmul(prep(xp, h_, norms_[2 * l].data_ptr<float>(), 4 * l), 4 * l, qkvp, false,
+      matmul(prep(xp, h_, norms_[2 * l].data_ptr<float>(), 4 * l), 4 * l, qkvp, qg::kStore,
              [&](int64_t sa, int64_t sz, int64_t t0, int64_t t1) {
                if (!bias) return;
                for (int64_t t = t0; t < t1; ++t)
@@ -443,9 +455,7 @@ class Decoder {
           default: store((float*)kc, (float*)vc); break;
         }
       };
-      pool_->run((T + kRowsPerClaim - 1) / kRowsPerClaim, [&](int64_t c, int) {
-        for (int64_t t = c * kRowsPerClaim; t < std::min(T, (c + 1) * kRowsPerClaim); ++t) rope_store(t);
-      });
+      rows_in_claims(T, [&](int64_t t, int) { rope_store(t); });
       mark(1);
       if (l == L_ - 1 && prune) {
         // The last layer's KV is stored; past it only the rows whose final hidden state is read go on (llama.cpp's
@@ -488,26 +498,13 @@ class Decoder {
         pool_->run(n_merge, merge);
       mark(3);
       // x += attn Wo^T
-      matmul(prep(ap, H_ * D_, nullptr, 4 * l + 1), 4 * l + 1, xp, true, nullptr);
+      matmul(prep(ap, H_ * D_, nullptr, 4 * l + 1), 4 * l + 1, xp, qg::kAdd, nullptr);
       mark(4);
-      // act = silu(gate) * up: gate/up rows interleaved by 32, so supertile s gives act[:, 32 s : 32 s + 32]
-      matmul(prep(xp, h_, norms_[2 * l + 1].data_ptr<float>(), 4 * l + 2), 4 * l + 2, gup, false,
-             [&](int64_t sa, int64_t sz, int64_t t0, int64_t t1) {
-               for (int64_t t = t0; t < t1; ++t)
-                 for (int64_t s = sa; s < sz; ++s) {
-                   const float* g = gup + t * 2 * I_ + 64 * s;
-                   float* o = actp + t * I_ + 32 * s;
-                   for (int r = 0; r < 32; r += 16) {  // silu(g) u = g / (1 + e^-g) u
-                     const __m512 gv = _mm512_loadu_ps(g + r);
-                     const __m512 den =
-                         _mm512_add_ps(_mm512_set1_ps(1.f), attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-                     _mm512_storeu_ps(o + r, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(g + 32 + r)));
-                   }
-                 }
-             });
+      // act = silu(gate) * up in the kernel's store (gate/up rows interleaved by 32: qg::kGlu)
+      matmul(prep(xp, h_, norms_[2 * l + 1].data_ptr<float>(), 4 * l + 2), 4 * l + 2, actp, qg::kGlu, nullptr);
       mark(5);
       // x += act Wdown^T
-      matmul(prep(actp, I_, nullptr, 4 * l + 3), 4 * l + 3, xp, true, nullptr);
+      matmul(prep(actp, I_, nullptr, 4 * l + 3), 4 * l + 3, xp, qg::kAdd, nullptr);
       mark(6);
       if (aux_slot[l] >= 0)
         for (int64_t t = 0; t < T; ++t)
@@ -536,7 +533,7 @@ class Decoder {
     const int64_t S = qg::supertiles(V), per = std::max<int64_t>(1, S / (kChunksPerWorker * pool_->workers()));
     float* yp = y.data_ptr<float>();
     pool_->run((S + per - 1) / per, [&](int64_t c, int) {
-      qg::gemm(a, head_.w.data_ptr<uint8_t>(), head_.bits, V, c * per, std::min(S, c * per + per), yp, V, false);
+      qg::gemm(a, head_.packed(), V, c * per, std::min(S, c * per + per), yp, V, qg::kStore);
     });
     return y;
   }

@@ -22,21 +22,23 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t bi
   auto q = torch::empty({M, 2 * K}, x.options().dtype(torch::kChar));
   auto dx = torch::empty({M, K / 32}, x.options());
   auto sx = torch::empty({M, K / 32}, x.options());
+  auto sq = torch::empty({M, K / 32}, x.options().dtype(torch::kInt));
   const uint8_t* wp = wide.data_ptr<uint8_t>();
   for (int64_t i = 0; i < M; ++i)
     qg::quantize_row(x.data_ptr<float>() + i * K, K, q.data_ptr<int8_t>() + i * 2 * K,
-                     dx.data_ptr<float>() + i * K / 32, sx.data_ptr<float>() + i * K / 32, wp[i]);
+                     dx.data_ptr<float>() + i * K / 32, sq.data_ptr<int32_t>() + i * K / 32,
+                     sx.data_ptr<float>() + i * K / 32, wp[i]);
   auto y = torch::empty({M, N}, x.options());
-  const qg::Act a{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), M, K, wp};
+  const qg::Act a{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sq.data_ptr<int32_t>(), sx.data_ptr<float>(), M, K, wp};
   const int64_t S = qg::supertiles(N);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const qg::Packed w{packed.data_ptr<uint8_t>(), bits};
   float* yp = y.data_ptr<float>();
   // A few rows take microseconds: a team's barrier would cost more than it saves (and stalls when a core is busy).
   const int threads = M < 16 ? 1 : (int)std::min<int64_t>(at::get_num_threads(), S);
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-    qg::gemm(a, w, bits, N, S * id / nt, S * (id + 1) / nt, yp, N, false);
+    qg::gemm(a, w, N, S * id / nt, S * (id + 1) / nt, yp, N, qg::kStore);
   }
   return y;
 }

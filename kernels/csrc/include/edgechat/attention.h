@@ -28,8 +28,7 @@
 // positions a query sees: [0, plain) of its sequence (a decode row; a prefill token's
 // causal prefix), then `extra` positions (a draft tree's prefix is `plain`, its
 // allowed nodes the extras). The pool is (blocks, page, Hkv, D) (D + 4 bytes in int8), read
-// through the sequence's block table. `exp512` (also the step's SiLU) is exp on 16 lanes to about
-// 2 ulp: 2^n by `scalef`, 2^f for |f| <= 1/2 by its degree-6 Taylor polynomial.
+// through the sequence's block table. `exp512` is edgechat/vmath.h's.
 
 #pragma once
 
@@ -42,22 +41,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "edgechat/vmath.h"
+
 namespace attn {
 
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));  // x log2(e)
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));  // (t - n) ln 2
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using vmath::exp512;
 
 // 16 pool elements as fp32: fp32 as is, fp16 (its bits in a uint16_t) widened exactly, int8 codes
 // as their integer values (the row's scale applied by the caller).
