@@ -123,7 +123,8 @@ static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float*
                         int64_t col0) {
   const int64_t nb = a.K / 32, cb = chunk_bytes<BITS>(ts), code_bytes = BITS * 64, row = a.K / 2;
   const int32_t* xq = (const int32_t*)a.q;  // a row is K / 2 int32: 4 int8 codes or 2 int16 codes each
-  auto tile = [i0](int i) { return OUT == kGlu ? i0 + 2 * i : i0 + i; };  // the supertile's tile of accumulator i
+  // the supertile's tile of accumulator i; kGlu: (gate, up) pairs, (i0, i0 + 2) then (i0 + 1, i0 + 3) for TN = 4
+  auto tile = [i0](int i) { return OUT == kGlu ? i0 + (i % 2) * 2 + i / 2 : i0 + i; };
   __m512 facc[TN][MT];
   for (int i = 0; i < TN; ++i)
     for (int t = 0; t < MT; ++t) facc[i][t] = _mm512_setzero_ps();
@@ -182,9 +183,9 @@ static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float*
           v[i] = _mm512_fmadd_ps(_mm512_set1_ps(xo[j]), _mm512_loadu_ps(wo + 16 * j), v[i]);
       }
     }
-    if (OUT ==
-        kGlu)  // tiles i0 and i0 + 2 (TN = 2: over_tiles): 16 gate and up columns -> act columns col0 / 2 + 16 i0
-      _mm512_storeu_ps(y + (m0 + t) * ldy + col0 / 2 + i0 * 16, vmath::silu_mul(v[0], v[TN - 1]));
+    if (OUT == kGlu)  // accumulators 2p, 2p + 1: 16 gate and up columns -> act columns col0 / 2 + 16 (i0 + p)
+      for (int p = 0; p < TN / 2; ++p)
+        _mm512_storeu_ps(y + (m0 + t) * ldy + col0 / 2 + (i0 + p) * 16, vmath::silu_mul(v[2 * p], v[2 * p + 1]));
     else
       for (int i = 0; i < TN; ++i) _mm512_storeu_ps(y + (m0 + t) * ldy + col0 + tile(i) * 16, v[i]);
   }
@@ -193,8 +194,9 @@ static inline void kern(const Act& a, const uint8_t* sup, int ts, int i0, float*
 template <int BITS, int TN, int MT, bool WIDE, int OUT>
 static inline void over_tiles(const Act& a, const uint8_t* sup, int ts, float* y, int64_t ldy, int64_t m0,
                               int64_t col0) {
-  if constexpr (OUT == kGlu) {  // (gate, up) tile pairs (0, 2) and (1, 3) of a whole supertile
-    for (int i = 0; i < 2; ++i) kern<BITS, 2, MT, WIDE, OUT>(a, sup, ts, i, y, ldy, m0, col0);
+  if constexpr (OUT == kGlu) {  // (gate, up) tile pairs (0, 2) and (1, 3) of a whole supertile, TN / 2 at a time
+    static_assert(TN == 2 || TN == 4, "SwiGLU takes gate tiles with their up tiles");
+    for (int i = 0; i < 4; i += TN) kern<BITS, TN, MT, WIDE, OUT>(a, sup, ts, i / 2, y, ldy, m0, col0);
   } else {
     int i = 0;
     for (; i + TN <= ts; i += TN) kern<BITS, TN, MT, WIDE, OUT>(a, sup, ts, i, y, ldy, m0, col0);
