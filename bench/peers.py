@@ -361,9 +361,14 @@ async def session(client, model: str, turns: int, index: int) -> list[Turn]:
 
 
 async def drive(port: int, model: str, streams: int, turns: int, pids: list[int]) -> dict:
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
 
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=600)
+    # The SDK keeps idle connections 5 s, as long as llama-server's HTTP server does: a turn that starts just as
+    # the server closes one failed on it ("server disconnected", no retries here). 2 s leaves no such race.
+    limits = type(DEFAULT_CONNECTION_LIMITS)(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0)
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=600,
+                         http_client=DefaultAsyncHttpxClient(limits=limits))
     await session(client, model, 1, -1)  # warm-up
     pids = with_children(pids)
     cpu0 = [cpu_seconds(p) for p in pids]
