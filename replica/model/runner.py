@@ -178,7 +178,9 @@ class Runner:
         if self.device.type == "cpu":
             for pool in (self.kv_cache, self.draft_kv):
                 if pool is not None:
-                    pool.view(-1).view(torch.uint8)[::4096].zero_()
+                    flat = pool.view(-1).view(torch.uint8)
+                    flat[::4096].zero_()
+                    flat[-1:].zero_()  # the last page, where the pool does not start on a page
         self.max_model_len = min(self.max_model_len, n * bs)
         self.aux_layers, self.keep_hidden = tuple(aux_layers), keep_hidden
         on_cuda = self.device.type == "cuda"
