@@ -26,6 +26,7 @@ smallest and broadcasts the layout, so a block id means the same on every rank.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import msgspec
@@ -179,7 +180,7 @@ class Runner:
             for pool in (self.kv_cache, self.draft_kv):
                 if pool is not None:
                     flat = pool.view(-1).view(torch.uint8)
-                    flat[::4096].zero_()
+                    flat[::mmap.PAGESIZE].zero_()
                     flat[-1:].zero_()  # the last page, where the pool does not start on a page
         self.max_model_len = min(self.max_model_len, n * bs)
         self.aux_layers, self.keep_hidden = tuple(aux_layers), keep_hidden
