@@ -47,6 +47,12 @@ def available() -> bool:
     return qgemm_cpu.available() and builds(_ext, "kernels.cpu_forward: the C++ step", "running op by op")
 
 
+def solo_would_win(chunks: int, helped: int, wall_ns: int, waited_ns: int) -> bool:
+    """The pool's verdict on a step run on both threads (edgechat/pool.h): whether the steps after it run on the
+    caller alone."""
+    return _ext().solo_would_win(chunks, helped, wall_ns, waited_ns)
+
+
 def interleave_gate_up(n_inter: int) -> torch.Tensor:
     """Row order of a fused (gate; up) weight for the step: 32 gate rows, then the same
     32 rows of up, and so on, so each 64-row supertile yields 32 SwiGLU outputs."""

@@ -685,5 +685,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("column_amax", &Decoder::column_amax)
       .def("set_outliers", &Decoder::set_outliers);
   m.def("prompt_attention", &prompt_attention);
+  m.def("solo_would_win", &cpupool::Pool::solo_would_win);
   m.attr("block_bf16") = attn::kBlockBf16;
 }

@@ -213,6 +213,23 @@ def test_the_result_does_not_depend_on_the_thread_count():
     assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
 
 
+def test_the_pool_goes_solo_only_when_one_thread_would_be_faster():
+    """After a step on both threads the pool runs the next ones on the caller alone only where that is the
+    faster way: the helpers barely worked, or the caller's own pace over all the chunks beats the step."""
+    from kernels import cpu_forward
+
+    ms = 1_000_000
+    # the helper did 40 % of the chunks; the caller waited 30 % of the step on one it held: alone, the caller would
+    # have taken 28 / 0.6 = 47 ms against 40
+    assert not cpu_forward.solo_would_win(100, 40, 40 * ms, 12 * ms)
+    # a helper descheduled with its chunk: the caller waited 25 of 40 ms, alone it needed 15 / 0.7 = 21
+    assert cpu_forward.solo_would_win(100, 30, 40 * ms, 25 * ms)
+    # the helpers took under a fifth of the chunks: their core is someone else's
+    assert cpu_forward.solo_would_win(100, 19, 20 * ms, 0)
+    # an even split without waiting: both threads
+    assert not cpu_forward.solo_would_win(100, 50, 20 * ms, 0)
+
+
 def test_the_kernel_set_decides_packing_and_the_cpu_step_once():
     """kernels.ops is the one place: forced to the references, the same quantized
     model is neither packed nor stepped in C++; by default (C++ built) it is both."""

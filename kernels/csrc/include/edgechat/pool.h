@@ -12,12 +12,15 @@
 // next step: between steps they leave the cores to the API process.
 //
 // Helpers pay only when they get a core. The caller marks each step (`begin_step`,
-// `end_step`); a step where the helpers did under a fifth of the chunks, or where the
-// caller spent over a quarter of the step waiting for chunks a helper held (the
-// API process taking a core for a token's ~0.3 ms costs less than that), is
-// followed by steps on the caller alone (the helpers sleep, the cores go to whoever
-// needs them): 4, then 8, ... up to 256 steps while the probes keep failing. On a
-// crowded machine a step thus runs at one thread's speed, never below.
+// `end_step`) and judges it (`solo_would_win`): a step where the helpers did under a
+// fifth of the chunks, or that the caller alone would have finished sooner (its own
+// chunks' time, scaled to all the chunks, under 90 % of the step: a helper held its
+// chunks while descheduled), is followed by steps on the caller alone (the helpers
+// sleep, the cores go to whoever needs them): 4, then 8, ... up to 256 steps while the
+// probes keep failing. On a crowded machine a step thus runs at one thread's speed,
+// never below. A helper that lost its core for a while but still did its share keeps
+// the steps on both (the caller waiting over a quarter of a step used to send it solo:
+// beside a proxy and 16 streaming clients, that was most steps, each far slower alone).
 
 #pragma once
 
@@ -67,12 +70,20 @@ class Pool {
     const int64_t helped = helper_chunks_.load() - chunks_;
     const int64_t wall =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - step_t0_).count();
-    if (5 * helped < step_chunks_ || 4 * waited_ns_ > wall) {
+    if (solo_would_win(step_chunks_, helped, wall, waited_ns_)) {
       solo_left_ = backoff_;
       backoff_ = std::min<int64_t>(256, 2 * backoff_);
     } else {
       backoff_ = 4;
     }
+  }
+  // A step on caller and helpers, judged afterwards: `chunks` in all, `helped` of them by the helpers, `wall_ns` long,
+  // `waited_ns` of it the caller waiting for chunks a helper held. The caller was busy wall - waited for its
+  // chunks - helped, so alone it would have taken about (wall - waited) chunks / (chunks - helped).
+  static bool solo_would_win(int64_t chunks, int64_t helped, int64_t wall_ns, int64_t waited_ns) {
+    if (5 * helped < chunks) return true;  // the helpers barely showed up: their cores are someone else's
+    const double alone = double(wall_ns - waited_ns) * double(chunks) / double(std::max<int64_t>(1, chunks - helped));
+    return alone < 0.9 * double(wall_ns);
   }
   bool solo() const { return solo_; }
   int64_t steps() const { return steps_; }
