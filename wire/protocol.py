@@ -229,6 +229,10 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     waiting_tokens: int = 0  # prompt tokens still to prefill
     tokens_per_s: float = 0.0  # measured prefill rate (prompt tokens a second); 0: not measured yet
     max_running: int = 0  # requests run at once (max_num_seqs); 0: not reported
+    # The C++ CPU step's thread pool since the engine started: steps, and those run on the calling thread alone
+    # because the helpers' cores were busy elsewhere (kernels/csrc/include/edgechat/pool.h). 0 elsewhere.
+    cpu_steps: int = 0
+    cpu_solo_steps: int = 0
 
 
 class KvEvents(msgspec.Struct, tag="kv", array_like=True, omit_defaults=True):

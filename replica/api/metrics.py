@@ -3,7 +3,9 @@ and the hot store for the per-token path).
 
 Per request: finished requests by finish reason, errors by code, TTFT, prompt, cached and
 generated tokens, engine restarts. Per token: inter-token latency. At scrape time, from
-the engine's last `Load`: running and waiting requests, KV-cache use, step time.
+the engine's last `Load`: running and waiting requests, KV-cache use, step time, and on CPU the
+C++ step's steps and those it ran on one thread (`cpu_solo_steps_total`: the node's other
+processes had the cores; such a step takes up to twice as long).
 The secret guards /metrics (replica.api.auth); under `make run` the launcher writes it
 to a mode-600 file for scrapers (regions.launch, README "Metrics").
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import prometheus_client as pc
+from prometheus_client.core import CounterMetricFamily
 
 from wire.metrics import Counter, Histogram, HotHistogram, HotStore, Scrape, exposition, gauge
 
@@ -48,6 +51,11 @@ class ReplicaMetrics:
             gauge(R + "kv_usage", "Fraction of KV blocks in use.",
                   field(lambda x: 1 - x.free_blocks / max(1, x.total_blocks))),
             gauge(R + "step_ms", "Recent engine step time (ms).", field(lambda x: x.step_ms)),
+            # since the engine process started (a restart starts them again, as counters may)
+            CounterMetricFamily(R + "cpu_steps", "Steps of the C++ CPU engine.", value=field(lambda x: x.cpu_steps)),
+            CounterMetricFamily(R + "cpu_solo_steps", "Steps of the C++ CPU engine run on one thread: its other "
+                                "threads' cores were busy with other processes.",
+                                value=field(lambda x: x.cpu_solo_steps)),
         ]
 
     def render(self) -> bytes:

@@ -422,10 +422,11 @@ class LLMEngine:
     # -- reports ----------------------------------------------------------------------
     def load(self) -> P.Load:
         s = self.scheduler
+        cpu_steps, cpu_solo_steps = self.runner.pool_stats()
         return P.Load(running=len(s.running), waiting=s.num_waiting, free_blocks=self.blocks.num_free,
                       total_blocks=self.blocks.num_blocks, step_ms=round(self.step_ms, 3),
                       waiting_tokens=s.waiting_tokens(), tokens_per_s=round(self.prefill_tokens_per_s, 1),
-                      max_running=self.cfg.max_num_seqs)
+                      max_running=self.cfg.max_num_seqs, cpu_steps=cpu_steps, cpu_solo_steps=cpu_solo_steps)
 
     def kv_events(self) -> P.KvEvents | None:
         stored, removed = self.blocks.drain_events()

@@ -141,6 +141,13 @@ class Runner:
         self.narrow_from: int | None = None  # prompts this long prefill narrow (int8) rows: `calibrate`
         self._encoder = msgspec.msgpack.Encoder()
 
+    def pool_stats(self) -> tuple[int, int]:
+        """The C++ CPU step's thread pool: (steps, steps on the calling thread alone); (0, 0) for other steps."""
+        if not isinstance(self.model, cpu_model.CpuModel):
+            return 0, 0
+        steps, solo = self.model.decoder.pool_stats()
+        return steps, solo
+
     # -- KV pool --------------------------------------------------------------------------
     def kv_dtype(self) -> torch.dtype:
         """The KV pool's dtype: the C++ CPU step's (ops.cpu_step_kv), else the model's."""
