@@ -185,15 +185,21 @@ class HotHistogram:
         return list(self.mv[self.base:self.sum_slot])
 
     def family(self, arrays: list) -> HistogramMetricFamily:
-        acc, buckets = 0.0, []
-        for i, bound in enumerate([*self.bounds, float("inf")]):
-            acc += sum(a[self.base + i] for a in arrays)
-            buckets.append((floatToGoString(bound), acc))
-        return HistogramMetricFamily(self.name, self.help, buckets=buckets,
-                                     sum_value=sum(a[self.sum_slot] for a in arrays))
+        counts = [sum(a[self.base + i] for a in arrays) for i in range(len(self.bounds) + 1)]
+        return histogram(self.name, self.help, self.bounds, counts, sum(a[self.sum_slot] for a in arrays))
 
 
 # -- a scrape ----------------------------------------------------------------------------------
+def histogram(name: str, help: str, bounds, counts, sum_value: float) -> HistogramMetricFamily:
+    """A histogram family made at scrape time from counts per bucket (not cumulative: one per bound, `le`
+    inclusive, then the count over the largest)."""
+    acc, buckets = 0.0, []
+    for bound, n in zip([*bounds, float("inf")], counts):
+        acc += n
+        buckets.append((floatToGoString(bound), acc))
+    return HistogramMetricFamily(name, help, buckets=buckets, sum_value=sum_value)
+
+
 def gauge(name: str, help: str, values: dict[tuple, float] | float, labels: tuple[str, ...] = ()):
     """A gauge family made at scrape time: one value, or a value per tuple of label values."""
     if not labels:

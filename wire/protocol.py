@@ -220,6 +220,11 @@ class Error(msgspec.Struct, tag="error", array_like=True, omit_defaults=True):
     id: str | None = None
 
 
+# Engine step times, seconds: the bounds of Load.step_counts (dense around the 50 ms a token that streams' tails
+# are held to).
+STEP_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+
+
 class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     running: int
     waiting: int
@@ -233,6 +238,10 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     # because the helpers' cores were busy elsewhere (kernels/csrc/include/edgechat/pool.h). 0 elsewhere.
     cpu_steps: int = 0
     cpu_solo_steps: int = 0
+    # every engine step since start: how many took at most each STEP_BUCKETS_S bound (not cumulative; the last
+    # count is those over the largest), and their seconds in all
+    step_counts: list[int] = []
+    step_seconds: float = 0.0
 
 
 class KvEvents(msgspec.Struct, tag="kv", array_like=True, omit_defaults=True):

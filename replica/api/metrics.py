@@ -3,7 +3,7 @@ and the hot store for the per-token path).
 
 Per request: finished requests by finish reason, errors by code, TTFT, prompt, cached and
 generated tokens, engine restarts. Per token: inter-token latency. At scrape time, from
-the engine's last `Load`: running and waiting requests, KV-cache use, step time, and on CPU the
+the engine's last `Load`: running and waiting requests, KV-cache use, step time (the recent mean, and every step's time as a histogram), and on CPU the
 C++ step's steps and those it ran on one thread (`cpu_solo_steps_total`: the node's other
 processes had the cores; such a step takes up to twice as long).
 The secret guards /metrics (replica.api.auth); under `make run` the launcher writes it
@@ -17,7 +17,8 @@ from collections.abc import Callable
 import prometheus_client as pc
 from prometheus_client.core import CounterMetricFamily
 
-from wire.metrics import Counter, Histogram, HotHistogram, HotStore, Scrape, exposition, gauge
+from wire import protocol as P
+from wire.metrics import Counter, Histogram, HotHistogram, HotStore, Scrape, exposition, gauge, histogram
 
 R = "edgechat_replica_"
 
@@ -56,6 +57,10 @@ class ReplicaMetrics:
             CounterMetricFamily(R + "cpu_solo_steps", "Steps of the C++ CPU engine run on one thread: its other "
                                 "threads' cores were busy with other processes.",
                                 value=field(lambda x: x.cpu_solo_steps)),
+            histogram(R + "step_seconds", "Engine step time: every step since the engine process started (what "
+                      "a streaming request's tokens wait on, one step each).", P.STEP_BUCKETS_S,
+                      ld.step_counts if ld is not None and ld.step_counts else [0] * (len(P.STEP_BUCKETS_S) + 1),
+                      field(lambda x: x.step_seconds)),
         ]
 
     def render(self) -> bytes:

@@ -7,6 +7,7 @@ conditions and frees finished or aborted requests' blocks immediately.
 
 from __future__ import annotations
 
+import bisect
 import random
 import time
 from dataclasses import dataclass, replace
@@ -126,6 +127,8 @@ class LLMEngine:
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self._rng = random.Random(cfg.seed)
         self.step_ms = 0.0  # exponential moving average
+        self.step_counts = [0] * (len(P.STEP_BUCKETS_S) + 1)  # steps by time (Load.step_counts), and their seconds
+        self.step_seconds = 0.0
         self.prefill_tokens_per_s = 0.0  # measured on steps with PREFILL_RATE_MIN_TOKENS or more (moving average)
         self.stats = EngineStats()
 
@@ -309,6 +312,8 @@ class LLMEngine:
         self.stats.steps += 1
         dt = (time.perf_counter() - t0) * 1e3
         self.step_ms = dt if self.stats.steps == 1 else 0.9 * self.step_ms + 0.1 * dt
+        self.step_counts[bisect.bisect_left(P.STEP_BUCKETS_S, dt / 1e3)] += 1  # a bound's bucket holds steps <= it
+        self.step_seconds += dt / 1e3
         if prefill_tokens >= PREFILL_RATE_MIN_TOKENS:  # a step that was mostly prefill: its rate is the prefill rate
             rate = prefill_tokens / dt * 1e3
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
@@ -426,7 +431,8 @@ class LLMEngine:
         return P.Load(running=len(s.running), waiting=s.num_waiting, free_blocks=self.blocks.num_free,
                       total_blocks=self.blocks.num_blocks, step_ms=round(self.step_ms, 3),
                       waiting_tokens=s.waiting_tokens(), tokens_per_s=round(self.prefill_tokens_per_s, 1),
-                      max_running=self.cfg.max_num_seqs, cpu_steps=cpu_steps, cpu_solo_steps=cpu_solo_steps)
+                      max_running=self.cfg.max_num_seqs, cpu_steps=cpu_steps, cpu_solo_steps=cpu_solo_steps,
+                      step_counts=list(self.step_counts), step_seconds=round(self.step_seconds, 6))
 
     def kv_events(self) -> P.KvEvents | None:
         stored, removed = self.blocks.drain_events()

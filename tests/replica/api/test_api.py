@@ -77,7 +77,7 @@ def test_completions_models_health_metrics(server):
     for name in ("edgechat_replica_ttft_seconds_bucket", "edgechat_replica_itl_seconds_count",
                  "edgechat_replica_running", "edgechat_replica_waiting", "edgechat_replica_kv_usage",
                  "edgechat_replica_prefix_hit_tokens_total", "edgechat_replica_cpu_steps_total",
-                 "edgechat_replica_cpu_solo_steps_total"):
+                 "edgechat_replica_cpu_solo_steps_total", "edgechat_replica_step_seconds_bucket"):
         assert name in m
 
 

@@ -205,6 +205,25 @@ def test_token_budget_beside_decodes_and_alone():
     assert batch.num_decodes == 6 and batch.num_tokens[6:] == [4]
 
 
+def test_load_reports_every_steps_time():
+    """Load.step_counts / step_seconds (a replica's edgechat_replica_step_seconds histogram): each step in the
+    bucket of the first bound at or above its time, the seconds summed, from the engine's start."""
+    engine, _, _ = make_engine(max_num_batched_tokens=64)
+    load = engine.load()
+    assert load.step_counts == [0] * (len(P.STEP_BUCKETS_S) + 1) and load.step_seconds == 0.0
+    engine.add(P.Generate(id="a", prompt_ids=prompts([20])["s0"], sampling=greedy(5)))
+    t0 = time.perf_counter()
+    run(engine)
+    elapsed = time.perf_counter() - t0
+    load = engine.load()
+    assert sum(load.step_counts) == engine.stats.steps >= 5
+    assert 0.0 < load.step_seconds <= elapsed
+    # the slowest step is in a bucket whose bound is at least the mean step
+    slowest = max(i for i, n in enumerate(load.step_counts) if n)
+    bounds = [*P.STEP_BUCKETS_S, float("inf")]
+    assert bounds[slowest] >= load.step_seconds / engine.stats.steps
+
+
 def test_load_reports_the_measured_prefill_rate():
     """Load.tokens_per_s: prompt tokens per second on steps that prefill at least
     PREFILL_RATE_MIN_TOKENS (the proxy prices queued prefill and spills with it)."""
