@@ -66,7 +66,7 @@ class Pool {
     step_t0_ = std::chrono::steady_clock::now();
   }
   void end_step() {
-    if (solo_ || step_chunks_ < 8) return;
+    if (threads_.empty() || solo_ || step_chunks_ < 8) return;  // one thread: nothing to judge
     const int64_t helped = helper_chunks_.load() - chunks_;
     const int64_t wall =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - step_t0_).count();
