@@ -325,6 +325,60 @@ def stop(procs: list[subprocess.Popen]) -> None:
                 p.wait()
 
 
+# -- the replica's own view: its engine steps --------------------------------------------
+
+
+def replica_port(server: Server) -> int | None:
+    """Where ours serve their replica's /metrics (the replica behind a proxy); None for peers."""
+    if server.name.startswith("edgechat proxy"):
+        return server.after[0].port
+    return server.port if server.name.startswith("edgechat replica") else None
+
+
+def engine_steps(port: int) -> dict | None:
+    """The replica's step-time histogram and CPU pool counters, from its /metrics (`parse_steps`)."""
+    import httpx
+
+    return parse_steps(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10,
+                                 headers={"Authorization": f"Bearer {API_KEY}"}).text)
+
+
+def parse_steps(text: str) -> dict | None:
+    """{"buckets": [(le seconds, cumulative steps)], "solo", "cpu"} from a replica's /metrics text; None where it
+    lacks them (a checkout from before they existed)."""
+    buckets, counters = [], {}
+    for line in text.splitlines():
+        if line.startswith("edgechat_replica_step_seconds_bucket{le="):
+            le, value = line[len('edgechat_replica_step_seconds_bucket{le="'):].split('"} ')
+            buckets.append((float(le), float(value)))
+        elif line.startswith(("edgechat_replica_cpu_solo_steps_total ", "edgechat_replica_cpu_steps_total ")):
+            name, value = line.split()
+            counters[name] = float(value)
+    if not buckets:
+        return None
+    return {"buckets": buckets, "solo": counters.get("edgechat_replica_cpu_solo_steps_total", 0.0),
+            "cpu": counters.get("edgechat_replica_cpu_steps_total", 0.0)}
+
+
+def steps_between(before: dict | None, after: dict | None) -> dict | None:
+    """The steps of one workload from two `engine_steps` readings: their count, the bucket bounds (ms) under which
+    half and 99 % of them fall, the share over 50 ms, and the share of the C++ steps run on one thread."""
+    if before is None or after is None:
+        return None
+    cum = [(le, a - b) for (le, a), (_, b) in zip(after["buckets"], before["buckets"])]
+    n = cum[-1][1]
+    if n <= 0:
+        return None
+
+    def bound(q: float) -> float:
+        return next(le for le, c in cum if c >= q * n) * 1e3
+
+    over50 = 1 - next(c for le, c in cum if le >= 0.05) / n
+    cpu = after["cpu"] - before["cpu"]
+    return {"steps": n, "p50_le": bound(0.5), "p99_le": bound(0.99), "over_50ms": over50,
+            "solo": (after["solo"] - before["solo"]) / cpu if cpu > 0 else 0.0}
+
+
 # -- workload ------------------------------------------------------------------------
 
 
@@ -495,14 +549,19 @@ def measure(server: Server, procs: list[subprocess.Popen], args: argparse.Namesp
     """One server's row: {"name", "chat": {streams: figures}, "serve": {streams: figures}}."""
     row = {"name": server.name, "chat": {}, "serve": {}}
     pids = [p.pid for p in procs]
+    port = replica_port(server)
     for n in args.streams:
         if args.workload in ("chat", "both"):
             log(f"{server.name}: chat, {n} stream(s) x {args.turns} turns ...")
+            before = engine_steps(port) if port else None
             row["chat"][n] = asyncio.run(drive(server.port, server.model, n, args.turns, pids))
+            row["chat"][n]["steps"] = steps_between(before, engine_steps(port) if port else None)
         if args.workload in ("serve", "both"):
             prompts = serve_prompts(n, args.num_prompts)
             log(f"{server.name}: vllm bench serve, {n} stream(s), {prompts} prompts ...")
+            before = engine_steps(port) if port else None
             row["serve"][n] = bench_serve(server.port, server.model, n, prompts, pids, args.request_rate)
+            row["serve"][n]["steps"] = steps_between(before, engine_steps(port) if port else None)
     return row
 
 
@@ -604,6 +663,15 @@ def main() -> None:
         for w in workloads:
             for n in args.streams:
                 print(f"- {row['name']}, {w}, {n} stream(s): " + " / ".join(f"{c:.2f}" for c in row[w][n]["cpu_ms"]))
+    print("\nEngine steps during each workload (ours: the replica's /metrics; a step's time is bounded by its histogram "
+          "bucket): steps, p50 <= / p99 <= ms, share over 50 ms, share of C++ steps on one thread:\n")
+    for row in rows:
+        for w in workloads:
+            for n in args.streams:
+                s = row[w][n].get("steps")
+                if s:
+                    print(f"- {row['name']}, {w}, {n} stream(s): {s['steps']:.0f} steps, p50 <= {s['p50_le']:g} / "
+                          f"p99 <= {s['p99_le']:g} ms, {s['over_50ms']:.1%} over 50 ms, {s['solo']:.1%} on one thread")
     print_engine(rows, args)
 
 
