@@ -663,8 +663,8 @@ def main() -> None:
         for w in workloads:
             for n in args.streams:
                 print(f"- {row['name']}, {w}, {n} stream(s): " + " / ".join(f"{c:.2f}" for c in row[w][n]["cpu_ms"]))
-    print("\nEngine steps during each workload (ours: the replica's /metrics; a step's time is bounded by its histogram "
-          "bucket): steps, p50 <= / p99 <= ms, share over 50 ms, share of C++ steps on one thread:\n")
+    print("\nEngine steps during each workload (ours: the replica's /metrics; a step's time is bounded by its "
+          "histogram bucket): steps, p50 <= / p99 <= ms, share over 50 ms, share of C++ steps on one thread:\n")
     for row in rows:
         for w in workloads:
             for n in args.streams:

@@ -3,9 +3,10 @@ and the hot store for the per-token path).
 
 Per request: finished requests by finish reason, errors by code, TTFT, prompt, cached and
 generated tokens, engine restarts. Per token: inter-token latency. At scrape time, from
-the engine's last `Load`: running and waiting requests, KV-cache use, step time (the recent mean, and every step's time as a histogram), and on CPU the
-C++ step's steps and those it ran on one thread (`cpu_solo_steps_total`: the node's other
-processes had the cores; such a step takes up to twice as long).
+the engine's last `Load`: running and waiting requests, KV-cache use, step time (the recent
+mean, and every step's time as a histogram), and on CPU the C++ step's steps and those it
+ran on one thread (`cpu_solo_steps_total`: the node's other processes had the cores; such a
+step takes up to twice as long).
 The secret guards /metrics (replica.api.auth); under `make run` the launcher writes it
 to a mode-600 file for scrapers (regions.launch, README "Metrics").
 """
