@@ -335,25 +335,28 @@ def replica_port(server: Server) -> int | None:
     return server.port if server.name.startswith("edgechat replica") else None
 
 
-def engine_steps(port: int) -> dict | None:
-    """The replica's step-time histogram and CPU pool counters, from its /metrics (`parse_steps`)."""
+def engine_steps(port: int | None) -> dict | None:
+    """The replica's step-time histogram and CPU pool counters, from its /metrics (`parse_steps`); None for peers."""
     import httpx
 
+    if port is None:
+        return None
     return parse_steps(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10,
                                  headers={"Authorization": f"Bearer {API_KEY}"}).text)
 
 
 def parse_steps(text: str) -> dict | None:
-    """{"buckets": [(le seconds, cumulative steps)], "solo", "cpu"} from a replica's /metrics text; None where it
-    lacks them (a checkout from before they existed)."""
+    """{"buckets": [(le seconds, cumulative steps)], "solo", "cpu"} from a replica's /metrics text (prometheus_client's
+    parser); None where it lacks them (a checkout from before they existed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     buckets, counters = [], {}
-    for line in text.splitlines():
-        if line.startswith("edgechat_replica_step_seconds_bucket{le="):
-            le, value = line[len('edgechat_replica_step_seconds_bucket{le="'):].split('"} ')
-            buckets.append((float(le), float(value)))
-        elif line.startswith(("edgechat_replica_cpu_solo_steps_total ", "edgechat_replica_cpu_steps_total ")):
-            name, value = line.split()
-            counters[name] = float(value)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "edgechat_replica_step_seconds_bucket":
+                buckets.append((float(s.labels["le"]), s.value))
+            elif s.name in ("edgechat_replica_cpu_solo_steps_total", "edgechat_replica_cpu_steps_total"):
+                counters[s.name] = s.value
     if not buckets:
         return None
     return {"buckets": buckets, "solo": counters.get("edgechat_replica_cpu_solo_steps_total", 0.0),
@@ -553,15 +556,15 @@ def measure(server: Server, procs: list[subprocess.Popen], args: argparse.Namesp
     for n in args.streams:
         if args.workload in ("chat", "both"):
             log(f"{server.name}: chat, {n} stream(s) x {args.turns} turns ...")
-            before = engine_steps(port) if port else None
+            before = engine_steps(port)
             row["chat"][n] = asyncio.run(drive(server.port, server.model, n, args.turns, pids))
-            row["chat"][n]["steps"] = steps_between(before, engine_steps(port) if port else None)
+            row["chat"][n]["steps"] = steps_between(before, engine_steps(port))
         if args.workload in ("serve", "both"):
             prompts = serve_prompts(n, args.num_prompts)
             log(f"{server.name}: vllm bench serve, {n} stream(s), {prompts} prompts ...")
-            before = engine_steps(port) if port else None
+            before = engine_steps(port)
             row["serve"][n] = bench_serve(server.port, server.model, n, prompts, pids, args.request_rate)
-            row["serve"][n]["steps"] = steps_between(before, engine_steps(port) if port else None)
+            row["serve"][n]["steps"] = steps_between(before, engine_steps(port))
     return row
 
 

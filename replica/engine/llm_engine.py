@@ -312,8 +312,9 @@ class LLMEngine:
         self.stats.steps += 1
         dt = (time.perf_counter() - t0) * 1e3
         self.step_ms = dt if self.stats.steps == 1 else 0.9 * self.step_ms + 0.1 * dt
-        self.step_counts[bisect.bisect_left(P.STEP_BUCKETS_S, dt / 1e3)] += 1  # a bound's bucket holds steps <= it
-        self.step_seconds += dt / 1e3
+        seconds = dt / 1e3
+        self.step_counts[bisect.bisect_left(P.STEP_BUCKETS_S, seconds)] += 1  # a bound's bucket holds steps <= it
+        self.step_seconds += seconds
         if prefill_tokens >= PREFILL_RATE_MIN_TOKENS:  # a step that was mostly prefill: its rate is the prefill rate
             rate = prefill_tokens / dt * 1e3
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (

@@ -145,8 +145,7 @@ class Runner:
         """The C++ CPU step's thread pool: (steps, steps on the calling thread alone); (0, 0) for other steps."""
         if not isinstance(self.model, cpu_model.CpuModel):
             return 0, 0
-        steps, solo = self.model.decoder.pool_stats()
-        return steps, solo
+        return tuple(self.model.decoder.pool_stats())
 
     # -- KV pool --------------------------------------------------------------------------
     def kv_dtype(self) -> torch.dtype:

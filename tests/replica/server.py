@@ -102,19 +102,14 @@ def engine_pid(api_pid: int) -> int:
     raise LookupError(f"process {api_pid} has no engine process")
 
 
-def metric_values(text: str) -> dict[str, float]:
-    """The unlabelled values of Prometheus text by name."""
+def scrape(url: str) -> dict[str, float]:
+    """A replica's unlabelled /metrics values by name."""
     out = {}
-    for line in text.splitlines():
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
         if line and not line.startswith("#") and "{" not in line:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
-
-
-def scrape(url: str) -> dict[str, float]:
-    """A replica's unlabelled /metrics values by name."""
-    return metric_values(httpx.get(url + "/metrics", headers=AUTH, timeout=10).text)
 
 
 def idle_within(url: str, bound_s: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from wire import protocol as P
 from replica.api.metrics import ReplicaMetrics
-from tests.replica.server import metric_values as values
+from tests.prom import samples as values
 
 
 def test_the_cpu_pools_step_counts_are_counters_from_the_load():
