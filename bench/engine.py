@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -131,11 +132,13 @@ DECODE_STEPS = 48
 
 def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1, 16), threads: int = 1,
                 prompt_lens: tuple[int, ...] = (128,), cpu_kv: tuple[str, ...] = ("float16",),
-                rounds: int = 1, clock=time.perf_counter) -> None:
-    """One row per (round, variant, prompt length, batch, KV dtype); a variant is
-    "dtype/quantization", e.g. bfloat16/gguf; the KV dtype applies where the variant runs as
-    the C++ CPU step (else the pool is in the variant's dtype: the last column says which).
-    A variant's engines (one per KV dtype) are built once and timed in turn. 48 decode steps
+                rounds: int = 1, clock=time.perf_counter, decode_acts: tuple[str, ...] = ("int16",)) -> None:
+    """One row per (round, variant, prompt length, batch, KV dtype, decode activations); a
+    variant is "dtype/quantization", e.g. bfloat16/gguf; the KV dtype applies where the variant
+    runs as the C++ CPU step (else the pool is in the variant's dtype: the last column says
+    which), and so do int8 decode activations (EngineConfig.decode_activations; the engine
+    calibrates on the tokenizer's text as a replica does). A variant's engines (one per KV dtype
+    and activations) are built once and timed in turn. 48 decode steps
     after the prompt: the context grows by 48 while timed. The pool holds every row's whole
     context (no row waits for blocks, none is preempted)."""
     ckpt = load_checkpoint("default", dtype=torch.float32)
@@ -155,13 +158,14 @@ def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1,
                            max_num_seqs=64, max_num_batched_tokens=2048, cpu_threads=threads)
         weights = ckpt.weights if cfg.quantization != "none" else \
             {k: v.to(getattr(torch, dtype)) for k, v in ckpt.weights.items()}
-        engines = [LLMEngine(cfg, ckpt.config, weights, ops=kernels.ops(torch.device(device).type,
-                                                                        cpu_step_kv=kernels.CPU_STEP_KV[kv]))
-                   for kv in cpu_kv]
+        engines = [(LLMEngine(replace(cfg, decode_activations=acts), ckpt.config, weights,
+                              ops=kernels.ops(torch.device(device).type, cpu_step_kv=kernels.CPU_STEP_KV[kv]),
+                              tokenizer=ckpt.tokenizer if acts == "int8" else None),
+                    variant + (", decode int8" if acts == "int8" else "")) for kv in cpu_kv for acts in decode_acts]
         for _ in range(rounds):
             for plen in prompt_lens:
                 for batch in batches:
-                    for engine in engines:
+                    for engine, name in engines:
                         kv = engine.runner.kv_cache
                         kv_name = str(kv.dtype).removeprefix("torch.")
                         # the pool's bytes per token slot (every layer, keys and values), times the mean
@@ -172,7 +176,7 @@ def model_speed(device: str, variants: list[str], batches: tuple[int, ...] = (1,
                         t = decode_steps(engine, batch, prompt_len=plen, steps=DECODE_STEPS, temperature=0.0,
                                          clock=clock)
                         step = statistics.median(t)
-                        print(f"| {variant} | {plen} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | "
+                        print(f"| {name} | {plen} | {batch} | {step * 1e3:.1f} | {step * 1e3 / batch:.2f} | "
                               f"{batch / step:.1f} | {kv_name} | {'-' if floor is None else f'{floor:.2f}'} |",
                               flush=True)
         del engines
@@ -192,6 +196,8 @@ def main() -> None:
                     help="prompt tokens before the timed decode steps (the context a served turn decodes at)")
     ap.add_argument("--cpu-kv", nargs="+", default=["float16"], choices=["float16", "float32", "int8"],
                     help="the KV pool's dtype where a variant runs as the C++ CPU step (default: float16, served)")
+    ap.add_argument("--decode-activations", nargs="+", default=["int16"], choices=["int16", "int8"],
+                    help="the C++ step's activations for decode rows (default: int16, served); int8 rows say so")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every (prompt length, batch, KV dtype) row this many times, in turn")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -213,7 +219,8 @@ def main() -> None:
     if not args.host:
         model_speed(args.device, args.variants or ["bfloat16" if args.device == "cuda" else "float32"],
                     tuple(args.batches), args.threads, tuple(args.prompt_lens), tuple(args.cpu_kv),
-                    args.rounds, time.thread_time if args.clock == "cpu" else time.perf_counter)
+                    args.rounds, time.thread_time if args.clock == "cpu" else time.perf_counter,
+                    tuple(args.decode_activations))
 
 
 if __name__ == "__main__":

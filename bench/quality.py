@@ -5,6 +5,7 @@
     .venv/bin/python bench/quality.py --variants gguf --cpu-kv float32 float16   # the KV pool's dtype
     .venv/bin/python bench/quality.py --variants gguf --cpu-kv float16 int8 --long 4
     .venv/bin/python bench/quality.py --variants gguf --prefill-activations int16 int8 --long 4
+    .venv/bin/python bench/quality.py --variants gguf --prefill-activations int8 --decode-activations int16 int8
 
 For each held-out prompt of speculative/data/prompts.json (chat-formatted), the
 fp32 unquantized engine answers greedily (`--tokens` new tokens, EOS ignored);
@@ -16,8 +17,10 @@ A quantized variant runs as the C++ CPU step, whose KV pool is fp16 unless
 `--cpu-kv` says fp32 or int8 (each variant runs once per dtype given; the reference's
 pool is fp32: it runs op by op), and with each `--prefill-activations` (int8: prompt rows
 that sample nothing as int8 activations; the perplexity's forward then rounds the rows a
-replica would, the prompt's but its last, and the scored ones stay int16). With more than
-one of those, a column compares each one's answers with the first's.
+replica would, the prompt's but its last, and the scored ones stay int16) and each
+`--decode-activations` (int8: decode rows too; the perplexity's forward then rounds the
+answer's rows, as decodes computed them). With more than one of those, a column compares
+each one's answers with the first's.
 
 Those answers are short (prompts of ~30 tokens). `--long N` adds a long-context table:
 N windows of 1,536 tokens of one text (the training prompts of prompts.json, joined),
@@ -65,11 +68,12 @@ def forward_logits(engine: LLMEngine, ids: list[int], rows: slice = slice(None),
     """fp32 logits after ids[rows] from one forward over all of ids through the engine's runner
     (its pool's first blocks, nothing else running; bench/activations.py and bench/sampling.py too).
     prompt: the tokens that count as the prompt (StepPlan.prompt_lens: with prefill_activations
-    int8 those but the last are rounded narrow); 0: none."""
+    int8 those but the last are rounded narrow, with decode_activations int8 the tokens after
+    them but the last, as a replica's decodes); 0: none."""
     runner = engine.runner
     blocks = list(range(-(-len(ids) // runner.block_size)))
     plan = StepPlan(input_ids=ids, starts=[0], num_tokens=[len(ids)], block_tables=[blocks], sample_rows=[0],
-                    num_decodes=0, prompt_lens=[max(0, prompt - 1)])
+                    num_decodes=0, prompt_lens=[prompt])
     input_ids, positions, ctx, _ = runner.prepare(plan)
     ctx.logits_rows = None  # every row's final hidden state: the plan samples only one, these logits read ids[rows]
     hidden = runner.model(input_ids, positions, ctx, runner.kv_cache)
@@ -117,7 +121,9 @@ def main() -> None:
     ap.add_argument("--cpu-kv", nargs="+", default=["float16"], choices=["float16", "float32", "int8"],
                     help="the KV pool's dtype where a variant runs as the C++ CPU step (default: float16, served)")
     ap.add_argument("--prefill-activations", nargs="+", default=["int16"], choices=["int16", "int8"],
-                    help="the C++ step's activations for prompt rows that sample nothing (default: int16, served)")
+                    help="the C++ step's activations for prompt rows that sample nothing (default: int16)")
+    ap.add_argument("--decode-activations", nargs="+", default=["int16"], choices=["int16", "int8"],
+                    help="the C++ step's activations for decode rows (default: int16, served)")
     ap.add_argument("--long", type=int, default=0, metavar="N",
                     help=f"also N windows of {LONG_WINDOW} tokens: greedy continuations and perplexity")
     args = ap.parse_args()
@@ -135,30 +141,32 @@ def main() -> None:
     del reference
     print(f"machine: {platform.machine()}; {time.strftime('%Y-%m-%d')}; {len(prompts)} held-out prompts, "
           f"{args.tokens} greedy tokens each, fp32 answers as the reference\n")
-    acts_list = args.prefill_activations
+    acts_list = [(p, d) for p in args.prefill_activations for d in args.decode_activations]
+    label = lambda acts: acts[0] + ("" if acts[1] == "int16" else f", decode {acts[1]}")  # noqa: E731
     vs_first = len(acts_list) > 1
-    print("| quantization | KV | prefill activations | identical answers | tokens before first divergence | "
-          "perplexity of fp32 answers |" + (f" identical to {acts_list[0]}'s |" if vs_first else ""))
+    print("| quantization | KV | activations (prefill, decode) | identical answers | tokens before first divergence | "
+          "perplexity of fp32 answers |" + (f" identical to {label(acts_list[0])}'s |" if vs_first else ""))
     print("|---|---|---|---:|---:|---:|" + ("---:|" if vs_first else ""))
     for variant in args.variants:
         for kv in args.cpu_kv:
             first, long_first = None, None
             for acts in acts_list:
                 ops = kernels.ops("cpu", cpu_step_kv=getattr(torch, kv))
-                engine = LLMEngine(EngineConfig(quantization=variant, prefill_activations=acts, **cfg), ckpt.config,
-                                   ckpt.weights, ops=ops, tokenizer=ckpt.tokenizer)
+                engine = LLMEngine(EngineConfig(quantization=variant, prefill_activations=acts[0],
+                                                decode_activations=acts[1], **cfg), ckpt.config, ckpt.weights,
+                                   ops=ops, tokenizer=ckpt.tokenizer)
                 got = answers(engine, prompts, args.tokens)
                 first = first or got
                 same, prefix = agreement(got, ref)
                 ppl = perplexity(engine, [p + a for p, a in zip(prompts, ref)], [len(p) for p in prompts])
                 kv_name = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
                 extra = f" {agreement(got, first)[0]}/{len(ref)} |" if vs_first else ""
-                print(f"| {variant} | {kv_name} | {acts} | {same}/{len(ref)} | {prefix:.1%} | {ppl:.3f} |{extra}",
-                      flush=True)
+                print(f"| {variant} | {kv_name} | {label(acts)} | {same}/{len(ref)} | {prefix:.1%} | {ppl:.3f} |"
+                      f"{extra}", flush=True)
                 if windows:
                     cont = answers(engine, windows, args.tokens)
                     long_first = long_first or cont
-                    long_rows.append((variant, kv_name, acts, agreement(cont, long_ref),
+                    long_rows.append((variant, kv_name, label(acts), agreement(cont, long_ref),
                                       perplexity(engine, windows, [LONG_SCORED_FROM] * len(windows)),
                                       agreement(cont, long_first)[0]))
                 del engine
@@ -166,8 +174,8 @@ def main() -> None:
         print(f"\nLong context: {len(windows)} windows of {LONG_WINDOW} tokens (training prompts joined), "
               f"{args.tokens} greedy tokens each against fp32's; perplexity of each window's last "
               f"{LONG_WINDOW - LONG_SCORED_FROM} tokens\n")
-        print("| quantization | KV | prefill activations | identical continuations | tokens before first divergence "
-              "| perplexity |" + (f" identical to {acts_list[0]}'s |" if vs_first else ""))
+        print("| quantization | KV | activations (prefill, decode) | identical continuations "
+              "| tokens before first divergence | perplexity |" + (f" identical to {label(acts_list[0])}'s |" if vs_first else ""))
         print("|---|---|---|---:|---:|---:|" + ("---:|" if vs_first else ""))
         for variant, kv_name, acts, (same, prefix), ppl, same_first in long_rows:
             extra = f" {same_first}/{len(windows)} |" if vs_first else ""

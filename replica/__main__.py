@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "their matmuls at twice int16's rate (a shorter first token) but moves the answer's logits "
                          "a little; every token that samples stays int16. auto: int8 for prompts of 128 tokens or "
                          "more (docs/perf.md, prefill)")
+    ap.add_argument("--decode-activations", default="int16", choices=["int16", "int8"],
+                    help="the same for decode rows (steps without drafts): int8, as llama.cpp does for every row, "
+                         "shortens a busy step's matmuls by about a third (tails and tokens/s under load) but greedy "
+                         "answers drift further from the fp32 model's than int16's do (docs/perf.md, decode rows on "
+                         "int8 activations)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--graph-mode", default="auto", choices=["auto", "off", "buffers"],
                     help="CUDA graphs for decode steps (auto: on CUDA)")
@@ -131,7 +136,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=device, dtype=dtype, quantization=quantization,
                         block_size=args.block_size,
                         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)), kv_cache_dtype=args.kv_cache_dtype,
-                        prefill_activations=args.prefill_activations,
+                        prefill_activations=args.prefill_activations, decode_activations=args.decode_activations,
                         max_num_seqs=args.max_num_seqs or min(64, budget), max_num_batched_tokens=budget,
                         prefill_only_tokens=args.prefill_only_tokens or 512,
                         max_model_len=args.max_model_len,
@@ -203,7 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}/{cfg.quantization}, "
+    opt_in = "".join(f", {what} {value}" for what, value, default in (
+        ("decode activations", cfg.decode_activations, "int16"), ("KV cache", cfg.kv_cache_dtype, "auto"))
+        if value != default)  # the opt-in numerics that change answers, said once at start
+    print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}/{cfg.quantization}{opt_in}, "
           f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}; {where}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, ws="websockets-sansio",
                             log_level="warning", timeout_graceful_shutdown=5, ssl_certfile=args.ssl_certfile or None,

@@ -104,13 +104,15 @@ class LLMEngine:
                                          draft_kv=self.speculator.kv_shape if self.speculator is not None else None)
         if self.speculator is not None and self.speculator.kv_shape is not None:
             self.speculator.bind_kv(self.runner.draft_kv, self.runner.model.cos_sin)
-        # int8 prefill rows need a calibration (kept beside the built model, else run on text now);
-        # "auto" with nothing to calibrate on keeps every row int16
-        if (prompts_from := cfg.int8_prompts_from()) is not None:
-            if tokenizer is None and cfg.prefill_activations == "int8":
-                raise ValueError("prefill_activations='int8' calibrates on text at start: give the engine its tokenizer")
+        # int8 prefill or decode rows need a calibration (kept beside the built model, else run on text
+        # now); "auto" with nothing to calibrate on keeps every row int16
+        prompts_from, decodes = cfg.int8_prompts_from(), cfg.decode_activations == "int8"
+        if prompts_from is not None or decodes:
+            for name in ("prefill_activations", "decode_activations"):
+                if tokenizer is None and getattr(cfg, name) == "int8":
+                    raise ValueError(f"{name}='int8' calibrates on text at start: give the engine its tokenizer")
             self.runner.enable_narrow(prompts_from, lambda: calibration_prompts(tokenizer, model_cfg.vocab_size)
-                                      if tokenizer is not None else [])
+                                      if tokenizer is not None else [], decodes=decodes)
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(layout.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,

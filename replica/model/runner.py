@@ -138,7 +138,8 @@ class Runner:
         self.graphs: DecodeGraphs | None = None
         self.aux_layers: tuple[int, ...] = ()
         self.keep_hidden = False
-        self.narrow_from: int | None = None  # prompts this long prefill narrow (int8) rows: `calibrate`
+        self.narrow_from: int | None = None  # prompts this long prefill narrow (int8) rows: `enable_narrow`
+        self.narrow_decodes = False  # plain decode rows narrow too (EngineConfig.decode_activations "int8")
         self._encoder = msgspec.msgpack.Encoder()
 
     def pool_stats(self) -> tuple[int, int]:
@@ -206,9 +207,10 @@ class Runner:
         return msgspec.msgpack.decode(self.tp.broadcast_bytes(payload), type=KvLayout)
 
     @torch.inference_mode()
-    def enable_narrow(self, prompts_from: int, prompts) -> bool:
-        """Narrow (int8) prompt rows for prompts of `prompts_from` tokens or more
-        (`EngineConfig.prefill_activations`; the C++ CPU step only: elsewhere False). Their
+    def enable_narrow(self, prompts_from: int | None, prompts, decodes: bool = False) -> bool:
+        """Narrow (int8) prompt rows for prompts of `prompts_from` tokens or more (None: none;
+        `EngineConfig.prefill_activations`) and, with `decodes`, narrow plain decode rows
+        (`EngineConfig.decode_activations`); the C++ CPU step only: elsewhere False. Their
         outlier columns come from a kept calibration of this build (replica.model.built) or
         from one step over prompts() (token ids; called only then), all rows wide, in the
         pool's first blocks (before serving: nothing is cached there yet), then kept.
@@ -239,7 +241,7 @@ class Runner:
             if whole:
                 built.keep_outliers(self.cfg, self.model_cfg, self.ops, cols)
         self.model.set_outliers(cols)
-        self.narrow_from = prompts_from
+        self.narrow_from, self.narrow_decodes = prompts_from, decodes
         return True
 
     @torch.inference_mode()
@@ -301,8 +303,8 @@ class Runner:
                 extend_seq_lens=self._tensor([s + n for s, n in zip(plan.starts[nd:], ext_n)], torch.int32)
                 if ext_n else None,
             )
-        if self.narrow_from is not None and plan.prompt_lens:
-            narrow = narrow_rows(plan, cu, self.narrow_from)
+        if (self.narrow_from is not None and plan.prompt_lens) or (self.narrow_decodes and not plan.trees):
+            narrow = narrow_rows(plan, cu, self.narrow_from, self.narrow_decodes)
             ctx.narrow_rows = self._tensor(narrow, torch.bool) if any(narrow) else None
         pruned = not self.keep_hidden and len(set(rows)) < len(plan.input_ids)
         rows = self._tensor(rows, torch.int64)
@@ -369,20 +371,30 @@ class Runner:
             self.tp.close()
 
 
-def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int = 0) -> list[bool]:
-    """Per token of the plan: whether its matmul activations may be int8
-    (`EngineConfig.prefill_activations`): a token of a prefill chunk before its prompt's
-    last, in a sequence whose prompt has at least `prompts_from` tokens: its only output is
-    the KV it leaves. Wide (int16) stay every token whose logits are computed (a tree node,
-    a decode, the prompt's last token, a prompt logprob's position) and every generated token
-    a resumed sequence computes again, so a resume leaves the KV the first computation left."""
+def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, decodes: bool = False) -> list[bool]:
+    """Per token of the plan: whether its matmul activations are int8.
+    `EngineConfig.prefill_activations`: a token of a prefill chunk before its prompt's last,
+    in a sequence whose prompt has at least `prompts_from` tokens (None: no prompt token): its
+    only output is the KV it leaves. Wide (int16) stay every token whose logits are computed
+    (a tree node, a decode, the prompt's last token, a prompt logprob's position) and every
+    generated token a resumed sequence computes again, so a resume leaves the KV the first
+    computation left.
+    `decodes` (`EngineConfig.decode_activations` "int8", steps without drafts): the plain
+    decode rows are narrow too, and so are the generated tokens a resume computes again but
+    the one that samples (they were decode rows the first time)."""
     narrow = [False] * cu[-1]
-    for i in range(len(plan.trees) + plan.num_decodes, len(plan.num_tokens)):
-        if plan.prompt_lens[i] < prompts_from:
-            continue
-        start, n = plan.starts[i], plan.num_tokens[i]
-        end = min(start + n, plan.prompt_lens[i] - 1)  # positions [start, end) are narrow
-        narrow[cu[i] : cu[i] + max(0, end - start)] = [True] * max(0, end - start)
+    nt = len(plan.trees)
+    if decodes and not plan.trees:
+        narrow[: cu[plan.num_decodes]] = [True] * cu[plan.num_decodes]
+    for i in range(nt + plan.num_decodes, len(plan.num_tokens) if plan.prompt_lens else 0):
+        start, n, prompt = plan.starts[i], plan.num_tokens[i], plan.prompt_lens[i]
+        if prompts_from is not None and prompt >= prompts_from:
+            end = min(start + n, prompt - 1)  # positions [start, end) are narrow
+            narrow[cu[i] : cu[i] + max(0, end - start)] = [True] * max(0, end - start)
+        if decodes and not plan.trees and start + n > prompt:  # generated tokens computed again
+            first = max(start, prompt)
+            last = start + n - (1 if i in plan.sample_rows else 0)  # the sampling row stays wide
+            narrow[cu[i] + first - start : cu[i] + max(0, last - start)] = [True] * max(0, last - first)
     for j in plan.extra_logits:
         narrow[j] = False
     return narrow

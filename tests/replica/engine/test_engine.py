@@ -279,3 +279,38 @@ def test_default_engine_prefills_long_prompts_on_int8_activations(tmp_path, monk
     assert 0 < (a - b).abs().max() < 0.05 * b.abs().max()
     again = LLMEngine(EngineConfig(**kw), cfg, w, tokenizer=tok)  # calibrated as `kept` was
     assert torch.equal(first_logits(again, long), a)
+
+
+def test_decode_rows_on_int8_activations_move_the_decode_logits_only(tmp_path, monkeypatch):
+    """decode_activations "int8" (opt-in) rounds the plain decode rows' matmul inputs to int8 as
+    it does long prompts' rows: the first token's logits (a prompt's last row, int16) are those of
+    an int16 engine bit for bit, the next ones (decode rows, two in a step) move a little."""
+    from replica.model.loader import load_checkpoint
+
+    monkeypatch.setenv("EDGECHAT_BUILT_DIR", str(tmp_path))
+    ckpt = load_checkpoint("default")
+    cfg, w, tok = ckpt.config, ckpt.weights, ckpt.tokenizer
+    kw = dict(num_blocks=64, max_num_batched_tokens=512, max_num_seqs=4, quantization="gguf")
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLMEngine(EngineConfig(decode_activations="int8", **kw), cfg, w)
+    with pytest.raises(ValueError, match="decode_activations"):
+        EngineConfig(decode_activations="int4", **kw)
+    int8 = LLMEngine(EngineConfig(decode_activations="int8", **kw), cfg, w, tokenizer=tok)
+    int16 = LLMEngine(EngineConfig(**kw), cfg, w, tokenizer=tok)
+    assert int8.runner.narrow_decodes and not int16.runner.narrow_decodes
+    asks = [tok.encode_chat([{"role": "user", "content": c}]) for c in ("What is 2 + 2?", "Name a colour.")]
+    assert all(len(a) < 128 for a in asks)  # prompts every row of which stays int16 under "auto"
+
+    def logits_by_step(engine):
+        for i, ids in enumerate(asks):
+            engine.add(P.Generate(id=str(i), prompt_ids=ids, sampling=greedy(2)))
+        steps = []
+        run(engine, lambda logits, toks: steps.append(dict(logits)))
+        return steps
+
+    a, b = logits_by_step(int8), logits_by_step(int16)
+    assert len(a) == len(b) == 2 and set(a[1]) == {"0", "1"}  # one prefill step, then one step of two decodes
+    for i in ("0", "1"):
+        assert torch.equal(a[0][i], b[0][i])
+        assert a[0][i].argmax() == b[0][i].argmax()  # the decodes' input token is the same
+        assert 0 < (a[1][i] - b[1][i]).abs().max() < 0.05 * b[1][i].abs().max()
