@@ -380,8 +380,8 @@ def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, dec
     generated token a resumed sequence computes again, so a resume leaves the KV the first
     computation left.
     `decodes` (`EngineConfig.decode_activations` "int8", steps without drafts): the plain
-    decode rows are narrow too, and so are the generated tokens a resume computes again but
-    the one that samples (they were decode rows the first time)."""
+    decode rows are narrow too, and so are the generated tokens a resume computes again, the
+    one that samples too: each was, or would have been, a decode row."""
     narrow = [False] * cu[-1]
     nt = len(plan.trees)
     if decodes and not plan.trees:
@@ -393,8 +393,7 @@ def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, dec
             narrow[cu[i] : cu[i] + max(0, end - start)] = [True] * max(0, end - start)
         if decodes and not plan.trees and start + n > prompt:  # generated tokens computed again
             first = max(start, prompt)
-            last = start + n - (1 if i in plan.sample_rows else 0)  # the sampling row stays wide
-            narrow[cu[i] + first - start : cu[i] + max(0, last - start)] = [True] * max(0, last - first)
+            narrow[cu[i] + first - start : cu[i] + n] = [True] * (start + n - first)
     for j in plan.extra_logits:
         narrow[j] = False
     return narrow

@@ -344,6 +344,31 @@ def test_int8_prefill_rounds_only_the_prompt_rows_that_sample_nothing():
     assert 0 < (a - b).abs().max() < 0.1 * b.abs().max()
 
 
+def test_int8_decodes_leave_the_kv_a_resume_leaves():
+    """`decode_activations="int8"`: a decode row's matmul inputs are int8 (its layer-0 key, which
+    reads nothing but its own embedding, moves from int16's), and a resume computing the generated
+    tokens again rounds them the same way, the one it samples from too (a decode would have): their
+    layer-0 keys are bit for bit the decodes' own, the prompt's too (int16 both times)."""
+    run = activation_runners(kinds=("int16", "int8 decodes", "int8 resume"))
+    for name in ("int8 decodes", "int8 resume"):
+        run[name].narrow_from, run[name].narrow_decodes = None, True  # no outlier columns (narrow_from above)
+    ids = torch.randint(1, 96, (9,), generator=torch.Generator().manual_seed(5)).tolist()  # 5 prompt, 4 generated
+    for name in ("int16", "int8 decodes"):  # the prompt, then one decode a step
+        p = plan(ids[:5], [0], [5], [[0]], [0], 0)
+        p.prompt_lens = [5]
+        run[name].execute(p)
+        for t in range(5, 9):
+            p = plan([ids[t]], [t], [1], [[0]], [0], 1)
+            p.prompt_lens = [5]
+            run[name].execute(p)
+    p = plan(ids, [0], [9], [[0]], [0], 0)  # a resume: prompt of 5 and the 4 generated tokens, the last sampling
+    p.prompt_lens = [5]
+    run["int8 resume"].execute(p)
+    k0 = {name: r.kv_cache[0, 0].flatten(0, 1)[:9].float() for name, r in run.items()}  # layer 0's keys
+    assert [not torch.equal(k0["int16"][t], k0["int8 decodes"][t]) for t in range(9)] == [False] * 5 + [True] * 4
+    assert [torch.equal(k0["int8 resume"][t], k0["int8 decodes"][t]) for t in range(9)] == [True] * 9
+
+
 def test_a_prompts_int8_rows_leave_the_same_kv_however_it_is_chunked():
     """Narrow rows run their matmuls and their attention (tokens in blocks of 24 here: 2 query
     heads a kv head) row by row: a 60-token prompt prefilled whole and in chunks of 25 and 35

@@ -34,15 +34,16 @@ def test_only_prompts_from_the_threshold_on_have_narrow_rows():
 
 
 def test_int8_decodes_make_decode_rows_and_recomputed_generated_tokens_narrow():
-    # two decodes, then B resumes (prompt 3 + 3 generated tokens, its last sampling), C a resume's
-    # middle chunk (prompt 2, positions 1..4: the prompt's last stays wide, as when it sampled)
+    # two decodes, then B resumes (prompt 3 + 3 generated tokens, its last sampling as a decode
+    # would), C a resume's middle chunk (prompt 2, positions 1..4: the prompt's last stays wide, as
+    # when it sampled)
     p = StepPlan(input_ids=[0] * 12, starts=[7, 4, 0, 1], num_tokens=[1, 1, 6, 4], block_tables=[[0]] * 4,
                  sample_rows=[0, 1, 2], num_decodes=2, prompt_lens=[5, 3, 3, 2])
     cu = [0, 1, 2, 8, 12]
     assert narrow_rows(p, cu, None, decodes=True) == (
-        [True, True] + [False] * 3 + [True] * 2 + [False] + [False] + [True] * 3)
+        [True, True] + [False] * 3 + [True] * 3 + [False] + [True] * 3)
     # with int8 prompts as well, B's prompt rows but its last go narrow too
-    assert narrow_rows(p, cu, 0, decodes=True)[2:8] == [True, True, False, True, True, False]
+    assert narrow_rows(p, cu, 0, decodes=True)[2:8] == [True, True, False, True, True, True]
     # a step with drafts keeps every row but the prompts' int16, and so does decodes=False
     trees = StepPlan(input_ids=[0] * 4, starts=[7, 4], num_tokens=[3, 1], block_tables=[[0]] * 2, sample_rows=[1],
                      num_decodes=1, trees=[[-1, 0, 0]], prompt_lens=[5, 3])
