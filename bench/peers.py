@@ -560,7 +560,11 @@ def measure(server: Server, procs: list[subprocess.Popen], args: argparse.Namesp
         if args.workload in ("chat", "both"):
             log(f"{server.name}: chat, {n} stream(s) x {args.turns} turns ...")
             before = engine_steps(port)
-            row["chat"][n] = asyncio.run(drive(server.port, server.model, n, args.turns, pids))
+            try:
+                row["chat"][n] = asyncio.run(drive(server.port, server.model, n, args.turns, pids))
+            except Exception as e:  # a server that drops the workload says so in its row; the others still run
+                row["chat"][n] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                continue
             row["chat"][n]["steps"] = steps_between(before, engine_steps(port))
         if args.workload in ("serve", "both"):
             prompts = serve_prompts(n, args.num_prompts)
@@ -583,8 +587,12 @@ def print_table(rows: list[dict], workload: str, streams: list[int], columns: st
 def print_chat(rows: list[dict], streams: list[int], turns: int) -> None:
     print(f"\nchat: {NEW_TOKENS} new tokens per turn, {turns} turns per session, greedy\n")
     print_table(rows, "chat", streams, "ITL p50 / p99 ms | tok/s | TTFT first / later ms",
-                lambda c: f"{c['itl_p50']:.1f} / {c['itl_p99']:.1f} | {c['tok_s']:.1f} | "
-                          f"{c['ttft_first']:.0f} / {c['ttft_later']:.0f}")
+                lambda c: "failed | - | -" if "error" in c else f"{c['itl_p50']:.1f} / {c['itl_p99']:.1f} | "
+                          f"{c['tok_s']:.1f} | {c['ttft_first']:.0f} / {c['ttft_later']:.0f}")
+    for row in rows:
+        for n in streams:
+            if "error" in row["chat"][n]:
+                print(f"- {row['name']}, {n} streams: the chat workload failed: {row['chat'][n]['error']}")
 
 
 def print_serve(rows: list[dict], streams: list[int], rate: float = float("inf")) -> None:
@@ -612,7 +620,7 @@ def print_engine(rows: list[dict], args: argparse.Namespace) -> None:
     variant = f"float32/{args.quantization}"
     ours = [row for row in rows if row["name"].startswith("edgechat")]
     served = {w: round(statistics.mean(row[w][1]["context"] for row in ours) - ENGINE_STEPS / 2)
-              for w in ("chat", "serve") if ours and all(1 in row[w] for row in ours)}
+              for w in ("chat", "serve") if ours and all("context" in row[w].get(1, {}) for row in ours)}
     steps = engine_ms(variant, tuple(dict.fromkeys((128, 320, *(v for v in served.values() if v > 0)))))
     for plen, ms in steps.items():
         print(f"edgechat engine decode at batch 1 ({variant}, bench/engine.py, {plen}-token prompt): "
@@ -668,7 +676,9 @@ def main() -> None:
     for row in rows:
         for w in workloads:
             for n in args.streams:
-                print(f"- {row['name']}, {w}, {n} stream(s): " + " / ".join(f"{c:.2f}" for c in row[w][n]["cpu_ms"]))
+                if "cpu_ms" in row[w][n]:  # not for a workload that failed
+                    print(f"- {row['name']}, {w}, {n} stream(s): "
+                          + " / ".join(f"{c:.2f}" for c in row[w][n]["cpu_ms"]))
     print("\nEngine steps during each workload (ours: the replica's /metrics; a step's time is bounded by its "
           "histogram bucket): steps, p50 <= / p99 <= ms, share over 50 ms, share of C++ steps on one thread:\n")
     for row in rows:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.peers import parse_steps, steps_between
+from bench.peers import parse_steps, print_chat, steps_between
 from replica.api.metrics import ReplicaMetrics
 from wire import protocol as P
 
@@ -32,3 +32,13 @@ def test_a_workloads_steps_are_the_difference_of_two_readings():
     assert s["p99_le"] == 75.0 and s["p50_le"] == 50.0
     assert parse_steps("# an older replica's /metrics\nedgechat_replica_step_ms 30.0\n") is None
     assert steps_between(None, reading(after, 1, 0)) is None
+
+
+def test_a_server_whose_chat_workload_failed_keeps_its_row_and_says_why(capsys):
+    ok = {"itl_p50": 30.0, "itl_p99": 50.0, "tok_s": 400.0, "ttft_first": 250.0, "ttft_later": 150.0}
+    rows = [{"name": "llama", "chat": {16: {"error": "APIConnectionError: Connection error."}}},
+            {"name": "ours", "chat": {16: ok}}]
+    print_chat(rows, [16], 6)
+    out = capsys.readouterr().out
+    assert "| llama | failed | - | - |" in out and "| ours | 30.0 / 50.0 | 400.0 | 250 / 150 |" in out
+    assert "- llama, 16 streams: the chat workload failed: APIConnectionError: Connection error." in out
