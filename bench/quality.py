@@ -144,8 +144,9 @@ def main() -> None:
     acts_list = [(p, d) for p in args.prefill_activations for d in args.decode_activations]
     label = lambda acts: acts[0] + ("" if acts[1] == "int16" else f", decode {acts[1]}")  # noqa: E731
     vs_first = len(acts_list) > 1
+    vs_col = f" identical to {label(acts_list[0])}'s |" if vs_first else ""
     print("| quantization | KV | activations (prefill, decode) | identical answers | tokens before first divergence | "
-          "perplexity of fp32 answers |" + (f" identical to {label(acts_list[0])}'s |" if vs_first else ""))
+          "perplexity of fp32 answers |" + vs_col)
     print("|---|---|---|---:|---:|---:|" + ("---:|" if vs_first else ""))
     for variant in args.variants:
         for kv in args.cpu_kv:
@@ -175,7 +176,7 @@ def main() -> None:
               f"{args.tokens} greedy tokens each against fp32's; perplexity of each window's last "
               f"{LONG_WINDOW - LONG_SCORED_FROM} tokens\n")
         print("| quantization | KV | activations (prefill, decode) | identical continuations "
-              "| tokens before first divergence | perplexity |" + (f" identical to {label(acts_list[0])}'s |" if vs_first else ""))
+              "| tokens before first divergence | perplexity |" + vs_col)
         print("|---|---|---|---:|---:|---:|" + ("---:|" if vs_first else ""))
         for variant, kv_name, acts, (same, prefix), ppl, same_first in long_rows:
             extra = f" {same_first}/{len(windows)} |" if vs_first else ""

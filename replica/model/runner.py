@@ -303,7 +303,7 @@ class Runner:
                 extend_seq_lens=self._tensor([s + n for s, n in zip(plan.starts[nd:], ext_n)], torch.int32)
                 if ext_n else None,
             )
-        if (self.narrow_from is not None and plan.prompt_lens) or (self.narrow_decodes and not plan.trees):
+        if self.narrow_from is not None or self.narrow_decodes:
             narrow = narrow_rows(plan, cu, self.narrow_from, self.narrow_decodes)
             ctx.narrow_rows = self._tensor(narrow, torch.bool) if any(narrow) else None
         pruned = not self.keep_hidden and len(set(rows)) < len(plan.input_ids)
@@ -383,15 +383,15 @@ def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, dec
     decode rows are narrow too, and so are the generated tokens a resume computes again, the
     one that samples too: each was, or would have been, a decode row."""
     narrow = [False] * cu[-1]
-    nt = len(plan.trees)
-    if decodes and not plan.trees:
+    decodes = decodes and not plan.trees
+    if decodes:
         narrow[: cu[plan.num_decodes]] = [True] * cu[plan.num_decodes]
-    for i in range(nt + plan.num_decodes, len(plan.num_tokens) if plan.prompt_lens else 0):
+    for i in range(len(plan.trees) + plan.num_decodes, len(plan.num_tokens) if plan.prompt_lens else 0):
         start, n, prompt = plan.starts[i], plan.num_tokens[i], plan.prompt_lens[i]
         if prompts_from is not None and prompt >= prompts_from:
             end = min(start + n, prompt - 1)  # positions [start, end) are narrow
             narrow[cu[i] : cu[i] + max(0, end - start)] = [True] * max(0, end - start)
-        if decodes and not plan.trees and start + n > prompt:  # generated tokens computed again
+        if decodes and start + n > prompt:  # generated tokens computed again
             first = max(start, prompt)
             narrow[cu[i] + first - start : cu[i] + n] = [True] * (start + n - first)
     for j in plan.extra_logits:
