@@ -1,7 +1,8 @@
 """Where trained heads live, without torch (the launcher and the replica CLI ask).
 
 One folder per target model under $EDGECHAT_EAGLE3_DIR, else
-~/.cache/edgechat/eagle3: config.json + model.safetensors (the head), policy.json
+~/.cache/edgechat/eagle3: config.json + model.safetensors (the head; or a published head,
+speculative/published.py, whose weights may be pytorch_model.bin), policy.json
 (the measured draft shape per batch size), data.pt and train_state.pt (training).
 """
 
@@ -22,7 +23,10 @@ def head_dir(model_name: str, root: str | os.PathLike | None = None) -> Path:
 
 
 def has_head(folder: str | os.PathLike) -> bool:
-    return (Path(folder) / "config.json").is_file() and (Path(folder) / "model.safetensors").is_file()
+    """A head's files are there: ours, or a published one (whose weights may be pytorch_model.bin)."""
+    folder = Path(folder)
+    return (folder / "config.json").is_file() and any(
+        (folder / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))
 
 
 def model_name(spec: str) -> str:

@@ -23,7 +23,10 @@ layers -- low, middle and high features (SmolLM2-135M, L = 30: 1, 14, 26).
 The attention pattern belongs to the caller: `forward` takes `attend(q, k, v)`
 (the paged cache at inference, the training-time-test mask in training).
 Weights use the names of the published EAGLE-3 heads (fc, midlayer.*, norm,
-lm_head); `d2t` here holds target ids, not offsets.
+lm_head); `d2t` here holds target ids, not offsets. `load_head` reads this
+package's own files (config.json "architecture": "eagle3" + model.safetensors) and
+heads published by SpecForge/SGLang/vLLM (speculative/published.py), whose d2t
+offsets it turns into ids once, at load.
 """
 
 from __future__ import annotations
@@ -209,13 +212,17 @@ def save_head(head: Eagle3Head, path: str | os.PathLike) -> Path:
     return path
 
 
-def load_head_config(path: str | os.PathLike) -> HeadConfig:
-    path = Path(path)
+def _read_config(path: Path) -> tuple[dict, Path]:
     file = path / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"no EAGLE-3 head at {path} (missing {CONFIG_FILE}); train one with "
                                 "`python -m speculative.train`")
-    raw = json.loads(file.read_text())
+    return json.loads(file.read_text()), file
+
+
+def load_head_config(path: str | os.PathLike) -> HeadConfig:
+    """The config of a head in this package's own format."""
+    raw, file = _read_config(Path(path))
     if raw.pop("architecture", None) != "eagle3":
         raise ValueError(f"{file} is not an EAGLE-3 head config")
     return HeadConfig(**raw)
@@ -223,13 +230,24 @@ def load_head_config(path: str | os.PathLike) -> HeadConfig:
 
 def load_head(path: str | os.PathLike, target_cfg: ModelConfig, embed_weight: torch.Tensor,
               dtype: torch.dtype | None = None) -> Eagle3Head:
-    """The head saved at `path`, on embed_weight's device, checked against the target."""
+    """The head saved at `path` (our format, or a published one: speculative.published), on
+    embed_weight's device, checked against the target."""
     from safetensors.torch import load_file
 
-    cfg = load_head_config(path)
+    from speculative import published
+
+    path = Path(path)
+    raw, file = _read_config(path)
+    own_embed, pub = None, published.is_published(raw)
+    cfg = published.head_config(raw, target_cfg, file) if pub else load_head_config(path)
     cfg.check_target(target_cfg)
     with torch.device(embed_weight.device):  # built where it runs (it was built on the CPU and stayed there)
         head = Eagle3Head(cfg, embed_weight)
-    state = load_file(str(Path(path) / WEIGHTS_FILE), device=str(embed_weight.device))
+    if pub:
+        state, own_embed = published.read_state(path, head)
+    else:
+        state = load_file(str(path / WEIGHTS_FILE), device=str(embed_weight.device))
     head.load_state_dict(state, strict=True)
+    if own_embed is not None:  # a head that carries an embedding of its own drafts with it
+        head.embed_weight = own_embed.to(embed_weight.device, embed_weight.dtype)
     return head.to(dtype or embed_weight.dtype).eval()
