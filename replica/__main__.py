@@ -80,8 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "or auto: eagle3 when a head for the model is there and its measured policy speculates "
                          "on this device type, else off")
     ap.add_argument("--spec-head", default="",
-                    help="EAGLE-3 head folder (default: $EDGECHAT_EAGLE3_DIR or ~/.cache/edgechat/eagle3/<model>; "
-                         "train one with `python -m speculative.train`)")
+                    help="EAGLE-3 head folder: one trained here (`python -m speculative.train`), or one published "
+                         "by SpecForge/SGLang/vLLM as it is (config.json with LlamaForCausalLMEagle3, "
+                         "model.safetensors or pytorch_model.bin, d2t offsets; docs/structure.md) (default: "
+                         "$EDGECHAT_EAGLE3_DIR or ~/.cache/edgechat/eagle3/<model>)")
     ap.add_argument("--spec-depth", type=int, default=4, help="draft tokens on the longest path at batch 1")
     ap.add_argument("--spec-top-k", type=int, default=1, help="EAGLE-3 tree: children per expanded node (1: chains)")
     ap.add_argument("--spec-budget", type=int, default=0, help="EAGLE-3 tree: draft tokens kept (0: --spec-depth)")
