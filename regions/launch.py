@@ -108,24 +108,17 @@ class Component:
         return "\n".join("    | " + x for x in lines)
 
 
-def speculation_note(model: str) -> str:
-    """What the replicas (`--speculative auto`) do about EAGLE-3 for `model`, and how to change it."""
-    from speculative.cache import TRAIN_HINT, has_head, head_dir, model_name
-    from speculative.policy import SpecPolicy
+def speculation_note(model: str, device: str = "cpu") -> str:
+    """What the replicas (`--speculative auto`) on `device` ("cpu", "cuda") do about EAGLE-3
+    for `model`, and how to change it (speculative.policy.auto_choice: the engine's rule)."""
+    from speculative.cache import head_dir, model_name
+    from speculative.policy import auto_choice
 
     try:
-        folder = head_dir(model_name(model))
-        head = has_head(folder)
-        policy = SpecPolicy.load(folder) if head else None
+        kind, why = auto_choice(head_dir(model_name(model)), device)
     except Exception as e:  # noqa: BLE001 - a note, never a reason not to serve
         return f"speculative decoding: unknown ({e})"
-    if not head:
-        return f"speculative decoding: off, no EAGLE-3 head for this model yet; train one with {TRAIN_HINT}"
-    if policy is None:
-        return (f"speculative decoding: EAGLE-3 head in {folder}, no measured policy yet, so the default taper "
-                f"(measure one: .venv/bin/python bench/speculative.py --write-policy --head {folder})")
-    measured = f"measured on {policy.measured_on or policy.device}"
-    return f"speculative decoding: EAGLE-3 head in {folder}; {policy.describe()} ({measured}, {folder}/policy.json)"
+    return f"speculative decoding: {'on' if kind == 'eagle3' else 'off'}, {why}"
 
 
 class Stack:
@@ -263,7 +256,9 @@ class Stack:
         self._say(f"ready: {len(self.replicas)} replicas, {len(self.proxies)} proxies, {len(self.relays)} relays; "
                   f"{keys}; routing {self.routing}; logs in {self.log_dir}")
         if self.topo.replica_kind != "stub":
-            self._say(speculation_note(self.topo.model))
+            gpus = any(rep.gpus for region in self.topo.regions for rep in region.replicas)
+            self._say(speculation_note(self.topo.model, "cuda" if gpus or "cuda" in " ".join(
+                self.topo.replica_args) else "cpu"))
 
     async def _start_replicas(self) -> None:
         t0 = perf_counter()

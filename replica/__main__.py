@@ -127,10 +127,47 @@ def cuda_devices() -> int:
     return n.value
 
 
+def gpus_given(env: dict[str, str]) -> str:
+    """Why this process was handed GPUs, or "": a device list in CUDA_VISIBLE_DEVICES (a
+    topology's `gpus`) or NVIDIA_VISIBLE_DEVICES (the NVIDIA container runtime and device
+    plugin, i.e. a pod with nvidia.com/gpu), "" where it hides every device."""
+    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        value = env.get(var, "").strip()
+        if value and value.lower() not in ("-1", "void", "none"):
+            return f"{var}={value}"
+    return ""
+
+
+CUDA_FIX = ("install a CUDA build of torch into the replica's venv (`make install TORCH=torch==2.13.0` where pip "
+            "reaches PyPI, whose Linux wheel is the CUDA 13 build; or the replica-cuda image, deploy/Dockerfile), "
+            "or serve on the CPU with --device cpu")
+
+
+def choose_device(requested: str | None, env: dict[str, str] | None = None) -> str:
+    """The device to serve on: `requested` (--device), else cuda where the driver sees a GPU,
+    else cpu. Asked for CUDA (--device cuda, or GPUs handed over by the environment) where
+    none can be used: a ValueError naming the fix, never a silent CPU replica."""
+    env = os.environ if env is None else env
+    given = gpus_given(env)
+    if requested is not None and not requested.startswith("cuda"):
+        return requested
+    if cuda_devices() > 0:
+        return requested or "cuda"
+    if requested is None and not given:
+        return "cpu"
+    from importlib import metadata
+
+    try:
+        torch = f"the installed torch {metadata.version('torch')}"
+    except metadata.PackageNotFoundError:
+        torch = "no torch installed"
+    asked = f"--device {requested}" if requested else given
+    cause = f"{torch} is a CPU-only build" if torch.endswith("+cpu") else f"the CUDA driver sees no GPU ({torch})"
+    raise ValueError(f"asked for CUDA ({asked}), but {cause}: {CUDA_FIX}")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    device = args.device
-    if device is None:
-        device = "cuda" if cuda_devices() > 0 else "cpu"
+    device = choose_device(args.device)
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     quantization = args.quantization or default_quantization(args.model, device, args.tp, args.random_weights)
     # the step budget, at least one token a seat; the seats, at most a token of the budget each
@@ -181,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         sys.exit("python -m replica: TLS needs both --ssl-certfile and --ssl-keyfile")
     sock = bind(args.host, args.port)
+    try:
+        cfg = engine_config(args)  # before anything heavy: a replica that cannot serve says so at once
+    except ValueError as e:
+        sys.exit(f"python -m replica: {e}")
 
     import uvicorn
 
@@ -194,7 +235,6 @@ def main(argv: list[str] | None = None) -> None:
             if self.started:
                 stages.say("ready", perf_counter() - t0)
 
-    cfg = engine_config(args)
     tokenizer = Tokenizer.from_spec(args.model)
     replica_id = args.replica_id or f"{args.host}:{args.port}"
     name = "SmolLM2-135M-Instruct" if args.model == "default" else os.path.basename(args.model.rstrip("/"))

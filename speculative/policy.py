@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from speculative.cache import TRAIN_HINT, has_head
 from speculative.tree_spec import TreeSpec
 
 POLICY_FILE = "policy.json"
@@ -83,6 +84,25 @@ class SpecPolicy:
         doc = json.loads(path.read_text())
         rules = tuple((r["from_batch"], None if r["spec"] is None else TreeSpec(**r["spec"])) for r in doc["rules"])
         return cls(rules, doc["device"], doc.get("measured_on", ""))
+
+
+def auto_choice(folder: str | os.PathLike, device: str) -> tuple[str, str]:
+    """What `--speculative auto` runs with the head folder on a device type ("cpu", "cuda"):
+    ("eagle3", why) only where a policy measured on that device type speculates at some
+    batch size, else ("off", why). `why` is for the start line: what decided, and the fix."""
+    if not has_head(folder):
+        return "off", f"no EAGLE-3 head in {folder} (train one: {TRAIN_HINT})"
+    measure = f"measure one here: python bench/speculative.py --write-policy --head {folder}"
+    policy = SpecPolicy.load(folder)
+    if policy is None:
+        return "off", f"the EAGLE-3 head in {folder} has no measured policy ({measure})"
+    where = policy.measured_on or policy.device
+    if policy.device != device:
+        return "off", f"the policy beside the EAGLE-3 head in {folder} was measured on {where}, not on {device} " \
+                      f"({measure})"
+    if all(spec is None for _, spec in policy.rules):
+        return "off", f"the policy in {folder} (measured on {where}) never speculates"
+    return "eagle3", f"EAGLE-3 head in {folder}: {policy.describe()} (measured on {where})"
 
 
 def _span(a: int, b: int) -> str:

@@ -89,17 +89,23 @@ def measured_policy(cfg: EngineConfig, head_path) -> SpecPolicy | None:
 
 
 def auto_kind(cfg: EngineConfig, model_cfg: ModelConfig) -> str:
-    """`speculative="auto"`: EAGLE-3 when a head for the model is there, unless the policy
-    measured on this device type says plain decoding wins at every batch size."""
+    """`speculative="auto"`: EAGLE-3 only where the head's policy, measured on this device
+    type, speculates at some batch size (speculative.policy.auto_choice); "taper" or a policy
+    folder named in cfg.spec_policy is the operator's explicit choice for a head that is there."""
     from speculative.cache import TRAIN_HINT, has_head
+    from speculative.policy import auto_choice
 
     path = cfg.spec_head or head_dir(model_cfg.name)
+    if cfg.spec_policy == "auto":
+        kind, why = auto_choice(path, cfg.device.split(":")[0])
+        log.info("speculative decoding %s: %s", "on" if kind == "eagle3" else "off", why)
+        return kind
     if not has_head(path):
         log.info("speculative decoding off: no EAGLE-3 head in %s (train one: %s)", path, TRAIN_HINT)
         return "off"
     policy = measured_policy(cfg, path)
     if policy is not None and all(spec is None for _, spec in policy.rules):
-        log.info("speculative decoding off: the policy in %s (measured on %s) never speculates", path,
+        log.info("speculative decoding off: the policy in %s (measured on %s) never speculates", cfg.spec_policy,
                  policy.measured_on or policy.device)
         return "off"
     return "eagle3"

@@ -292,22 +292,27 @@ async def test_proxies_can_find_their_replicas_by_dns(tmp_path):
     assert stack.zone is None
 
 
-@pytest.mark.parametrize("files, says", [
-    ({}, "off, no EAGLE-3 head for this model yet; train one with python -m speculative.train"),
-    ({"config.json": "{}", "model.safetensors": ""}, "no measured policy yet, so the default taper"),
-    ({"config.json": "{}", "model.safetensors": "", "policy.json": (
+HEAD = {"config.json": "{}", "model.safetensors": ""}
+CPU_CHAIN = (
         '{"device": "cpu", "measured_on": "AMD EPYC", "rules": [{"from_batch": 1, "spec": {"depth": 3, "top_k": 1, '
-        '"budget": 3, "sample": false}}, {"from_batch": 2, "spec": null}]}')},
-     "on at batch 1 (chain of 3), off from 2 (measured on AMD EPYC"),
-    ({"config.json": "{}", "model.safetensors": "", "policy.json": (
+        '"budget": 3, "sample": false}}, {"from_batch": 2, "spec": null}]}')
+
+
+@pytest.mark.parametrize("device, files, says", [
+    ("cpu", {}, ("off, no EAGLE-3 head in", "train one: python -m speculative.train")),
+    ("cpu", HEAD, ("off, the EAGLE-3 head in", "has no measured policy", "bench/speculative.py --write-policy")),
+    ("cpu", {**HEAD, "policy.json": CPU_CHAIN},
+     ("on, EAGLE-3 head in", "on at batch 1 (chain of 3), off from 2 (measured on AMD EPYC)")),
+    ("cuda", {**HEAD, "policy.json": CPU_CHAIN}, ("off, the policy beside", "measured on AMD EPYC, not on cuda")),
+    ("cpu", {**HEAD, "policy.json": (
         '{"device": "cpu", "measured_on": "AMD EPYC", "rules": [{"from_batch": 1, "spec": null}]}')},
-     "off at every batch size measured (measured on AMD EPYC"),
+     ("off, the policy in", "never speculates")),
 ])
-def test_make_run_says_whether_speculation_is_on_and_why(tmp_path, monkeypatch, files, says):
+def test_make_run_says_whether_speculation_is_on_and_why(tmp_path, monkeypatch, device, files, says):
     monkeypatch.setenv("EDGECHAT_EAGLE3_DIR", str(tmp_path))
     folder = head_dir(model_name("default"))
     folder.mkdir(parents=True)
     for name, text in files.items():
         (folder / name).write_text(text)
-    note = speculation_note("default")
-    assert note.startswith("speculative decoding: ") and says in note, note
+    note = speculation_note("default", device)
+    assert note.startswith("speculative decoding: " + says[0]) and all(s in note for s in says[1:]), note

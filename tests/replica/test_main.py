@@ -12,3 +12,56 @@ def test_activation_flags_reach_the_engine_config():
     assert (default.decode_activations, default.prefill_activations) == ("int16", "auto")
     with pytest.raises(SystemExit):
         parse_args(["--decode-activations", "auto"])
+
+
+def test_gpus_handed_over_by_the_environment_are_seen():
+    from replica.__main__ import gpus_given
+
+    assert gpus_given({}) == "" and gpus_given({"CUDA_VISIBLE_DEVICES": ""}) == ""
+    assert gpus_given({"CUDA_VISIBLE_DEVICES": "-1", "NVIDIA_VISIBLE_DEVICES": "void"}) == ""
+    assert gpus_given({"CUDA_VISIBLE_DEVICES": "0,1"}) == "CUDA_VISIBLE_DEVICES=0,1"
+    assert gpus_given({"NVIDIA_VISIBLE_DEVICES": "GPU-5f3c"}) == "NVIDIA_VISIBLE_DEVICES=GPU-5f3c"
+
+
+@pytest.mark.parametrize("flags, env", [(["--device", "cuda"], {}), (["--device", "cuda:1"], {}),
+                                        ([], {"CUDA_VISIBLE_DEVICES": "0,1"}),
+                                        ([], {"NVIDIA_VISIBLE_DEVICES": "all"})])
+def test_a_replica_asked_for_cuda_without_one_refuses_at_once_naming_the_fix(flags, env):
+    """This machine's torch is the CPU build: a replica given GPUs or --device cuda exits
+    before loading anything (no silent CPU replica with int4 weights), and says what to do.
+    The CPU time it takes is the bound (the wall clock of a busy machine is not)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    from tests.replica.server import free_port
+
+    if not metadata.version("torch").endswith("+cpu"):
+        pytest.skip("needs a CPU-only torch (this one is a CUDA build)")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")},
+           **env}
+    r = subprocess.run([sys.executable, "-m", "replica", "--port", str(free_port()), *flags], env=env,
+                       capture_output=True, text=True, timeout=60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert r.returncode != 0 and "stage:" not in r.stderr, r.stderr  # no stage ended: nothing loaded
+    assert "asked for CUDA" in r.stderr and "CPU-only build" in r.stderr, r.stderr
+    assert "TORCH=torch==2.13.0" in r.stderr and "--device cpu" in r.stderr, r.stderr
+    assert cpu_s < 2.0, cpu_s
+
+
+def test_cpu_stays_cpu_and_is_chosen_without_gpus():
+    from importlib import metadata
+
+    from replica.__main__ import choose_device
+
+    if not metadata.version("torch").endswith("+cpu"):
+        pytest.skip("needs a CPU-only torch (this one is a CUDA build)")
+
+    assert choose_device("cpu", {"CUDA_VISIBLE_DEVICES": "0"}) == "cpu"
+    assert choose_device(None, {}) == "cpu"
+    with pytest.raises(ValueError, match="asked for CUDA"):
+        choose_device(None, {"CUDA_VISIBLE_DEVICES": "0"})

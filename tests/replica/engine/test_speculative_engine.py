@@ -13,6 +13,7 @@ from replica.engine.block_manager import BlockManager
 from replica.config import EngineConfig
 from replica.engine.llm_engine import LLMEngine
 from replica.engine.sequence import Sequence
+from replica.engine.speculation import auto_kind
 from speculative.tree_spec import TreeSpec
 from speculative.head import save_head
 from speculative.policy import SpecPolicy
@@ -273,17 +274,35 @@ def test_decodes_near_the_context_end_fall_back_to_plain():
     assert fins["r"].finish_reason == want["r"].finish_reason == "length"
 
 
-def test_auto_uses_a_head_when_there_is_one_unless_its_policy_never_speculates(tmp_path, monkeypatch):
+def test_auto_speculates_only_where_a_policy_measured_on_this_device_type_pays(tmp_path, monkeypatch):
+    """`--speculative auto`: no head, a head without a policy, a policy measured on another
+    device type or one that never speculates: plain decoding; a policy measured here that
+    speculates somewhere: EAGLE-3. The operator's explicit taper still speculates."""
     monkeypatch.setenv("EDGECHAT_EAGLE3_DIR", str(tmp_path))
     auto = dict(speculative="auto", num_blocks=64, max_num_seqs=8, max_num_batched_tokens=40)
     assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is None  # no head: off
     folder = save_head(random_head(tiny_target()), tmp_path / CFG.name)
-    eng = LLMEngine(EngineConfig(**auto), CFG, W)
-    assert eng.speculator is not None and eng.speculator.kind == "eagle3" and eng.cfg.speculative == "eagle3"
+    assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is None  # a head, never measured: off
+    eng = LLMEngine(EngineConfig(**auto, spec_policy="taper"), CFG, W)  # asked for: the taper
+    assert eng.speculator is not None and eng.cfg.speculative == "eagle3"
+    SpecPolicy(((1, TreeSpec.chain(2)), (4, None)), device="cuda").save(folder)  # measured elsewhere: off
+    assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is None
     SpecPolicy(((1, None),), device="cpu").save(folder)  # measured here: plain decoding always wins
     assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is None
-    SpecPolicy(((1, None),), device="cuda").save(folder)  # measured elsewhere: says nothing about this device
-    assert LLMEngine(EngineConfig(**auto), CFG, W).speculator is not None
+    SpecPolicy(((1, TreeSpec.chain(2)), (4, None)), device="cpu").save(folder)  # measured here, pays at 1-3
+    eng = LLMEngine(EngineConfig(**auto), CFG, W)
+    assert eng.speculator is not None and eng.speculator.kind == "eagle3" and eng.cfg.speculative == "eagle3"
+    assert eng.speculator.spec_for(1) == TreeSpec.chain(2) and eng.speculator.spec_for(4) is None
+
+
+def test_a_head_with_a_cpu_policy_on_a_cuda_config_serves_plain_decoding(tmp_path):
+    """The H200 case: a head and the policy measured on CPU beside it, an engine on cuda:N."""
+    folder = save_head(random_head(tiny_target()), tmp_path / "head")
+    SpecPolicy(((1, TreeSpec.chain(3)), (8, None)), device="cpu", measured_on="AMD EPYC").save(folder)
+    for device in ("cuda", "cuda:1"):
+        cfg = EngineConfig(device=device, speculative="auto", spec_head=str(folder))
+        assert auto_kind(cfg, CFG) == "off"
+    assert auto_kind(EngineConfig(device="cpu", speculative="auto", spec_head=str(folder)), CFG) == "eagle3"
 
 
 def test_plain_decodes_of_a_speculating_engine_run_through_the_decode_graphs(head_path, baseline, monkeypatch):
