@@ -16,6 +16,7 @@ fields rather than ignore a parameter it cannot honour): upgrade replicas first.
 Directions:
   proxy -> replica   Generate, Abort
   replica -> proxy   Hello (once, on connect), Tokens, Finished, Error, Load, KvEvents
+  API <-> engine     KvSpec (engine, after Hello), KvRead -> KvBlocks, KvBlocks -> KvWritten (KV transfer)
 The replica's API process speaks the same messages to its engine process over a
 local socket (length-prefixed frames, see `FrameCodec`).
 
@@ -261,7 +262,62 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
     uses: int = 0  # how many of them it computes on at once (its engine's CPU threads); 0: all
 
 
-Message = Union[Generate, Abort, Tokens, Finished, Error, Load, KvEvents, Hello]
+# -- KV export and import between replicas (replica.engine.kv_transfer, replica.api.kv_routes, wire.kv_frames) ---------
+
+
+class KvSpec(msgspec.Struct, tag="kv_spec", array_like=True, omit_defaults=True):
+    """What one block of a replica's KV pool holds, byte for byte. Engine -> API process once,
+    after Hello; the first message of an export stream. Blocks move between replicas only
+    when the two specs are equal (`mismatch`): nothing is ever converted."""
+
+    model: str  # identity of the weights the KV came from: name and a digest of config and numerics
+    dtype: str  # the pool's dtype ("float16"; "int8": D codes and a 4-byte scale per row)
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    row: int  # elements per (token, kv head): head_dim, or head_dim + 4 in int8
+    block_bytes: int  # one block as it travels: every layer's k and v (L, 2, bs, Hkv, row), then the draft layer's
+    draft: str = ""  # the EAGLE-3 head's KV layer ("dtype:Hkv:D"), "" without one
+    tp: int = 1
+
+    def mismatch(self, theirs: "KvSpec") -> str | None:
+        """A message naming every field that differs (this replica's value first), or None."""
+        diff = [f"{f} {getattr(self, f)!r} here, {getattr(theirs, f)!r} there" for f in self.__struct_fields__
+                if getattr(self, f) != getattr(theirs, f)]
+        return "KV layout mismatch: " + "; ".join(diff) if diff else None
+
+
+class KvRead(msgspec.Struct, tag="kv_read", array_like=True):
+    """API -> engine: the bytes of the blocks cached under `hashes`, in order, up to the first
+    one not cached; answered by a KvBlocks with the same id."""
+
+    id: str
+    hashes: list[int]
+
+
+class KvBlocks(msgspec.Struct, tag="kv_blocks", array_like=True, omit_defaults=True):
+    """Blocks' bytes, KvSpec.block_bytes each, in the order of `hashes`. Engine -> API: the
+    answer to a KvRead (hashes: those found). API -> engine: cache them (checked whole by the
+    API process first), answered by a KvWritten with the same id."""
+
+    id: str
+    hashes: list[int] = []
+    data: bytearray = msgspec.field(default_factory=bytearray)
+    error: str = ""
+
+
+class KvWritten(msgspec.Struct, tag="kv_written", array_like=True, omit_defaults=True):
+    """Engine -> API: a KvBlocks was cached (stored new blocks; present: hashes already cached),
+    or not at all (error)."""
+
+    id: str
+    stored: int = 0
+    present: int = 0
+    error: str = ""
+
+
+Message = Union[Generate, Abort, Tokens, Finished, Error, Load, KvEvents, Hello, KvSpec, KvRead, KvBlocks, KvWritten]
 Frame = list[Message]
 
 
