@@ -11,6 +11,8 @@ Invariants:
     `_evictable` (holds a registered hash, LRU order: oldest first).
   * `_hash_to_block[h] == b` iff `_block_hash[b] == h` (one block per hash).
 Every hash registered or dropped is recorded for the KV event stream.
+A block imported from another replica (replica.engine.kv_transfer) is reserved like a fresh
+block, written, and only then registered, as a cached free block: no table sees it half written.
 """
 
 from __future__ import annotations
@@ -134,6 +136,50 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
+
+    # -- KV import and export (replica.engine.kv_transfer) ---------------------------------
+    def cached(self, hashes: list[int]) -> list[int]:
+        """The blocks cached under `hashes`, up to the first hash not cached."""
+        out = []
+        for h in hashes:
+            b = self._hash_to_block.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def reserve(self, n: int, keep: list[int] = ()) -> list[int] | None:
+        """n blocks held privately (ref count 1, no hash, like a sequence's fresh blocks) for an
+        import to write into, or None when fewer than n are free. The cached blocks in `keep` are
+        made the most recently used first, so taking n does not evict them when others can go."""
+        if n > self.num_free:
+            return None
+        for b in keep:
+            if b in self._evictable:
+                self._evictable.move_to_end(b)
+        return [self._take() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        """Give back reserved blocks unused (their import failed)."""
+        for b in blocks:
+            assert self.ref_count[b] == 1 and self._block_hash[b] is None
+            self.ref_count[b] = 0
+            self._free.append(b)
+
+    def cache_imported(self, blocks: list[int], hashes: list[int]) -> None:
+        """Reserved blocks whose KV is written and checked become cached free blocks under their
+        hashes (ref count 0, the most recently used end of the LRU), each a stored event. A hash
+        cached meanwhile keeps its block; the reserved one goes back free."""
+        for b, h in zip(blocks, hashes, strict=True):
+            assert self.ref_count[b] == 1 and self._block_hash[b] is None
+            self.ref_count[b] = 0
+            if h in self._hash_to_block:
+                self._free.append(b)
+                continue
+            self._hash_to_block[h] = b
+            self._block_hash[b] = h
+            self._evictable[b] = None
+            self.stored.append(h)
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         stored, removed = self.stored, self.removed

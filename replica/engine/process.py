@@ -9,6 +9,8 @@ msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
   3. sends the step's tokens, finishes, KV events and load (periodically, and
      after every step that admits, aborts or finishes a request, so the running
      count routers and `/metrics` see is never a report behind).
+KV transfer commands (KvRead, KvBlocks: replica.engine.kv_transfer) are answered as they
+are taken, between steps.
 An Abort is therefore applied before the next step: a cancelled request stops
 within one step and its blocks are freed. The process exits when the API
 process closes the socket.
@@ -30,6 +32,7 @@ import msgspec
 from wire import protocol as P
 from replica.config import EngineConfig
 from replica.engine.containment import Containment
+from replica.engine.kv_transfer import KvTransfer
 from replica.stages import Stages
 
 
@@ -103,8 +106,9 @@ def compute_fields(cfg: EngineConfig) -> dict:
 def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:
     codec = P.FrameCodec()
     contained = Containment(engine)
+    kv = KvTransfer(engine)  # KV export and import between replicas
     sock.sendall(codec.pack([P.Hello(replica_id=replica_id, model=model_name, block_size=engine.cfg.block_size,
-                                     max_model_len=engine.max_model_len, **compute_fields(engine.cfg))]))
+                                     max_model_len=engine.max_model_len, **compute_fields(engine.cfg)), kv.spec]))
     next_report = 0.0
     while True:
         busy = engine.has_work()
@@ -126,14 +130,18 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                     fin = engine.abort(msg.id)
                     if fin is not None:
                         out.append(fin)
+                elif isinstance(msg, P.KvRead):
+                    out.append(kv.read(msg))
+                elif isinstance(msg, P.KvBlocks):
+                    out.append(kv.write(msg))
             readable, _, _ = select.select([sock], [], [], 0)
         if engine.has_work():
             step = contained.step()
             changed = changed or any(type(m) in (P.Finished, P.Error) for m in step)
             out.extend(step)
-        kv = engine.kv_events()
-        if kv is not None:
-            out.append(kv)
+        events = engine.kv_events()
+        if events is not None:
+            out.append(events)
         now = time.monotonic()
         if now >= next_report or changed:
             out.append(engine.load())

@@ -372,6 +372,45 @@ class Runner:
 
 
 def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, decodes: bool = False) -> list[bool]:
+    # -- KV export and import (replica.engine.kv_transfer) -----------------------------------
+    def _block_parts(self, b: int) -> list[torch.Tensor]:
+        """Block b's views, in the order a block travels: every layer's k and v (L, 2, bs, Hkv, row),
+        then the draft head's layer (2, bs, Hkv', D'). Strided views into the pool, no copy."""
+        parts = [self.kv_cache[:, :, b]]
+        if self.draft_kv is not None:
+            parts.append(self.draft_kv[:, b])
+        return parts
+
+    def block_nbytes(self) -> int:
+        """Bytes of one block as it travels (KvSpec.block_bytes)."""
+        return sum(t.numel() * t.element_size() for t in self._block_parts(0))
+
+    @torch.inference_mode()
+    def read_blocks(self, ids: list[int], out: bytearray) -> None:
+        """Copy blocks `ids` into `out` (len(ids) * block_nbytes() bytes), one copy each: the pool's
+        strided views straight into the buffer (on CUDA a device-to-host copy; with an RDMA
+        transport the buffer is pinned staging the NIC reads)."""
+        self._move(ids, out, to_pool=False)
+
+    @torch.inference_mode()
+    def write_blocks(self, ids: list[int], data: bytearray) -> None:
+        """Copy `data` (len(ids) * block_nbytes() bytes, laid out as read_blocks writes it) into blocks `ids`."""
+        self._move(ids, data, to_pool=True)
+
+    def _move(self, ids: list[int], buf: bytearray, to_pool: bool) -> None:
+        per = self.block_nbytes()
+        assert len(buf) == len(ids) * per, f"{len(buf)} bytes for {len(ids)} blocks of {per}"
+        if not ids:
+            return
+        flat = torch.frombuffer(buf, dtype=torch.uint8)  # shares buf's memory
+        offset = 0
+        for b in ids:
+            for t in self._block_parts(b):
+                n = t.numel() * t.element_size()
+                host = flat[offset: offset + n].view(t.dtype).view(t.shape)
+                (t if to_pool else host).copy_(host if to_pool else t)
+                offset += n
+
     """Per token of the plan: whether its matmul activations are int8.
     `EngineConfig.prefill_activations`: a token of a prefill chunk before its prompt's last,
     in a sequence whose prompt has at least `prompts_from` tokens (None: no prompt token): its
