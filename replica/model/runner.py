@@ -370,8 +370,6 @@ class Runner:
             self.tp.broadcast_bytes(None)
             self.tp.close()
 
-
-def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, decodes: bool = False) -> list[bool]:
     # -- KV export and import (replica.engine.kv_transfer) -----------------------------------
     def _block_parts(self, b: int) -> list[torch.Tensor]:
         """Block b's views, in the order a block travels: every layer's k and v (L, 2, bs, Hkv, row),
@@ -411,6 +409,8 @@ def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, dec
                 (t if to_pool else host).copy_(host if to_pool else t)
                 offset += n
 
+
+def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, decodes: bool = False) -> list[bool]:
     """Per token of the plan: whether its matmul activations are int8.
     `EngineConfig.prefill_activations`: a token of a prefill chunk before its prompt's last,
     in a sequence whose prompt has at least `prompts_from` tokens (None: no prompt token): its
