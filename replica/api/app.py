@@ -5,6 +5,7 @@
   POST /v1/completions       OpenAI-compatible, SSE or JSON
   POST /infill               llama.cpp's fill-in-the-middle (IDE plugins)
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
+  GET  /v1/kv/spec, POST /v1/kv/export, POST /v1/kv/pull   KV between replicas (replica.api.kv_routes)
 
 Every path but /healthz and /health requires the replica secret (`replica.api.auth`).
 /healthz answers 503 while the engine process starts or restarts.
@@ -32,6 +33,8 @@ from replica.api.auth import RequireSecret
 from replica.config import EngineConfig
 from replica.api.engine_client import EngineClient
 from replica.api.frame_split import split_frame
+from replica.api.kv_routes import KvRoutes
+from replica.api.kv_transport import HttpKvTransport
 from replica.api.metrics import ReplicaMetrics
 from replica.api.openai_http import ReplicaBackend
 from wire.metrics import CONTENT_TYPE
@@ -237,6 +240,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         Route("/healthz", healthz),
         Route("/health", healthz),  # what routers built for vLLM/SGLang workers probe
         Route("/metrics", metrics_endpoint),
+        *KvRoutes(client, HttpKvTransport(secret)).routes(),  # KV export and import between replicas
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     return RequireSecret(WebSocketFront(app, "/v1/replica", replica_ws), secret, open_paths=("/healthz", "/health"))

@@ -17,11 +17,15 @@ If the engine process dies, every stream in flight gets `Error(internal)` (the
 proxy resumes it on another replica) and new requests get `Error(overloaded)`
 until the restarted engine says Hello. Imports no torch: the engine runs in its
 own process.
+
+KV transfer (`kv_call`): a KvRead or KvBlocks goes to the engine and its answer comes back
+to the awaiting caller (replica.api.kv_routes); `kv_spec` is the engine's pool as blocks travel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +80,9 @@ class EngineClient:
         self.cached_blocks: set[int] = set()  # mirror of the engine's prefix cache, for new routers
         self.subscribers: set[Sink] = set()  # receive Load and KvEvents
         self.lost_listeners: set[Callable[[], None]] = set()  # called once the streams got their errors
+        self.kv_spec: P.KvSpec | None = None  # the engine's KV pool, as blocks travel (replica.api.kv_routes)
+        self._kv_calls: dict[str, asyncio.Future] = {}  # KvRead / KvBlocks sent, by id: their answers to come
+        self._kv_ids = itertools.count()
         self._codec = P.FrameCodec()
         self.engine = EngineSupervisor(cfg, replica_id, self._dispatch, self._engine_lost, **supervision)
 
@@ -170,10 +177,25 @@ class EngineClient:
         except EngineUnavailable:
             pass  # every stream in flight was failed when the engine was lost; aborts have nothing left to stop
 
+    async def kv_call(self, msg: P.KvRead | P.KvBlocks) -> P.KvBlocks | P.KvWritten:
+        """Send a KV transfer command to the engine (msg.id is set here) and await its answer.
+        EngineUnavailable when the engine is restarting or is lost before it answers."""
+        msg.id = f"kv/{next(self._kv_ids)}"
+        fut = self._kv_calls[msg.id] = asyncio.get_running_loop().create_future()
+        try:
+            self.engine.send(self._codec.pack([msg]))
+            return await fut
+        finally:
+            self._kv_calls.pop(msg.id, None)
+
     def _engine_lost(self, code: int | None) -> None:
         """The engine died: every stream in flight gets a typed error (the proxy moves it to
         another replica), and the prefix cache is gone."""
         self.load = None
+        self.kv_spec = None
+        for fut in self._kv_calls.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(f"the engine process exited (code {code}) during a KV transfer"))
         self.cached_blocks.clear()
         if self.metrics is not None:
             self.metrics.engine_restarts.inc()
@@ -230,6 +252,12 @@ class EngineClient:
             self.cached_blocks.difference_update(msg.removed)
             self.cached_blocks.update(msg.stored)
             self._publish(msg)
+        elif isinstance(msg, (P.KvBlocks, P.KvWritten)):
+            fut = self._kv_calls.get(msg.id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, P.KvSpec):
+            self.kv_spec = msg
 
     def _on_tokens(self, stream: EngineStream, ids: list[int]) -> str:
         now = time.perf_counter()

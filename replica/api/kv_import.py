@@ -1,0 +1,115 @@
+"""The receiver's half of a KV pull: what it lacks, asked of a source, checked, cached.
+
+`pull` computes the prompt's chained block hashes itself (wire.hashing, from the token ids and
+the cache salt), skips the leading blocks its engine already caches (the API process mirrors
+the cache from the engine's KvEvents), fetches the rest through a transport
+(replica.api.kv_transport) and hands each frame to the engine (`EngineClient.kv_call`) only once
+it is whole:
+  * the source's KvSpec equals this replica's (dtype, block size, layers, KV heads, head dim,
+    row, model identity, draft layer): else refused (409) before any block moves;
+  * a frame starts where the last one ended, its hashes are the receiver's own for those block
+    indexes (the source's blocks are these tokens' KV, under this salt), its bytes are
+    block_bytes per block and each block's xxh3_64 digest matches.
+A frame that fails a check, or a stream that breaks (the source died), ends the pull (502);
+the frames already cached stay: each is whole and verified, and a block is found by its chained
+hash, so the cached ones are a prefix a request reuses and nothing else can reach them. The
+engine caches each frame all or nothing (replica.engine.kv_transfer), so no block leaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from wire import protocol as P
+from wire.hashing import block_hashes
+from wire.kv_frames import KvEnd, KvExport, KvFrame, KvPull, block_digest
+from replica.api.engine_supervisor import EngineUnavailable
+from replica.api.kv_transport import KvTransportError
+
+
+@dataclass
+class PullResult:
+    status: int = 200  # of the pull's HTTP answer
+    blocks: int = 0  # full blocks of the prompt
+    cached: int = 0  # of them cached here already (skipped)
+    imported: int = 0  # of them cached here by this pull
+    complete: bool = False  # every full block of the prompt is cached here now
+    error: str = ""  # why not (a refusal, a check that failed, the source's reason)
+
+    def body(self) -> dict:
+        return asdict(self)
+
+
+def check_frame(frame: KvFrame, hashes: list[int], at: int, block_bytes: int) -> str | None:
+    """What is wrong with a frame that should hold blocks `at`.. of a prompt with these hashes."""
+    n = len(frame.hashes)
+    if frame.start != at:
+        return f"a frame starts at block {frame.start}, the next expected is {at}"
+    if n == 0 or len(frame.digests) != n or at + n > len(hashes):
+        return f"a frame of {n} hashes and {len(frame.digests)} digests at block {at} of {len(hashes)}"
+    for i, h in enumerate(frame.hashes):
+        if h != hashes[at + i]:
+            return f"block {at + i}'s hash is not the chain of these token ids (another prompt or salt)"
+    if len(frame.data) != n * block_bytes:
+        return f"a frame of {n} blocks holds {len(frame.data)} bytes, not {n * block_bytes}"
+    view = memoryview(frame.data)
+    for i, d in enumerate(frame.digests):
+        if block_digest(view[i * block_bytes: (i + 1) * block_bytes]) != d:
+            return f"block {at + i}'s bytes do not match their digest (corrupted on the way)"
+    return None
+
+
+async def pull(client, transport, req: KvPull) -> PullResult:
+    """Make this replica cache the full blocks of req.token_ids, fetched from req.source."""
+    mine = client.kv_spec
+    if mine is None:
+        return PullResult(503, error="the engine process is restarting; nothing imported")
+    hashes = block_hashes(req.token_ids, mine.block_size, req.cache_salt)
+    have = 0
+    while have < len(hashes) and hashes[have] in client.cached_blocks:
+        have += 1
+    res = PullResult(blocks=len(hashes), cached=have)
+    if have == len(hashes):
+        res.complete = True
+        return res
+    at, spec, end = have, None, None
+
+    def fail(status: int, error: str) -> PullResult:
+        res.status, res.error = status, error
+        return res
+
+    try:
+        async for msg in transport.fetch(req.source, KvExport(token_ids=req.token_ids, cache_salt=req.cache_salt,
+                                                              start=have, frame_blocks=req.frame_blocks)):
+            if spec is None:
+                if not isinstance(msg, P.KvSpec):
+                    return fail(502, f"the export stream from {req.source} did not open with its KvSpec")
+                problem = mine.mismatch(msg)
+                if problem is not None:
+                    return fail(409, f"{problem} (here: this replica; there: {req.source}): refused, nothing imported")
+                spec = msg
+            elif isinstance(msg, KvFrame):
+                problem = check_frame(msg, hashes, at, mine.block_bytes)
+                if problem is not None:
+                    return fail(502, f"{req.source} sent a bad frame: {problem}")
+                written = await client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data))
+                if written.error:
+                    return fail(503, f"this replica's engine cached none of blocks {at}..: {written.error}")
+                res.imported += written.stored
+                res.cached += written.present
+                at += len(msg.hashes)
+            elif isinstance(msg, KvEnd):
+                end = msg
+                break
+            else:
+                return fail(502, f"{req.source} sent a second KvSpec")
+    except KvTransportError as e:
+        return fail(502, f"{e} (after {at - have} of {len(hashes) - have} blocks)")
+    except EngineUnavailable as e:
+        return fail(503, str(e))
+    if end is None:
+        return fail(502, f"the export stream from {req.source} ended without its KvEnd "
+                         f"(after {at - have} of {len(hashes) - have} blocks)")
+    res.complete = at == len(hashes)
+    res.error = "" if res.complete else f"the source sent blocks up to {at}: {end.reason}"
+    return res

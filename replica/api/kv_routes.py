@@ -1,0 +1,103 @@
+"""The replica-to-replica KV channel's routes (behind the replica secret, like every route but /healthz):
+
+  GET  /v1/kv/spec    this replica's KvSpec as JSON (what its blocks hold; a proxy picking a
+                      successor can compare two replicas before it asks for a pull)
+  POST /v1/kv/export  (source) msgpack KvExport -> the stream of wire.kv_frames: KvSpec, KvFrame*, KvEnd
+  POST /v1/kv/pull    (receiver) JSON KvPull -> JSON PullResult (replica.api.kv_import): 200 when
+                      every full block of the prompt is cached here (or as many as the source
+                      had: `complete` says), 400 a bad body, 409 a layout mismatch, 502 the source
+                      refused, broke off or sent a bad frame, 503 this engine is restarting or full
+
+An export reads `frame_blocks` blocks at a time from the engine (one KvRead between two of its
+steps, cut to MAX_FRAME_BYTES) and writes each frame before it reads the next, so a slow receiver
+holds back the source's reads, not its memory. A block evicted meanwhile ends the export there
+(KvEnd says why): a running sequence holds its blocks, so a drain's streams never lose theirs.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from wire import protocol as P
+from wire.hashing import block_hashes
+from wire.kv_frames import MAX_FRAME_BYTES, MEDIA_TYPE, KvEnd, KvExport, KvFrame, KvPull, StreamCodec, block_digest
+from replica.api.engine_supervisor import EngineUnavailable
+from replica.api import kv_import
+
+MAX_BODY_BYTES = 8 << 20  # a KvExport or KvPull of MAX_PROMPT_TOKENS ids fits
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+class KvRoutes:
+    """`client()`: the EngineClient; `transport`: how a pull reaches a source (replica.api.kv_transport)."""
+
+    def __init__(self, client, transport):
+        self.client, self.transport = client, transport
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/kv/spec", self.spec, methods=["GET"]),
+                Route("/v1/kv/export", self.export, methods=["POST"]),
+                Route("/v1/kv/pull", self.pull, methods=["POST"])]
+
+    async def _body(self, request: Request, kind, decode):
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise ValueError(f"body larger than {MAX_BODY_BYTES} bytes")
+        return decode(body, type=kind)
+
+    async def spec(self, request: Request):
+        spec = self.client().kv_spec
+        if spec is None:
+            return _error(503, "the engine process is restarting")
+        return Response(msgspec.json.encode(msgspec.structs.asdict(spec)), media_type="application/json")
+
+    async def export(self, request: Request):
+        try:
+            req = await self._body(request, KvExport, msgspec.msgpack.decode)
+        except ValueError as e:  # msgspec's errors are ValueErrors
+            return _error(400, f"bad KvExport body: {e}")
+        client = self.client()
+        spec = client.kv_spec
+        if spec is None:
+            return _error(503, "the engine process is restarting")
+        hashes = block_hashes(req.token_ids, spec.block_size, req.cache_salt)[req.start:]
+        per_frame = max(1, min(req.frame_blocks, MAX_FRAME_BYTES // spec.block_bytes))
+        return StreamingResponse(self._stream(client, spec, hashes, req.start, per_frame), media_type=MEDIA_TYPE)
+
+    @staticmethod
+    async def _stream(client, spec: P.KvSpec, hashes: list[int], start: int, per_frame: int):
+        codec, sent, reason, per = StreamCodec(), 0, "", spec.block_bytes
+        yield codec.pack(spec)
+        for i in range(0, len(hashes), per_frame):
+            want = hashes[i: i + per_frame]
+            try:
+                got = await client.kv_call(P.KvRead(id="", hashes=want))
+            except EngineUnavailable as e:
+                reason = str(e)
+                break
+            if got.error:
+                reason = got.error
+                break
+            if got.hashes:
+                view = memoryview(got.data)
+                digests = [block_digest(view[k * per: (k + 1) * per]) for k in range(len(got.hashes))]
+                yield codec.pack(KvFrame(start=start + i, hashes=got.hashes, digests=digests, data=got.data))
+                sent += len(got.hashes)
+            if len(got.hashes) < len(want):
+                reason = f"block {start + i + len(got.hashes)} is not cached here (never computed, or evicted)"
+                break
+        yield codec.pack(KvEnd(blocks=sent, reason=reason))
+
+    async def pull(self, request: Request):
+        try:
+            req = await self._body(request, KvPull, msgspec.json.decode)
+        except ValueError as e:
+            return _error(400, f"bad KvPull body: {e}")
+        res = await kv_import.pull(self.client(), self.transport, req)
+        return JSONResponse(res.body(), status_code=res.status)
