@@ -43,7 +43,7 @@ from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
 from edge_proxy.prompt import TokenizerPool
-from edge_proxy.routing import LOAD, Candidate, Decision, make_router
+from edge_proxy.routing import LOAD, Candidate, Decision, later_turn, make_router, mark_home
 from edge_proxy.sessions import SessionTable, placement_key
 from edge_proxy.sinks import DeltaSink, TokenSink
 from edge_proxy.stream import ProxiedRequest
@@ -223,6 +223,7 @@ class Proxy:
         gen = P.Generate("", ids, sampling, salt, priority, 0.0, [], traceparent_of(span))
         s = ProxiedRequest(req.cid, key, sink, gen, hashes, session, t0, span)
         s.messages = req.messages
+        s.later = later_turn(req.messages, req.session)
         if session is not None:
             s.placement = placement_key(key.key_id, req.session)
         if req.resume:
@@ -298,8 +299,8 @@ class Proxy:
         for c in conns:
             n = c.index.match(s.hashes, now)
             out.append(Candidate(c.id, c.effective_load(), n, c.prefill_pending, len(c.prefilling),
-                                 rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share, len(c.index),
-                                 c.index.history(s.hashes, n, s.gen.prompt_ids, self.pool.block_size)))
+                                 rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share, len(c.index)))
+        mark_home(out, s.later)  # from the replicas' KV events and the request: alike on every proxy
         return out
 
     def _place_new(self, s: ProxiedRequest, deadline_ms: float, prefer: str | None = None) -> None:
@@ -311,9 +312,11 @@ class Proxy:
         if prefer in by_id:  # `replaces`: the replica that ran the old request holds its prefix and its slot
             d = Decision(prefer, REPLACES, next(c.cached_blocks for c in cands if c.id == prefer))
         else:
+            # A session's replica is its home as the replicas' KV events show it (`mark_home`), never
+            # where this process last sent it: every proxy of the region finds the same one.
+            home = next((c.id for c in cands if c.history), None)
             d = self.router.route(cands, len(s.gen.prompt_ids), self.pool.block_size, key=s.route_key(),
-                                  session_key=s.placement,
-                                  session_current=s.session.replica if s.session is not None else None)
+                                  session_key=s.placement, session_current=home)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s session=%s prompt=%d -> %s (%s) among %s", s.cid, s.placement,
                       len(s.gen.prompt_ids), d.replica, d.reason,
@@ -347,8 +350,6 @@ class Proxy:
         s.rid = conn.start(s, s.next_generate(deadline_ms),
                            max(len(s.gen.prompt_ids) - d.cached_blocks * self.pool.block_size, 1))
         conn.index.expect(s.hashes, perf_counter())
-        if s.session is not None:
-            s.session.replica = conn.id
         m = self.metrics
         m.routing.inc(d.reason)
         m.prefix_blocks.inc(by=len(s.hashes))

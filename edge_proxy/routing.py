@@ -15,9 +15,13 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    blocks replica r is believed to hold (`prefix_index`). The replicas that could
    prefill the prompt nearly as cheaply as the cheapest one (within
    `max(near_tokens, near_frac * prompt)` tokens) are its candidates. A later turn
-   of a conversation has a home among them (`conversation_home`): the session's
-   replica (a session id given), else the one where its previous turn ended (the
-   prompt goes on from what that stream left there: `BlockIndex.history`). Home
+   of a conversation (`later_turn`: the request carries an earlier reply) has a home
+   among them (`conversation_home`, `mark_home`): the one replica whose match of the
+   prompt runs deepest, past what any other holds. Its previous turn's prompt and
+   reply are there (an engine stores the blocks it decodes as it does a prompt's,
+   and says so in its KV events to every proxy), so every proxy and worker of the
+   region that receives the turn finds the same home, with or without a session id
+   (a session's home is found the same way: no proxy keeps where a session ran). Home
    takes the turn while it holds fewer than the spill bound (`load_bound`:
    `ceil(session_load_factor * (L + 1) / n) + session_slack` requests, L: the total
    outstanding requests, n: replicas). A conversation is placed for good: its
@@ -60,11 +64,31 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
 `load` is the effective number of outstanding requests (running + waiting) as
 the proxy best knows it; see `effective_load`.
 
+One region, many proxies. A region runs several proxy processes (pods, `--workers`),
+and a load balancer spreads a conversation's turns over them, so a decision is a
+function of what all of them see alike: the request (its block hashes, its session's
+placement key, whether it carries an earlier reply) and the replicas' reports (KV
+events, Load, Hello), which every proxy receives on its own connection. What is
+local, and why that is safe:
+
+- blocks a proxy expects but no KV event has confirmed yet (`BlockIndex.expect`: a
+  prompt just sent, a reply just finished): the replica's events confirm them within
+  a step, or they age out in `expect_s`; they bridge that step, and another proxy
+  learns the same blocks from the same events before the client's next turn reaches it;
+- its own requests since a replica's last Load (`effective_load`) and their prompts
+  still prefilling (`queued_prefill`): corrections of a report a few tens of ms old,
+  replaced by the next one; they weigh load, never decide a conversation's home;
+- the rendezvous tie-breaks draw on the request's key: alike everywhere.
+
+No proxy keeps where a session or a conversation last ran (`sessions` holds owners
+only; `BlockIndex.history`, a process's marks of the streams it finished, no longer
+decides anything here).
+
 `RouterConfig.mode` (`python -m edge_proxy --routing MODE`) picks the policy;
 all but "auto" are reductions for comparisons (`bench/routing.py`,
 `loadtest --compare-routing`):
 
-    auto          the rule above; a session's replica is its conversation's home
+    auto          the rule above; a session's home is found from KV events like any conversation's
     prefix        the rule above, session ids ignored (home: the replica holding its reply)
     sticky        session stickiness only, by rendezvous hashing with bounded loads
                   (`pick_sticky`); no prefix knowledge: requests without a session
@@ -120,7 +144,7 @@ class Candidate:
     group: str = ""  # its compute group (`compute_groups`); "": computes alone
     share: float = 1.0  # the fraction of its group's compute it can use at once
     held_blocks: int = 0  # blocks it is believed to hold in all (the tie-break of equally loaded cold choices)
-    history: bool = False  # the prompt goes on from a stream that ended here (`BlockIndex.history`): its home
+    history: bool = False  # it holds this later turn's conversation, deeper than any other (`mark_home`): its home
 
 
 @dataclass(slots=True, frozen=True)
@@ -230,11 +254,37 @@ def valve_pick(cands: list[Candidate], cfg: RouterConfig, key: str) -> Candidate
     return min(idle, key=lambda c: (weighed_load(c, cfg), -c.cached_blocks, -hrw_score(key, c.id)))
 
 
+def later_turn(messages: list[dict] | None, session: str | None) -> bool:
+    """Does the request go on from an earlier reply of its conversation: a chat that carries
+    an assistant message, or a plain prompt that names its session? (The request alone
+    says so: the same answer on every proxy.)"""
+    if messages is not None:
+        return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+    return session is not None
+
+
+def mark_home(cands: list[Candidate], later: bool) -> None:
+    """Set `Candidate.history` on the replica a later turn's conversation lives on, from
+    what every proxy of the region sees alike (the replicas' KV events, the request): the
+    one candidate whose match of the prompt runs deeper than every other's. Its previous
+    turn's prompt and reply are there (a replica stores the blocks it decodes, as it does
+    the prompt's), so its match runs past the shared part (a system prompt) that others may
+    hold too. A first turn, a prompt several replicas hold as deeply (a shared prompt, a
+    conversation copied by a spill), or one no replica holds any of: no home."""
+    if not later or not cands:
+        return
+    deepest = max(c.cached_blocks for c in cands)
+    holders = [c for c in cands if c.cached_blocks == deepest]
+    if deepest > 0 and len(holders) == 1:
+        holders[0].history = True
+
+
 def conversation_home(close: list[Candidate], prefill: dict[str, int], prefer: str | None) -> Candidate | None:
     """The replica a later turn of a conversation belongs on, among those that can
-    prefill it nearly as cheaply as the cheapest (`close`): the session's, else the
-    cheapest one where its previous turn ended (`Candidate.history`); None for a new
-    conversation, or a prompt that only shares a system prompt with others."""
+    prefill it nearly as cheaply as the cheapest (`close`): the session's (`prefer`, when
+    the caller knows it), else the cheapest one holding its history (`Candidate.history`,
+    `mark_home`); None for a new conversation, or a prompt that only shares a system
+    prompt with others."""
     for c in close:
         if c.id == prefer:
             return c
@@ -298,7 +348,8 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
 
 
 class Router:
-    """mode "auto": `pick_prefix` for every request; a session's replica is preferred."""
+    """mode "auto": `pick_prefix` for every request; a session's home is preferred
+    (`session_current`: the core gives the one `mark_home` found)."""
 
     def __init__(self, cfg: RouterConfig | None = None):
         self.cfg = cfg or RouterConfig()

@@ -1,8 +1,17 @@
-"""Session table: which API key owns a session id, and where it last ran.
+"""Session table: which API key owns a session id. Nothing about where it ran.
 
-A session id is bound to the key that first used it: another key gets
-`forbidden` here, and its placement key (`placement_key`) differs anyway, so even
-a proxy worker that has never seen the session routes the two apart.
+A session's requests are routed by what every proxy of a region sees alike
+(`routing`: its placement key for a first turn, the replicas' KV events for a
+later one), never by a table of this process: the table holds only owners.
+
+A session id is namespaced by the key that uses it: its placement key
+(`placement_key`: key id / session id) is what routing sees, so on every proxy and
+worker of the region, whatever it has seen, another key's requests under the same
+id are another session (placed apart, their cache salt their tenant's); nothing
+they do reaches or moves this key's conversation. On top, the process that first
+saw the id binds it to that key and answers another key `forbidden` (a courtesy
+of one process: another proxy that never saw the binding serves that key's
+requests as its own session, never as this one).
 
 A binding lasts until it has been idle for `ttl_s`; nothing another key does can
 end it sooner. Each key holds at most `per_key` bindings, and when it opens one
@@ -21,7 +30,6 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class Session:
     owner: str  # ApiKey.key_id
-    replica: str | None = None
     last_used: float = 0.0
 
 
@@ -51,7 +59,7 @@ class SessionTable:
             self._forget(session, s.owner)
             s = None
         if s is None:
-            s = self._d[session] = Session(owner, None, now)
+            s = self._d[session] = Session(owner, now)
             lru = self._by_owner.setdefault(owner, OrderedDict())
             lru[session] = None
             self._trim(owner, lru, now)

@@ -34,7 +34,7 @@ from wire import protocol as P
 class ProxiedRequest:
     __slots__ = ("cid", "key", "sink", "token_sink", "gen", "hashes", "session", "t0", "t_first", "t_last", "ids",
                  "conn", "rid", "tried", "failovers", "faults", "done", "span", "replica_ttft_ms", "placement",
-                 "messages", "samples", "running", "cached_tokens")
+                 "later", "messages", "samples", "running", "cached_tokens")
 
     def __init__(self, cid: str, key, sink: DeltaSink | TokenSink, gen: P.Generate, hashes: list[int], session,
                  t0: float, span):
@@ -46,6 +46,7 @@ class ProxiedRequest:
         self.hashes = hashes  # chained block hashes of the prompt
         self.session = session  # sessions.Session or None
         self.placement: str | None = None  # rendezvous key of the session
+        self.later = False  # it goes on from an earlier reply (`routing.later_turn`): it may have a home
         self.messages: list[dict] | None = None  # the chat, to check how its reply re-renders
         self.t0 = t0
         self.t_first = 0.0

@@ -24,7 +24,8 @@ reported as `waiting` in `Load`, and start as slots free.
 
 Prefix cache: per (salt-chained) block hash, LRU over `total_blocks`; each new
 request reports `cached_tokens` for its leading cached blocks and broadcasts the
-newly stored/evicted hashes as KvEvents to every connection.
+newly stored/evicted hashes as KvEvents to every connection; a finished stream's
+blocks (prompt + the ids it computed) are stored too, as an engine's are.
 
 `stamp=True` (bench): each token's text is the stub's send time,
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, comparable across processes) + ";".
@@ -319,7 +320,17 @@ class StubReplica:
                 self._run(w)
 
     def _cache_prompt(self, g: P.Generate) -> int:
-        hashes = block_hashes(g.prompt_ids, self.cfg.block_size, g.cache_salt)
+        return self._store(block_hashes(g.prompt_ids, self.cfg.block_size, g.cache_salt))
+
+    def _cache_reply(self, r: _Req) -> None:
+        """A finished stream's blocks stay cached, as an engine's do: its prompt and the ids
+        it computed (every generated id but the last, which was sampled, never computed)."""
+        g = r.gen
+        ids = g.prompt_ids + [token_at(r.key, r.seed, p) for p in range(r.pos - 1)]
+        self._store(block_hashes(ids, self.cfg.block_size, g.cache_salt))
+
+    def _store(self, hashes: list[int]) -> int:
+        """Cache these chained blocks (KV events to every connection); the leading ones already held, in tokens."""
         cache, cached, stored, removed = self._cache, 0, [], []
         for i, h in enumerate(hashes):
             if h in cache:
@@ -389,6 +400,7 @@ class StubReplica:
                                     index=r.index))
             del c.reqs[r.rid]
             self._free(r)
+            self._cache_reply(r)
 
     def _flush(self) -> None:
         dirty, self._dirty = self._dirty, set()

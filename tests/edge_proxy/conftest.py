@@ -111,6 +111,13 @@ async def proxy_for(replicas: list[StubReplica], wait_ready: int | None = None, 
         await asyncio.wait_for(task, 15)
 
 
+@contextlib.asynccontextmanager
+async def two_proxies(replicas: list[StubReplica], **kw):
+    """Two proxies of one region over the same replicas (`proxy_for` twice, the same config)."""
+    async with proxy_for(replicas, **kw) as p1, proxy_for(replicas, **kw) as p2:
+        yield p1, p2
+
+
 # -- the official `openai` SDK over a module's real stack (test_openai_sdk, test_structured_sdk) --
 @pytest.fixture(scope="module")
 def sdk_keys() -> dict:
