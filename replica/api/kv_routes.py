@@ -46,10 +46,13 @@ class KvRoutes:
                 Route("/v1/kv/pull", self.pull, methods=["POST"])]
 
     async def _body(self, request: Request, kind, decode):
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise ValueError(f"body larger than {MAX_BODY_BYTES} bytes")
-        return decode(body, type=kind)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ValueError(f"body larger than {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+        return decode(b"".join(chunks), type=kind)
 
     async def spec(self, request: Request):
         spec = self.client().kv_spec
@@ -99,5 +102,7 @@ class KvRoutes:
             req = await self._body(request, KvPull, msgspec.json.decode)
         except ValueError as e:
             return _error(400, f"bad KvPull body: {e}")
+        if not req.source.startswith(("http://", "https://")):  # it is given this replica's secret: a replica only
+            return _error(400, f"source must be a replica's http:// or https:// base URL, got {req.source[:100]!r}")
         res = await kv_import.pull(self.client(), self.transport, req)
         return JSONResponse(res.body(), status_code=res.status)

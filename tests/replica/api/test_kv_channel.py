@@ -90,6 +90,16 @@ def test_a_wrong_secret_is_refused(pair):
         assert r.status_code == 502 and "HTTP 401" in r.json()["error"] and r.json()["imported"] == 0
 
 
+def test_bad_bodies_are_refused_with_a_message(pair):
+    a, b = pair
+    r = pull(b, "file:///etc/passwd", [1, 2, 3])
+    assert r.status_code == 400 and "http:// or https://" in r.json()["error"]["message"]
+    r = httpx.post(b + "/v1/kv/pull", headers=AUTH, timeout=30, json={"source": a, "token_ids": [-1]})
+    assert r.status_code == 400 and "bad KvPull body" in r.json()["error"]["message"]
+    r = httpx.post(a + "/v1/kv/export", headers=AUTH, timeout=30, content=b"\xc1")
+    assert r.status_code == 400 and "bad KvExport body" in r.json()["error"]["message"]
+
+
 def test_a_source_killed_half_way_leaves_whole_blocks_and_no_leak(pair):
     _, b = pair
     salt = {"cache_salt": "killed-source"}  # other hashes than the first test's: new to B
