@@ -2,7 +2,8 @@
 python -m edge_proxy --replicas-dns edgechat-replica:8000 --host 0.0.0.0     (Kubernetes headless Service)
 
 Secrets come from the environment, never the command line:
-  EDGECHAT_API_KEYS       key=tenant[:tier[:rate_per_s[:burst]]],...   (or --api-keys FILE)
+  EDGECHAT_API_KEYS       key=tenant[:tier[:rate_per_s[:burst[:max_inflight]]]],...   (or --api-keys FILE);
+                          the limits are the region's (--region-proxies / --proxies-dns, x --workers)
   EDGECHAT_REPLICA_SECRET shared secret for the replicas' /v1/replica endpoint
   EDGECHAT_PEER_KEY       API key this proxy presents to --peer proxies that require keys; a key of tier
                           "peer" there, so forwarded requests keep their tenant (cache salt)
@@ -53,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--region", default="local")
+    p.add_argument("--region-proxies", type=int, default=1, metavar="N",
+                   help="proxy pods (or hosts) of this region, each of --workers processes: every key's rate, "
+                        "burst and in-flight cap are the region's, and each process enforces its share")
+    p.add_argument("--proxies-dns", default="", metavar="NAME",
+                   help="count the region's proxy pods live from their headless Service's records instead "
+                        "(refreshed every --dns-interval; the last count stays through a DNS outage)")
     p.add_argument("--tokenizer", default="default", help='tokenizer spec ("default": the default model; '
                                                           '"bytes": the stub\'s byte tokenizer)')
     p.add_argument("--api-keys", default="", metavar="FILE", help="JSON list of {key, tenant, tier, rate_per_s, burst}")
@@ -89,8 +96,9 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     discovery = DiscoveryConfig.parse(a.replicas_dns, a.dns_interval, a.dns_server) if a.replicas_dns else None
+    census = DiscoveryConfig.parse(a.proxies_dns, a.dns_interval, a.dns_server) if a.proxies_dns else None
     return ProxyConfig(
-        replicas=a.replica, discovery=discovery, host=a.host, port=a.port, workers=a.workers, region=a.region, tokenizer=a.tokenizer,
+        replicas=a.replica, discovery=discovery, region_proxies=a.region_proxies, proxies_dns=census, host=a.host, port=a.port, workers=a.workers, region=a.region, tokenizer=a.tokenizer,
         api_keys_file=a.api_keys, allow_anonymous=a.allow_anonymous, allowed_origins=tuple(a.allowed_origin),
         ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile,
         max_frame_bytes=a.max_frame_bytes, max_prompt_tokens=a.max_prompt_tokens,

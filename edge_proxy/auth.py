@@ -1,8 +1,10 @@
 """API keys, per-key token buckets and per-tenant cache salts.
 
 Keys come from the environment variable `EDGECHAT_API_KEYS`
-(`key=tenant[:tier[:rate_per_s[:burst]]]`, comma-separated) or a JSON file (a list
-of `{"key", "tenant", "tier", "rate_per_s", "burst"}` objects). The proxy keeps only
+(`key=tenant[:tier[:rate_per_s[:burst[:max_inflight]]]]`, comma-separated) or a JSON
+file (a list of `{"key", "tenant", "tier", "rate_per_s", "burst", "max_inflight"}`
+objects). A key's rate, burst and in-flight cap are the region's: each proxy process
+enforces its share (`set_share`, `limits.RegionShare`). The proxy keeps only
 SHA-256 digests: a presented key is hashed, looked up by digest, and the digests
 are compared with `hmac.compare_digest`, so neither the lookup nor the comparison
 depends on how many leading characters of a guess are right.
@@ -27,6 +29,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from edge_proxy.limits import shared_cap, shared_rate
 from wire import protocol as P
 
 ENV_VAR = "EDGECHAT_API_KEYS"
@@ -54,6 +57,12 @@ class TokenBucket:
             return 0.0
         return (n - self.tokens) / self.rate
 
+    def rescale(self, rate: float, burst: float) -> None:
+        """A new share of the key's limit: what was banked is kept up to the new burst."""
+        assert rate > 0 and burst >= 1, "a bucket needs rate > 0 and burst >= 1"
+        self.rate, self.burst = rate, burst
+        self.tokens = min(self.tokens, burst)
+
 
 @dataclass
 class ApiKey:
@@ -63,6 +72,10 @@ class ApiKey:
     cache_salt: str = ""
     bucket: TokenBucket | None = field(default=None, repr=False)
     peer: bool = False  # another region's proxy: may run requests for the tenant they name
+    rate: float = 0.0  # the region's limits as configured (requests a second, burst, in flight: 0 none) ...
+    burst: float = 0.0
+    max_inflight: int = 0
+    inflight_cap: int = 0  # ... and this process's share of the in-flight cap (`set_share`)
 
 
 def cache_salt(tenant: str, secret: str) -> str:
@@ -90,10 +103,15 @@ class KeyStore:
                 raise ValueError(f"API key tier must be one of {sorted(TIERS)}, got {tier!r}")
             d = _digest(key)
             rate, burst = float(e.get("rate_per_s", default_rate)), float(e.get("burst", default_burst))
+            inflight = int(e.get("max_inflight", 0))
+            if inflight < 0:
+                raise ValueError(f"API key max_inflight must be >= 0 (0: no cap), got {inflight}")
             self._by_digest[d] = (d, ApiKey(d.hex()[:12], tenant, TIERS[tier], cache_salt(tenant, salt_secret),
-                                            TokenBucket(rate, burst), peer=tier == "peer"))
+                                            TokenBucket(rate, burst), peer=tier == "peer", rate=rate, burst=burst,
+                                            max_inflight=inflight, inflight_cap=inflight))
         self.anonymous = (ApiKey("anonymous", "anonymous", P.INTERACTIVE, cache_salt("anonymous", salt_secret),
-                                 TokenBucket(default_rate, default_burst)) if anonymous else None)
+                                 TokenBucket(default_rate, default_burst), rate=default_rate, burst=default_burst)
+                          if anonymous else None)
         if not self._by_digest and not anonymous:
             raise ValueError(f"no API keys configured: set {ENV_VAR}, pass --api-keys FILE, or --allow-anonymous")
 
@@ -113,6 +131,14 @@ class KeyStore:
         return hit[1]
 
 
+    def set_share(self, share: float) -> None:
+        """Every key's limits become this process's `share` of the region's (`limits.shared_rate`,
+        `shared_cap`); called at start and whenever the count of the region's proxies changes."""
+        keys = [k for _, k in self._by_digest.values()] + ([self.anonymous] if self.anonymous else [])
+        for k in keys:
+            k.bucket.rescale(*shared_rate(k.rate, k.burst, share))
+            k.inflight_cap = shared_cap(k.max_inflight, share)
+
     def on_behalf_of(self, peer: ApiKey, tenant: str) -> ApiKey:
         """The principal a peer region's request runs as: the named tenant's salt, the
         peer key's tier and rate limit, its own session namespace."""
@@ -121,20 +147,22 @@ class KeyStore:
         k = self._delegated.get((peer.key_id, tenant))
         if k is None:
             k = self._delegated[(peer.key_id, tenant)] = ApiKey(
-                f"{peer.key_id}/{tenant}", tenant, peer.priority, cache_salt(tenant, self._salt_secret), peer.bucket)
+                f"{peer.key_id}/{tenant}", tenant, peer.priority, cache_salt(tenant, self._salt_secret), peer.bucket,
+                rate=peer.rate, burst=peer.burst, max_inflight=peer.max_inflight, inflight_cap=peer.inflight_cap)
         return k
 
 
 def parse_env(value: str) -> list[dict]:
-    """`key=tenant[:tier[:rate_per_s[:burst]]]`, comma-separated."""
+    """`key=tenant[:tier[:rate_per_s[:burst[:max_inflight]]]]`, comma-separated."""
     out = []
     for item in filter(None, (s.strip() for s in value.split(","))):
         key, sep, rest = item.partition("=")
         if not sep or not key or not rest:
-            raise ValueError(f"{ENV_VAR} entries look like key=tenant[:tier[:rate[:burst]]], got {item[:4]}...")
+            raise ValueError(f"{ENV_VAR} entries look like key=tenant[:tier[:rate[:burst[:inflight]]]], "
+                             f"got {item[:4]}...")
         parts = rest.split(":")
         e: dict = {"key": key, "tenant": parts[0]}
-        for name, val in zip(("tier", "rate_per_s", "burst"), parts[1:]):
+        for name, val in zip(("tier", "rate_per_s", "burst", "max_inflight"), parts[1:]):
             e[name] = val
         out.append(e)
     return out

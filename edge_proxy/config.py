@@ -49,6 +49,8 @@ class ProxyConfig:
     peers: tuple[Peer, ...] = ()  # other regions' proxies, nearest first: forwarded to with no replica ready here
     peer_key: str = ""  # API key presented to peers (EDGECHAT_PEER_KEY); "" when they allow anonymous access
     discovery: DiscoveryConfig | None = None  # replicas found live by DNS (--replicas-dns), besides `replicas`
+    region_proxies: int = 1  # proxy pods of the region sharing each key's limits (--region-proxies) ...
+    proxies_dns: DiscoveryConfig | None = None  # ... or counted live from their headless Service (--proxies-dns)
     pool: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -59,6 +61,8 @@ class ProxyConfig:
         if not self.replicas and self.discovery is None:
             raise ValueError("give replicas: --replica ws://host:port/v1/replica (repeat) and/or "
                              "--replicas-dns NAME[:PORT]")
+        if self.region_proxies < 1:
+            raise ValueError(f"region_proxies must be >= 1, got {self.region_proxies}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.port == 0:

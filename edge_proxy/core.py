@@ -37,8 +37,8 @@ import msgspec
 
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
-from edge_proxy.discovery import DnsDiscovery
-from edge_proxy.limits import check_prompt, check_prompt_tokens, check_session_id
+from edge_proxy.discovery import DnsDiscovery, ProxyCensus
+from edge_proxy.limits import RegionShare, check_key_inflight, check_prompt, check_prompt_tokens, check_session_id
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
@@ -99,6 +99,11 @@ class Proxy:
         self.pool = ReplicaPool(cfg.replicas, cfg.pool, self, getattr(tokenizer, "fingerprint", ""))
         self.pool.state_listeners.append(self._on_pool_change)
         self.discovery = DnsDiscovery(cfg.discovery, self.pool, self.metrics) if cfg.discovery else None
+        # Each key's limits are the region's: this process enforces its share (`limits.RegionShare`).
+        self.region = RegionShare(cfg.region_proxies, cfg.workers)
+        self.keys.set_share(self.region.fraction)
+        self.census = ProxyCensus(cfg.proxies_dns, self._on_proxies, cfg.region_proxies) if cfg.proxies_dns else None
+        self.key_inflight: dict[str, int] = {}  # ApiKey.key_id -> its requests in flight on this process
         self.streams: set[ProxiedRequest] = set()
         self.forwarding: set[Forwarded] = set()  # requests relayed to a peer region, until their end
         self.draining = False
@@ -112,6 +117,13 @@ class Proxy:
         await self.pool.start()
         if self.discovery is not None:
             self.discovery.start()
+        if self.census is not None:
+            self.census.start()
+
+    def _on_proxies(self, n: int) -> None:
+        """The region now runs `n` proxy pods: every key's share changes."""
+        self.region = RegionShare(n, self.cfg.workers)
+        self.keys.set_share(self.region.fraction)
 
     def fail_all(self, code: str, message: str) -> None:
         """End every open request with an error frame (streams and requests forwarded to peers)."""
@@ -128,6 +140,8 @@ class Proxy:
             await self.peers.close()
         if self.discovery is not None:
             await self.discovery.stop()
+        if self.census is not None:
+            await self.census.stop()
         await self.pool.stop()
         self.tokenizers.close()
 
@@ -191,6 +205,7 @@ class Proxy:
                 except PermissionError as e:
                     raise pp.ProtocolError(pp.FORBIDDEN, str(e)) from None
             self._check_open()
+            check_key_inflight(self.key_inflight.get(key.key_id, 0), key.inflight_cap, key.key_id)
             wait = key.bucket.take() if key.bucket is not None else 0.0
             if wait > 0:
                 raise pp.ProtocolError(pp.RATE_LIMITED, f"rate limit of API key {key.key_id} exceeded",
@@ -230,7 +245,7 @@ class Proxy:
             s.ids += req.resume  # as after a failover: the replica continues at len(ids), the client has their text
             ended = s.settle(self._eos)
             if ended:  # nothing left to generate (the client missed only the done)
-                self.streams.add(s)
+                self._add_stream(s)
                 self._count_inflight()
                 self._finish(s, ended, P.Usage())
                 return s
@@ -244,7 +259,7 @@ class Proxy:
             span.set_attribute("edgechat.rejected", e.code)
             span.end()
             raise
-        self.streams.add(s)
+        self._add_stream(s)
         self._count_inflight()
         self.metrics.prompt_tokens.inc(by=len(ids))
         self._idle.clear()
@@ -495,7 +510,12 @@ class Proxy:
         parked = self._parked.pop(s, None)
         if parked is not None:
             parked[1].cancel()
-        self.streams.discard(s)
+        if s in self.streams:
+            self.streams.discard(s)
+            k = s.key.key_id
+            self.key_inflight[k] -= 1
+            if not self.key_inflight[k]:
+                del self.key_inflight[k]
         self._count_inflight()
         if not self.streams and not self.forwarding:
             self._idle.set()
@@ -551,6 +571,10 @@ class Proxy:
         self.metrics.requests.inc(outcome)
         s.span.set_attribute("edgechat.finish_reason", outcome)
         s.span.end()
+
+    def _add_stream(self, s: ProxiedRequest) -> None:
+        self.streams.add(s)
+        self.key_inflight[s.key.key_id] = self.key_inflight.get(s.key.key_id, 0) + 1
 
     # -- observability ---------------------------------------------------------
 

@@ -211,3 +211,40 @@ class DnsDiscovery:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+
+
+class ProxyCensus:
+    """How many proxy pods the region runs now (`--proxies-dns`: the A/AAAA or SRV records of
+    the proxies' own headless Service, asked every `interval_s`): `on_count(n)` on each change,
+    so every process re-takes its share of each key's limits (`limits.RegionShare`). An outage
+    or an empty answer (this pod not yet, or no longer, a ready endpoint) keeps the last count."""
+
+    def __init__(self, cfg: DiscoveryConfig, on_count, count: int = 1):
+        self.dns = DnsDiscovery(cfg, pool=None)
+        self.on_count, self.count = on_count, count
+        self._task: asyncio.Task | None = None
+
+    async def refresh(self) -> None:
+        try:
+            n = len(await self.dns.resolve())
+        except DnsOutage as e:
+            log.debug("DNS for %s failed (%s): keeping %d proxies", self.dns.cfg.name, e, self.count)
+            return
+        if n and n != self.count:
+            log.info("proxies of the region from %s: %d (were %d)", self.dns.cfg.name, n, self.count)
+            self.count = n
+            self.on_count(n)
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.dns.cfg.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

@@ -132,3 +132,49 @@ def check_open_requests(n: int, max_open: int) -> None:
     if n >= max_open:
         raise pp.ProtocolError(pp.RATE_LIMITED, f"{n} requests are open on this connection; wait for one to end",
                                1.0)
+
+
+# -- a key's limits, for the region: its share on this process ----------------------------------
+#
+# A key's `rate_per_s`, `burst` and `max_inflight` are the region's: every proxy process of the
+# region (pods x `--workers` each) takes an equal share, `share = 1 / processes`, and enforces
+# it alone, with nothing asked of anyone per request. A load balancer that spreads a key's
+# requests over the processes (HTTP requests, or the turns of a conversation) so holds the key
+# to its limit within what one process's bucket holds; a key whose traffic all lands on one
+# process (one long-lived WebSocket) gets that process's share only. Why not a shared store:
+# it would put a network round trip (or a lock) before every request and make a store's outage
+# every proxy's, for limits whose point is to be approximate and cheap.
+
+
+@dataclass(frozen=True)
+class RegionShare:
+    proxies: int = 1  # proxy pods of the region (`--region-proxies`, or counted by `--proxies-dns`)
+    workers: int = 1  # processes of each (`--workers`)
+
+    def __post_init__(self):
+        if self.proxies < 1 or self.workers < 1:
+            raise ValueError(f"a region has at least one proxy of one worker, got {self.proxies} x {self.workers}")
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 / (self.proxies * self.workers)
+
+
+def shared_rate(rate: float, burst: float, share: float) -> tuple[float, float]:
+    """This process's token bucket of a key's region-wide `rate` and `burst` (a burst of one
+    request at least: every process can admit a request)."""
+    return rate * share, max(burst * share, 1.0)
+
+
+def shared_cap(cap: int, share: float) -> int:
+    """This process's part of a key's region-wide in-flight cap (0: none): its floor, so the
+    region never holds more than the cap, at least one (a cap below the process count
+    admits one a process)."""
+    return max(int(cap * share + 1e-9), 1) if cap else 0
+
+
+def check_key_inflight(n: int, cap: int, key_id: str) -> None:
+    """A key with `n` requests in flight on this process, against its share `cap` (0: none)."""
+    if cap and n >= cap:
+        raise pp.ProtocolError(pp.RATE_LIMITED, f"API key {key_id} is at its limit of requests in flight "
+                                                f"({cap} on this proxy process, its share of the region's)", 1.0)
