@@ -1,5 +1,6 @@
 """Two real replicas (default model) and a proxy over them, as separate processes: the
-stack of test_real_replicas and test_real_replica_chaos."""
+stack of test_real_replicas and test_real_replica_chaos; `region`: several proxies over
+them (test_region_real)."""
 
 from __future__ import annotations
 
@@ -17,21 +18,34 @@ SECRET = {"EDGECHAT_REPLICA_SECRET": "e2e-secret"}  # test_real_replica_chaos pr
 @contextlib.contextmanager
 def stack():
     """Replicas A and B and a proxy over them, as separate processes."""
+    with region(1) as (urls, reps):
+        yield urls[0], reps
+
+
+@contextlib.contextmanager
+def region(proxies: int, *proxy_args: str):
+    """Replicas A and B and `proxies` proxies over them (one region), as separate processes;
+    yields the proxies' public WebSocket URLs and the replicas {id: (url, process)}."""
     with contextlib.ExitStack() as es:
         reps = {}
         for rid in ("A", "B"):
             url, proc = es.enter_context(replica_server("--replica-id", rid, "--kv-memory-gb", "0.25", env=SECRET))
             reps[rid] = (url, proc)
-        port = free_port()
-        cmd = [sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous", "--region", "test",
-               "--stall-timeout", "3"]
-        for url, _ in reps.values():
-            cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
-        proxy = subprocess.Popen(cmd, env={**os.environ, **SECRET}, start_new_session=True)
-        try:
+        urls = []
+        for _ in range(proxies):
+            port = free_port()
+            cmd = [sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous", "--region", "test",
+                   "--stall-timeout", "3", *proxy_args]
+            for url, _ in reps.values():
+                cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
+            proxy = subprocess.Popen(cmd, env={**os.environ, **SECRET}, start_new_session=True)
+            es.callback(_stop, proxy)
             wait_healthy(f"http://127.0.0.1:{port}", proxy)
-            yield f"ws://127.0.0.1:{port}/v1/stream", reps
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proxy.pid, signal.SIGTERM)
-            proxy.wait(30)
+            urls.append(f"ws://127.0.0.1:{port}/v1/stream")
+        yield urls, reps
+
+
+def _stop(proxy: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proxy.pid, signal.SIGTERM)
+    proxy.wait(30)
