@@ -3,6 +3,7 @@
     .venv/bin/python bench/routing.py                          # 3 default-model replicas, every run below
     .venv/bin/python bench/routing.py --runs edgechat:auto,sglang:cache_aware --workloads multi-turn
     .venv/bin/python bench/routing.py --replicas 6 --random-weights
+    .venv/bin/python bench/routing.py --workloads multi-turn --runs region   # several proxies over the replicas
     .venv/bin/python bench/routing_sim.py                      # 1,000 conversations over 16 simulated replicas
 
 Every run starts N fresh replicas (`python -m replica`; nobody starts warm), one
@@ -20,9 +21,15 @@ Workloads:
                  now and then running 3 of their turns while another runs none
   shared-prefix  48 users under one long system prompt, one turn each, 8 at a time
 
-Runs (ROUTER:POLICY[:session]):
+Runs (ROUTER:POLICY[:session][:pP[wW]][:random]):
   edgechat:MODE     `python -m edge_proxy --routing MODE` (auto, prefix, sticky, round_robin);
-                    ":session" sends each conversation's id as `X-Session-ID`
+                    ":session" sends each conversation's id as `X-Session-ID`; ":p2" runs two
+                    proxy processes over the same replicas (one region: `--region-proxies 2`),
+                    ":p2w2" two of `--workers 2` each; a conversation's turn n goes to proxy
+                    (k + n) mod P (alternating), ":random" to a seeded random one, and with
+                    several processes each turn opens its own connection (no keep-alive: the
+                    kernel's SO_REUSEPORT choice spreads turns over a proxy's workers, as a
+                    load balancer would)
   sglang:POLICY     `sglang-router==0.3.2` (`--policy cache_aware|round_robin`), in its own venv
                     (`--sglang-venv`, created on first use); it adds SGLang-only fields
                     (`no_stop_trim`, ...) to request bodies, which our replicas reject, so each
@@ -85,6 +92,28 @@ DEFAULT_RUNS = {
 }
 
 
+REGION_RUNS = ["sglang:cache_aware", "edgechat:auto:session", "edgechat:auto",  # `--runs region`: issue 44's shape
+               "edgechat:auto:session:p2", "edgechat:auto:p2", "edgechat:auto:session:p2w2", "edgechat:auto:p2w2",
+               "edgechat:auto:session:p2:random", "edgechat:auto:p2:random"]
+
+
+def run_shape(run: str) -> tuple[str, str, bool, int, int, bool]:
+    """ROUTER:POLICY[:session][:pP[wW]][:random] -> (router, policy, session, proxies, workers, random)."""
+    router, policy, *mods = run.split(":") + ([""] if ":" not in run else [])
+    session, proxies, workers, spread = False, 1, 1, False
+    for m in mods:
+        if m == "session":
+            session = True
+        elif m == "random":
+            spread = True
+        elif m.startswith("p") and m[1:].replace("w", "", 1).isdigit():
+            p, _, w = m[1:].partition("w")
+            proxies, workers = int(p), int(w or 1)
+        else:
+            raise ValueError(f"run {run!r}: unknown part {m!r} (session, pP[wW], random)")
+    return router, policy, session, proxies, workers, spread
+
+
 # -- processes ---------------------------------------------------------------------------------
 
 
@@ -118,6 +147,7 @@ class Stack:
     procs: list = field(default_factory=list)
     replicas: list[str] = field(default_factory=list)  # http base URLs
     base_url: str = ""  # the router's OpenAI base (…/v1); "" for pinned
+    base_urls: list[str] = field(default_factory=list)  # every proxy's (edgechat with :pP), base_url first
 
     def __enter__(self) -> Stack:
         try:
@@ -146,18 +176,21 @@ class Stack:
         self.procs += reps
         for url in self.replicas:
             wait_http(url + "/healthz", reps, 600, "a replica")
-        router, _, policy = self.run.partition(":")
-        policy = policy.removesuffix(":session")
+        router, policy, _, proxies, workers, _ = run_shape(self.run)
         port = free_port()
         if router == "edgechat":
-            cmd = [PY, "-m", "edge_proxy", "--port", str(port), "--routing", policy,
-                   "--stall-timeout", "30", "--log-level", a.proxy_log_level]
-            for url in self.replicas:
-                cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
-            env = {"EDGECHAT_REPLICA_SECRET": SECRET, "EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9"}
-            self.procs.append(p := spawn(cmd, logs / "edgechat.log", env))
-            wait_http(f"http://127.0.0.1:{port}/healthz", [p], 120, "edge_proxy")
-            self.base_url = f"http://127.0.0.1:{port}/v1"
+            for i in range(proxies):
+                port = port if i == 0 else free_port()
+                cmd = [PY, "-m", "edge_proxy", "--port", str(port), "--routing", policy, "--workers", str(workers),
+                       "--region-proxies", str(proxies), "--stall-timeout", "30", "--log-level", a.proxy_log_level]
+                for url in self.replicas:
+                    cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
+                env = {"EDGECHAT_REPLICA_SECRET": SECRET,
+                       "EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9"}
+                self.procs.append(p := spawn(cmd, logs / f"edgechat{'' if i == 0 else i}.log", env))
+                wait_http(f"http://127.0.0.1:{port}/healthz", [p], 120, "edge_proxy")
+                self.base_urls.append(f"http://127.0.0.1:{port}/v1")
+            self.base_url = self.base_urls[0]
         elif router == "sglang":
             relay_ports = [free_port() for _ in self.replicas]
             spec = [f"{rp}={url}" for rp, url in zip(relay_ports, self.replicas)]
@@ -170,6 +203,7 @@ class Stack:
             self.procs.append(p := spawn(cmd, logs / "sglang-router.log"))
             wait_http(f"http://127.0.0.1:{port}/v1/models", [p], 180, "sglang-router")
             self.base_url = f"http://127.0.0.1:{port}/v1"
+            self.base_urls = [self.base_url]
         elif router != "pinned":
             raise ValueError(f"unknown router in run {self.run!r}")
 
@@ -189,8 +223,18 @@ class Stack:
 
         if not self.run.startswith("edgechat"):
             return None
-        text = httpx.get(self.base_url.removesuffix("/v1") + "/metrics", timeout=10, trust_env=False).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+        total = 0.0
+        for base in self.base_urls:  # each proxy's /metrics sums its workers'
+            text = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=10, trust_env=False).text
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+        return total
+
+    def client_for(self, clients: list, k: int, n: int, rng: random.Random):
+        """The client of conversation k's turn n: pinned, replica k mod N; several proxies, (k + n) mod P
+        (":random": a seeded random one); else the one router."""
+        if self.run == "pinned":
+            return clients[k % len(clients)]
+        return rng.choice(clients) if run_shape(self.run)[5] else clients[(k + n) % len(clients)]
 
 
 def sglang_python(a) -> Path:
@@ -352,10 +396,15 @@ async def one_turn(client, model: str, t: Turn, a, headers: dict, max_tokens: in
 
 
 def clients_for(stack: Stack):
+    import httpx
     from openai import AsyncOpenAI
 
     kw = dict(api_key=API_KEY, max_retries=0, timeout=900)
     if stack.base_url:
+        if len(stack.base_urls) > 1 or run_shape(stack.run)[4] > 1:  # a connection per turn: spread as an LB would
+            return [AsyncOpenAI(base_url=u, http_client=httpx.AsyncClient(
+                limits=httpx.Limits(max_keepalive_connections=0), timeout=900, trust_env=False), **kw)
+                for u in stack.base_urls]
         return [AsyncOpenAI(base_url=stack.base_url, **kw)]
     kw["api_key"] = SECRET  # straight to the replicas: their secret
     return [AsyncOpenAI(base_url=url + "/v1", **kw) for url in stack.replicas]  # pinned
@@ -366,12 +415,13 @@ async def multi_turn(stack: Stack, model: str, a, interleaved: bool = False) -> 
     open at once, `a.concurrency` turns at a time (FIFO), replies of `a.short_tokens`."""
     c = corpus()
     clients = clients_for(stack)
-    session = stack.run.endswith(":session")
+    session = stack.run != "pinned" and run_shape(stack.run)[2]
     gate = asyncio.Semaphore(a.concurrency)
     turns: list[Turn] = []
 
     async def conversation(k: int) -> None:
         rng = random.Random(10_000 + k)
+        spread = random.Random(20_000 + k)
         msgs = [{"role": "system", "content": own_system_prompt(k, c)}]
         headers = {"X-Session-ID": f"bench-conv-{k}"} if session else {}
         async with contextlib.nullcontext() if interleaved else gate:
@@ -379,7 +429,7 @@ async def multi_turn(stack: Stack, model: str, a, interleaved: bool = False) -> 
                 msgs = msgs + [{"role": "user", "content": rng.choice(c.openers if n == 1 else c.followups)}]
                 t = Turn(k, n, msgs)
                 async with gate if interleaved else contextlib.nullcontext():
-                    await one_turn(clients[k % len(clients)], model, t, a, headers,
+                    await one_turn(stack.client_for(clients, k, n, spread), model, t, a, headers,
                                    a.short_tokens if interleaved else a.max_tokens)
                 turns.append(t)
                 msgs = msgs + [{"role": "assistant", "content": t.reply}]
@@ -398,7 +448,7 @@ async def shared_prefix(stack: Stack, model: str, a) -> list[Turn]:
     gate = asyncio.Semaphore(a.shared_concurrency)
     turns: list[Turn] = []
 
-    session = stack.run.endswith(":session")
+    session = run_shape(stack.run)[2]
 
     async def user(k: int) -> None:
         t = Turn(k, 1, [system, {"role": "user", "content": questions[k % len(questions)]}])
@@ -456,13 +506,14 @@ def summarize(run: str, workload: str, turns: list[Turn], served: list[int], tok
 
 
 def label(run: str) -> tuple[str, str]:
-    router, _, rest = run.partition(":")
-    session = "yes" if rest.endswith(":session") else "no"
-    policy = rest.removesuffix(":session")
-    if router == "pinned":
+    if run == "pinned":
         return "pinned: conversation k on replica k mod N (oracle)", "-"
+    router, policy, session, proxies, workers, spread = run_shape(run)
     name = f"SGLang router 0.3.2 `{policy}`" if router == "sglang" else f"edgechat `--routing {policy}`"
-    return name, session if router == "edgechat" else "no"
+    if proxies > 1 or workers > 1:
+        name += (f", {proxies} proxies" + (f" x {workers} workers" if workers > 1 else "")
+                 + (", turns at random" if spread else ", turns alternating"))
+    return name, ("yes" if session else "no") if router == "edgechat" else "no"
 
 
 def print_tables(rows: list[dict], a) -> None:
@@ -537,7 +588,8 @@ def main() -> None:
                    help="each replica's engine threads (default: this machine's cores split over --replicas; "
                         "spinning pools of several replicas on the same cores slow every one of them)")
     p.add_argument("--workloads", default="multi-turn,interleaved,shared-prefix")
-    p.add_argument("--runs", default="", help="comma-separated runs (default: the table's, per workload)")
+    p.add_argument("--runs", default="", help="comma-separated runs (default: the table's, per workload); \"region\": "
+                                                 "SGLang, one proxy and several, alternating and random (issue 44)")
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=6)
@@ -578,7 +630,8 @@ def main() -> None:
     tok = load_tokenizer("default")
     rows = []
     for workload in a.workloads:
-        runs = ([r for r in a.runs.split(",") if r] or DEFAULT_RUNS[workload]) * max(a.repeat, 1)
+        runs = (REGION_RUNS if a.runs == "region" else [r for r in a.runs.split(",") if r]
+                or DEFAULT_RUNS[workload]) * max(a.repeat, 1)
         for run in runs:
             if run == "pinned" and workload not in CONVERSATIONS:
                 continue
