@@ -15,7 +15,9 @@ with `shutting_down` (an error frame per request) before the sockets close.
 
 Workers: each process binds its own SO_REUSEPORT socket, so the kernel spreads
 connections across them; each has its own replica connections and session table.
-Rendezvous hashing keeps a session's placement identical in every worker. Their
+Every worker routes alike (routing reads the request and the replicas' reports,
+never a worker's memory), and each enforces its share of every key's limits
+(`limits.RegionShare`: 1 / (pods x workers)). Their
 metrics are one: the parent makes a fresh multiprocess folder (under
 $PROMETHEUS_MULTIPROC_DIR when set, else the system's temporary folder) and names
 it in the workers' PROMETHEUS_MULTIPROC_DIR, so a scrape of any worker sums every
