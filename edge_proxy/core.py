@@ -512,9 +512,11 @@ class Proxy:
             parked[1].cancel()
         if s in self.streams:
             self.streams.discard(s)
-            k = s.key.key_id
-            self.key_inflight[k] -= 1
-            if not self.key_inflight[k]:
+            k = s.key.key_id if s.key is not None else ""
+            n = self.key_inflight.get(k, 0)  # (0: a stream not admitted by `submit`, as tests place them)
+            if n > 1:
+                self.key_inflight[k] = n - 1
+            elif n:
                 del self.key_inflight[k]
         self._count_inflight()
         if not self.streams and not self.forwarding:
