@@ -105,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--secret-file", default="",
                     help="without the env var: read the secret from this file, or write a generated one there "
                          "(default: a fresh one per launch in ~/.cache/edgechat/replica-secrets/HOST-PORT)")
+    ap.add_argument("--metrics-token-env", default="EDGECHAT_METRICS_TOKEN",
+                    help="env var holding a read-only token for scrapers: accepted for GET /metrics and refused "
+                         "(403) everywhere else; must differ from the secret")
+    ap.add_argument("--metrics-token-file", default="",
+                    help="without the env var: read the metrics token from this file (default: none, /metrics "
+                         "then needs the secret)")
     return ap.parse_args(argv)
 
 
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from replica.api.app import create_app
-    from replica.api.auth import launch_secret
+    from replica.api.auth import launch_secret, metrics_token
     from replica.tokenizer import Tokenizer
 
     class Server(uvicorn.Server):
@@ -242,7 +248,14 @@ def main(argv: list[str] | None = None) -> None:
         secret, where = launch_secret(os.environ.get(args.secret_env), args.secret_file, args.host, args.port)
     except (OSError, ValueError) as e:
         sys.exit(f"replica: no secret: {e}")
-    app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id, secret=secret)
+    try:
+        token, token_where = metrics_token(os.environ.get(args.metrics_token_env), args.metrics_token_file)
+    except (OSError, ValueError) as e:
+        sys.exit(f"replica: no metrics token: {e}")
+    if token == secret:
+        sys.exit("replica: the metrics token must differ from the replica secret (scrapers are given it)")
+    where += f"; {token_where}"
+    app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id, secret=secret, metrics_token=token)
     gc.freeze()  # start-up objects (tokenizer, app) are never garbage: collections skip them
     try:
         import uvloop  # noqa: F401

@@ -7,7 +7,8 @@
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
   GET  /v1/kv/spec, POST /v1/kv/export, POST /v1/kv/pull   KV between replicas (replica.api.kv_routes)
 
-Every path but /healthz and /health requires the replica secret (`replica.api.auth`).
+Every path but /healthz and /health requires the replica secret (`replica.api.auth`);
+GET /metrics also takes the read-only metrics token, where one is given.
 /healthz answers 503 while the engine process starts or restarts.
 Bad input gets an error naming the problem; the connection and the engine keep
 serving everyone else. A cancel, a closed socket or a dropped HTTP client sends an
@@ -165,8 +166,9 @@ class ReplicaConnection:
 
 
 def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secret: str,
-               replica_id: str = "replica") -> RequireSecret:
-    """The API process's ASGI app; every path but /healthz requires `secret` (never optional)."""
+               replica_id: str = "replica", metrics_token: str = "") -> RequireSecret:
+    """The API process's ASGI app; every path but /healthz requires `secret` (never optional);
+    GET /metrics takes `metrics_token` too (Prometheus' read-only credential), where one is given."""
     client_box: dict[str, EngineClient] = {}
     fingerprint = tokenizer.fingerprint  # hashed once here, not on the event loop when a proxy connects
     metrics = ReplicaMetrics(lambda: client_box["c"].load if "c" in client_box else None)
@@ -243,4 +245,5 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         *KvRoutes(client, HttpKvTransport(secret)).routes(),  # KV export and import between replicas
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    return RequireSecret(WebSocketFront(app, "/v1/replica", replica_ws), secret, open_paths=("/healthz", "/health"))
+    return RequireSecret(WebSocketFront(app, "/v1/replica", replica_ws), secret, open_paths=("/healthz", "/health"),
+                         metrics_token=metrics_token, metrics_path="/metrics")
