@@ -249,5 +249,7 @@ def load_head(path: str | os.PathLike, target_cfg: ModelConfig, embed_weight: to
         state = load_file(str(path / WEIGHTS_FILE), device=str(embed_weight.device))
     head.load_state_dict(state, strict=True)
     if own_embed is not None:  # a head that carries an embedding of its own drafts with it
-        head.embed_weight = own_embed.to(embed_weight.device, embed_weight.dtype)
+        own_embed = own_embed.to(embed_weight.device, embed_weight.dtype)
+        if not torch.equal(own_embed, embed_weight):  # a copy of the target's is shared, not held twice
+            head.embed_weight = own_embed
     return head.to(dtype or embed_weight.dtype).eval()

@@ -94,8 +94,9 @@ def head_config(raw: dict, target: ModelConfig, file: Path) -> HeadConfig:
         refuse("head_dim", f"is {head_dim}, the target's rotary table is {target.head_dim} wide")
     theta = float(raw.get("rope_theta", 10000.0))
     if theta != target.rope_theta:
-        refuse("rope_theta", f"is {theta:g}, the target's is {target.rope_theta:g} (the head rotates with the "
-                             "target's table)")
+        given = "" if "rope_theta" in raw else " (absent: Llama's default)"
+        refuse("rope_theta", f"is {theta:g}{given}, the target's is {target.rope_theta:g} (the head rotates q/k "
+                             "with the target's table)")
     scaling = _rope_scaling(raw.get("rope_scaling"), file)
     if scaling != target.rope_scaling:
         refuse("rope_scaling", f"is {raw.get('rope_scaling')!r}, the target's is {target.rope_scaling!r}")

@@ -142,6 +142,7 @@ CONFIG_VARIANTS = [
     ("head_dim", {"head_dim": 32}),
     ("num_key_value_heads", {"num_key_value_heads": 2}),
     ("rope_theta", {"rope_theta": 10000.0}),
+    ("rope_theta", {"rope_theta": None}),  # absent: Llama's 10000, as in EAGLE3-LLaMA3.1-Instruct-8B's config
     ("rope_scaling", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("hidden_act", {"hidden_act": "gelu"}),
     ("attention_bias", {"attention_bias": True}),
@@ -188,8 +189,9 @@ def test_a_head_with_an_embedding_of_its_own_drafts_with_it(embed, draft_ids, tm
                              tensors={"embed_tokens.weight": own_embed})
     head = load_head(folder, TARGET, embed)
     assert torch.equal(head.embed_weight, own_embed)
-    shared = load_head(write_published(own_head(TARGET, embed, draft_ids), TARGET, tmp_path / "shared"), TARGET, embed)
-    assert shared.embed_weight.data_ptr() == embed.data_ptr()  # shared, not copied
+    for name, tensors in {"shared": {}, "copy": {"embed_tokens.weight": embed.clone()}}.items():
+        folder = write_published(own_head(TARGET, embed, draft_ids), TARGET, tmp_path / name, tensors=tensors)
+        assert load_head(folder, TARGET, embed).embed_weight.data_ptr() == embed.data_ptr()  # the target's
 
 
 def test_llama3_rope_scaling_must_be_the_targets(embed, draft_ids, tmp_path):
