@@ -2,7 +2,8 @@
 model's shape (SmolLM2-135M: hidden 576, 9 heads, 3 KV heads, 30 layers, vocab 49152): one of our
 heads written in the published layout loads as the same head and drafts the same tokens, on the
 C++ head step and on the PyTorch one; d2t is read as offsets; each variant the head does not
-compute is refused by the field's name."""
+compute is refused by the field's name; the engine drafts with one and answers as plain decoding
+(a real replica: tests/replica/test_published_head.py)."""
 
 import dataclasses
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 import kernels
-from replica.config import RopeScaling
+from replica.config import EngineConfig, RopeScaling
+from replica.engine.llm_engine import LLMEngine
 from replica.model.llama import LlamaModel
 from replica.presets import PRESETS
 from speculative import published
@@ -18,7 +20,10 @@ from speculative.cache import has_head
 from speculative.drafting import Drafter
 from speculative.head import load_head, save_head
 from speculative.tree_spec import TreeSpec
+from tests.replica.tiny import tiny_config, tiny_weights
 from tests.speculative.published_heads import config_variant, own_head, write_published
+from tests.speculative.util import random_head, tiny_target
+from wire import protocol as P
 
 TARGET = PRESETS["smollm2-135m"]
 DRAFT_VOCAB = 1024
@@ -208,3 +213,28 @@ def test_llama3_rope_scaling_must_be_the_targets(embed, draft_ids, tmp_path):
 def test_a_published_folder_counts_as_a_head(folders, tmp_path):
     assert has_head(folders["published"]) and has_head(folders["bin"]) and has_head(folders["own"])
     assert not has_head(tmp_path)
+
+
+def test_the_engine_drafts_with_a_published_head_and_answers_as_plain_decoding(tmp_path):
+    """The engine's Speculator on a published folder (tiny target, its head feature layers given in
+    eagle_config): greedy output token for token the plain engine's, drafts verified."""
+    cfg = tiny_config(num_layers=4)
+    w = tiny_weights(cfg)
+    folder = write_published(random_head(tiny_target()), cfg, tmp_path / "head")
+    prompts = {"a": [(5 * i + 1) % 97 for i in range(37)], "b": [3, 1, 4, 1, 5], "c": list(range(10, 30))}
+    out = {}
+    for name, kw in {"plain": {}, "chain": dict(speculative="eagle3", spec_depth=3),
+                     "tree": dict(speculative="eagle3", spec_depth=4, spec_top_k=3, spec_budget=10)}.items():
+        eng = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=40,
+                                     spec_max_batch=4, spec_policy="taper", spec_head=str(folder), **kw), cfg, w)
+        for k, p in prompts.items():
+            assert eng.add(P.Generate(id=k, prompt_ids=p, sampling=P.SamplingParams(
+                max_tokens=16, temperature=0.0, ignore_eos=True))) is None
+        toks = {}
+        while eng.has_work():
+            for m in eng.step():
+                toks.setdefault(m.id, []).extend(m.ids)
+        out[name] = toks
+        if name != "plain":
+            assert eng.speculator.head.cfg.aux_layers == (0, 2, 3) and eng.stats.drafted > 0
+    assert out["chain"] == out["plain"] and out["tree"] == out["plain"]
