@@ -91,17 +91,31 @@ def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // world, head_dim=cfg.head_dim)
 
 
+def shard_range(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop): the slice of Hugging Face-named tensor `name` (of full `shape`)
+    that `rank` of `world` holds; None where every rank holds all of it (norms, o/down
+    biases, world 1). What `shard` cuts from tensors in memory and what the loader reads
+    from the files (replica.model.loader.Weights)."""
+    parts = name.split(".")
+    if any(p in _COLUMN for p in parts):
+        dim = 0  # output rows (heads, FFN rows, vocab rows); a column-parallel bias too
+    elif any(p in _ROW for p in parts) and name.endswith("weight"):
+        dim = 1  # input columns: each rank's partial sum, all-reduced
+    else:
+        return None
+    if world == 1:
+        return None
+    n = shape[dim]
+    assert n % world == 0, f"{name}: dim {dim} of {shape} does not split into {world} (local_config checks this)"
+    return dim, rank * n // world, (rank + 1) * n // world
+
+
 def shard(weights: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
-    """This rank's slice of Hugging Face-named weights (norms are replicated)."""
+    """This rank's slice of Hugging Face-named weights in memory (norms are replicated)."""
     out = {}
     for name, w in weights.items():
-        parts = name.split(".")
-        if any(p in _COLUMN for p in parts):
-            out[name] = w.chunk(world, dim=0)[rank].clone()
-        elif any(p in _ROW for p in parts) and name.endswith("weight"):
-            out[name] = w.chunk(world, dim=1)[rank].clone()
-        else:
-            out[name] = w
+        part = shard_range(name, tuple(w.shape), rank, world)
+        out[name] = w if part is None else w.narrow(part[0], part[1], part[2] - part[1]).clone()
     return out
 
 
