@@ -112,10 +112,26 @@ class GGUFFile:
         data = np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
 
-    def dequantize(self, name: str) -> np.ndarray:
-        """float32 array of the tensor's shape, writable (a copy, never a view of the file)."""
+    def dequantize(self, name: str, part: tuple[int, int, int] | None = None) -> np.ndarray:
+        """float32 array of the tensor's shape, writable (a copy, never a view of the file).
+        part (dim, start, stop): only that slice along dim, and only its bytes are read
+        (rows of a matrix; along a row, whole blocks: a cut inside a block decodes the row whole)."""
         info = self.tensors[name]
-        w = dequantize(self.raw(name), info.qtype)
+        raw = self.raw(name)
+        cut = None  # a slice still to take after decoding
+        if part is not None:
+            dim, lo, hi = part
+            block, type_size = GGML_QUANT_SIZES[info.qtype]
+            if dim < len(info.shape) - 1:
+                assert dim == 0, f"{name}: slicing dim {dim} of {info.shape}"
+                raw = raw[lo:hi]
+            elif lo % block == 0 and hi % block == 0:
+                raw = raw[..., lo // block * type_size : hi // block * type_size]
+            else:
+                cut = (..., slice(lo, hi))
+        w = dequantize(np.ascontiguousarray(raw), info.qtype)
+        if cut is not None:
+            w = np.ascontiguousarray(w[cut])
         w = w.astype(np.float32, copy=False)
         return w if w.flags.writeable else w.copy()  # F32 "dequantizes" to a view of the mmap
 

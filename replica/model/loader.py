@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,11 +31,13 @@ from replica.config import EngineConfig, ModelConfig
 from replica.gguf_file import GGUFFile
 from replica.hf_checkpoint import ModelNotFoundError, config_from_hf, model_config, resolve_model, safetensors_files
 from replica.model.quant import GGUF_TYPES, QWeight, from_gguf
+from replica.model.tp import shard_range
 from replica.presets import PRESETS
 from replica.tokenizer import Tokenizer
 
-__all__ = ["Checkpoint", "CheckpointError", "ModelNotFoundError", "PRESETS", "load_checkpoint", "load_config",
-           "load_gguf_quantized", "load_model_for", "prepare_process", "random_weights", "resolve_model", "unpermute_qk", "weight_shapes"]
+__all__ = ["Checkpoint", "CheckpointError", "ModelNotFoundError", "PRESETS", "Weights", "load_checkpoint", "load_config",
+           "load_gguf_quantized", "load_model_for", "open_weights", "prepare_process", "random_weights", "resolve_model",
+           "unpermute_qk", "weight_shapes"]
 
 
 @dataclass
@@ -78,6 +81,51 @@ def load_config(spec: str) -> ModelConfig:
 
 
 def load_checkpoint(spec: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Every tensor read at once, each in memory of its own (an engine reads them one at a
+    time instead: `load_model_for`)."""
+    config, weights, path = open_weights(spec, dtype, copy=True)
+    tokenizer = Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_hf_dir(path)
+    return Checkpoint(config, dict(weights.items()), tokenizer, path)
+
+
+Read = Callable[[str, tuple[int, int, int] | None], tuple[torch.Tensor, int]]  # (name, part) -> (tensor, stored bytes)
+
+
+class Weights(Mapping):
+    """A checkpoint's tensors by Hugging Face name, each read from its file when asked for:
+    this rank's slice only (`replica.model.tp.shard_range`; rank 0 of 1 takes all of it),
+    in `dtype`, on `device`. Nothing is kept between reads, so a process never holds more
+    of the files than the tensors it is copying: a safetensors slice is a view of the
+    file's pages (mapped for that read, unmapped when the view goes; returned as it is
+    where dtype and device already match, else converted), a GGUF slice is decoded from
+    its own bytes. `bytes_read`: stored bytes taken from the files so far."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Read, dtype: torch.dtype,
+                 device: str | torch.device = "cpu", rank: int = 0, world: int = 1, copy: bool = False):
+        self.shapes, self._read = shapes, read  # full shapes, in weight_shapes' order
+        self.dtype, self.device, self.rank, self.world, self.copy = dtype, torch.device(device), rank, world, copy
+        self.bytes_read = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w, stored = self._read(name, shard_range(name, self.shapes[name], self.rank, self.world))
+        self.bytes_read += stored
+        w = w.to(device=self.device, dtype=self.dtype, copy=self.copy)
+        return w.contiguous() if self.copy else w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __contains__(self, name) -> bool:  # Mapping's would read the tensor
+        return name in self.shapes
+
+
+def open_weights(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", rank: int = 0,
+                 world: int = 1, copy: bool = False) -> tuple[ModelConfig, Weights, str]:
+    """(config, its `Weights` for `rank` of `world`, resolved path). Every tensor's name and
+    shape is checked against the config here, before any is read."""
     if spec in PRESETS:
         raise ModelNotFoundError(f"{spec!r} is a shape preset without weights: use "
                                  f"random_weights(PRESETS[{spec!r}]), or pass a model file, folder or hub id")
@@ -85,9 +133,11 @@ def load_checkpoint(spec: str, dtype: torch.dtype = torch.float32) -> Checkpoint
     if path.endswith(".gguf"):
         gf = GGUFFile(path)
         config = gf.model_config()
-        return Checkpoint(config, _load_gguf(gf, config, dtype), Tokenizer.from_gguf(path), path)
-    config = config_from_hf(path)
-    return Checkpoint(config, _load_safetensors(Path(path), config, dtype), Tokenizer.from_hf_dir(path), path)
+        read = _gguf_reader(gf, config)
+    else:
+        config = config_from_hf(path)
+        read = _safetensors_reader(Path(path), config)
+    return config, Weights(weight_shapes(config), read, dtype, device, rank, world, copy), path
 
 
 def random_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -137,7 +187,7 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
-def _load_gguf(gf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _gguf_reader(gf: GGUFFile, config: ModelConfig) -> Read:
     expected = weight_shapes(config)
     names = {}  # HF name -> GGUF name
     for gname, info in gf.tensors.items():
@@ -150,15 +200,17 @@ def _load_gguf(gf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[st
                                   f"expected {expected[name]}")
         names[name] = gname
     _check_complete(expected, names, gf.path)
-    weights = {}
-    for name in expected:
-        w = gf.dequantize(names[name])
-        if ".q_proj." in name:
-            w = unpermute_qk(w, config.num_heads)
-        elif ".k_proj." in name:
-            w = unpermute_qk(w, config.num_kv_heads)
-        weights[name] = torch.from_numpy(w).to(dtype).contiguous()
-    return weights
+
+    def read(name: str, part: tuple[int, int, int] | None) -> tuple[torch.Tensor, int]:
+        info = gf.tensors[names[name]]
+        w = gf.dequantize(names[name], part)  # only the slice's blocks
+        heads = config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else 0
+        if heads:  # permuted within each head, so a slice of whole heads un-permutes alone
+            w = unpermute_qk(w, heads * w.shape[0] // info.shape[0])
+        stored = info.nbytes if part is None else info.nbytes // info.shape[part[0]] * (part[2] - part[1])
+        return torch.from_numpy(w), stored
+
+    return read
 
 
 def load_gguf_quantized(path: str, config: ModelConfig) -> dict:
@@ -181,7 +233,7 @@ def load_gguf_quantized(path: str, config: ModelConfig) -> dict:
 # -- safetensors ----------------------------------------------------------------------
 
 
-def _load_safetensors(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _safetensors_reader(folder: Path, config: ModelConfig) -> Read:
     from safetensors import safe_open
 
     expected = weight_shapes(config)
@@ -190,8 +242,7 @@ def _load_safetensors(folder: Path, config: ModelConfig, dtype: torch.dtype) -> 
     if not files:
         raise CheckpointError(f"{folder} has no *.safetensors files")
     found: dict[str, Path] = {}
-    weights = {}
-    for file in files:
+    for file in files:  # headers only
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
@@ -207,7 +258,6 @@ def _load_safetensors(folder: Path, config: ModelConfig, dtype: torch.dtype) -> 
                 if shape != expected[name]:
                     raise CheckpointError(f"tensor {name} in {file} has shape {shape}, expected {expected[name]}")
                 found[name] = file
-                weights[name] = f.get_tensor(name).to(dtype).contiguous()
     missing = [n for n in expected if n not in found]
     if missing:
         listed = {n: where[n] for n in missing if n in where}
@@ -217,7 +267,20 @@ def _load_safetensors(folder: Path, config: ModelConfig, dtype: torch.dtype) -> 
                                   + _more(len(missing)))
         raise CheckpointError(f"tensor {missing[0]} missing from {', '.join(str(f) for f in files)}"
                               + _more(len(missing)))
-    return {n: weights[n] for n in expected}
+
+    def read(name: str, part: tuple[int, int, int] | None) -> tuple[torch.Tensor, int]:
+        # get_slice(...)[...] is a view of the mapped file: only the slice's pages are read. The
+        # file is mapped for this one read (the view keeps it so), not for the whole load.
+        with safe_open(str(found[name]), framework="pt") as f:
+            s = f.get_slice(name)
+            if part is None:
+                w = s[:]
+            else:
+                dim, lo, hi = part
+                w = s[lo:hi] if dim == 0 else s[:, lo:hi]
+        return w, w.numel() * w.element_size()
+
+    return read
 
 
 def _check_complete(expected: dict, found: dict, source: str) -> None:
@@ -239,13 +302,16 @@ def prepare_process(cfg: EngineConfig) -> None:
         torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
 
 
-def load_model_for(cfg: EngineConfig):
-    """(ModelConfig, Hugging Face-named weights) for this engine config."""
+def load_model_for(cfg: EngineConfig, rank: int = 0):
+    """(ModelConfig, Hugging Face-named weights) for rank `rank` of this engine config: a
+    `Weights` that reads only this rank's shard (of cfg.tp), tensor by tensor, onto
+    cfg.device (the Runner copies each into the model as it comes); random weights are
+    drawn whole, where they will live."""
     prepare_process(cfg)
     dtype = getattr(torch, cfg.dtype) if cfg.quantization == "none" else torch.float32  # quantized from fp32
     if cfg.random_weights:
         model_cfg = load_config(cfg.model)
         # drawn where they will live: 8B bf16 values drawn on a CPU took 4 minutes of a replica's start
         return model_cfg, random_weights(model_cfg, dtype=dtype, seed=cfg.seed, device=cfg.device)
-    ckpt = load_checkpoint(cfg.model, dtype=dtype)
-    return ckpt.config, ckpt.weights
+    model_cfg, weights, _ = open_weights(cfg.model, dtype, cfg.device, rank, cfg.tp)
+    return model_cfg, weights

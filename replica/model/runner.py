@@ -38,7 +38,7 @@ from replica.model import sampler
 from replica.config import EngineConfig, ModelConfig
 from replica.model.graphs import DecodeGraphs, resolve_placeholders
 from replica.model import built, cpu_model
-from replica.model.loader import load_gguf_quantized, random_weights, resolve_model
+from replica.model.loader import Weights, load_gguf_quantized, random_weights, resolve_model
 from replica.model.llama import Context, LlamaModel
 from replica.model.plan import StepPlan, slot
 from replica.model.quant import quantize_model
@@ -128,7 +128,9 @@ class Runner:
         if model is None:
             if weights is None:
                 weights = random_weights(model_cfg, seed=cfg.seed)
-            if self.tp.world > 1:
+            if isinstance(weights, Weights):  # read as this rank's shard already
+                assert (weights.rank, weights.world) == (self.tp.rank, self.tp.world), (weights.rank, weights.world)
+            elif self.tp.world > 1:
                 weights = shard(weights, self.tp.rank, self.tp.world)
             model = build_model(self.model_cfg, cfg, weights, self.ops, self.max_model_len, self.tp)
             del weights

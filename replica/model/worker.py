@@ -1,5 +1,5 @@
 """Tensor-parallel ranks 1..N-1 as processes: each builds its Runner (its shard of
-the weights, the KV layout rank 0 decides) and runs `Runner.loop()` until rank 0
+the weights, read from the files alone; the KV layout rank 0 decides) and runs `Runner.loop()` until rank 0
 closes. Rank 0 is the engine process (`replica.engine.process.build_engine`).
 
     python -m replica.model.worker --rank R --world N --init-method tcp://H:P --config JSON
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.device.startswith("cuda"):
         cfg.device = f"cuda:{args.rank}"
     tp = TP.init(args.rank, args.world, args.init_method, cfg.device)
-    model_cfg, weights = load_model_for(cfg)
+    model_cfg, weights = load_model_for(cfg, rank=args.rank)  # read as this rank's shard, tensor by tensor
     runner = Runner(cfg, model_cfg, weights, tp=tp)
     del weights
     runner.allocate_kv()
