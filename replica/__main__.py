@@ -192,6 +192,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         spec_policy=args.spec_policy, spec_sample=args.spec_sample, cpu_threads=args.cpu_threads)
 
 
+def speculation_said(cfg: EngineConfig, model: str) -> str:
+    """The start line's word on speculative decoding: what the engine will run and, for
+    `auto`, why (speculative.policy.auto_choice, the engine's own rule for this device type)."""
+    if cfg.speculative != "auto":
+        return f"speculative decoding {cfg.speculative}"
+    if cfg.tp > 1:
+        return "speculative decoding off: auto does not speculate with tensor parallelism yet"
+    if cfg.spec_policy != "auto":
+        return f"speculative decoding auto (policy: {cfg.spec_policy})"
+    from speculative.cache import head_dir, model_name
+    from speculative.policy import auto_choice
+
+    kind, why = auto_choice(cfg.spec_head or head_dir(model_name(model)), cfg.device.split(":")[0])
+    return f"speculative decoding {'on' if kind == 'eagle3' else 'off'}: {why}"
+
+
 def default_quantization(model: str, device: str, tp: int, random_weights: bool) -> str:
     """The fastest setting that keeps quality (docs/perf.md): a GGUF file's own blocks,
     or int4 for other checkpoints, on CPU; unquantized on CUDA, with tensor
@@ -267,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         ("decode activations", cfg.decode_activations, "int16"), ("KV cache", cfg.kv_cache_dtype, "auto"))
         if value != default)  # the opt-in numerics that change answers, said once at start
     print(f"edgechat replica {replica_id}: model {name} on {cfg.device}/{cfg.dtype}/{cfg.quantization}{opt_in}, "
-          f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}; {where}", file=sys.stderr, flush=True)
+          f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}; {speculation_said(cfg, args.model)}; "
+          f"{where}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, ws="websockets-sansio",
                             log_level="warning", timeout_graceful_shutdown=5, ssl_certfile=args.ssl_certfile or None,
                             ssl_keyfile=args.ssl_keyfile or None)

@@ -1,5 +1,7 @@
 """`python -m replica`'s flags as the engine gets them."""
 
+import dataclasses
+
 import pytest
 
 from replica.__main__ import engine_config, parse_args
@@ -65,3 +67,20 @@ def test_cpu_stays_cpu_and_is_chosen_without_gpus():
     assert choose_device(None, {}) == "cpu"
     with pytest.raises(ValueError, match="asked for CUDA"):
         choose_device(None, {"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_the_start_line_says_what_auto_speculation_does_on_this_device_type(tmp_path):
+    """A head with a CPU policy that pays: on for a CPU replica, off for a cuda one, saying why."""
+    from replica.__main__ import speculation_said
+    from speculative.policy import SpecPolicy
+    from speculative.tree_spec import TreeSpec
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_text("")
+    SpecPolicy(((1, TreeSpec.chain(3)), (4, None)), device="cpu", measured_on="AMD EPYC").save(tmp_path)
+    cpu = engine_config(parse_args(["--device", "cpu", "--spec-head", str(tmp_path)]))
+    assert speculation_said(cpu, "default").startswith("speculative decoding on: EAGLE-3 head in")
+    cuda = dataclasses.replace(cpu, device="cuda", quantization="none", dtype="bfloat16")
+    said = speculation_said(cuda, "default")
+    assert said.startswith("speculative decoding off:") and "measured on AMD EPYC, not on cuda" in said, said
+    assert speculation_said(dataclasses.replace(cpu, speculative="off"), "default") == "speculative decoding off"
