@@ -116,7 +116,8 @@ def head_config(raw: dict, target: ModelConfig, file: Path) -> HeadConfig:
     ids = eagle.get(AUX_IDS)
     aux = tuple(ids) if ids else default_aux_layers(target.num_layers)
     if len(aux) != 3 or list(aux) != sorted(set(aux)) or aux[0] < 0 or aux[-1] >= target.num_layers:
-        refuse(f"eagle_config.{AUX_IDS}", f"is {list(aux)}: three increasing layers of the target's "
+        given = "" if ids else f" (absent: the default for {target.num_layers} layers)"
+        refuse(f"eagle_config.{AUX_IDS}", f"is {list(aux)}{given}: three increasing layers of the target's "
                                            f"{target.num_layers} are needed")
     if not 0 < draft_vocab <= vocab:
         refuse("draft_vocab_size", f"is {draft_vocab}, not in [1, {vocab}]")
