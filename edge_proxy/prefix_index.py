@@ -18,7 +18,10 @@ and the ids past it, less than a block: all of a short reply may be there). A
 prompt whose match runs through such a reply block, or that goes on past such an
 end with exactly those ids, is a later turn of a conversation whose previous turn
 ran there (`history`), not a prompt that merely shares a system prompt with
-others. Marks go with their block when the replica removes it.
+others. Marks go with their block when the replica removes it. They are this
+process's own (only the proxy that ran a turn has them), so the proxy's routing no
+longer reads them: a later turn's home comes from the KV events every proxy receives
+(`routing.mark_home`); `bench/routing_sim.py` still replays them.
 
 In precise mode an expected block counts for `expect_s` after it was last
 expected (the longest a prompt waits in a busy replica's queue before its
