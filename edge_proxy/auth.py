@@ -130,12 +130,11 @@ class KeyStore:
             return None
         return hit[1]
 
-
     def set_share(self, share: float) -> None:
         """Every key's limits become this process's `share` of the region's (`limits.shared_rate`,
         `shared_cap`); called at start and whenever the count of the region's proxies changes."""
         keys = [k for _, k in self._by_digest.values()] + ([self.anonymous] if self.anonymous else [])
-        for k in keys:
+        for k in keys + list(self._delegated.values()):  # (a peer's delegates share its bucket: rescaled alike)
             k.bucket.rescale(*shared_rate(k.rate, k.burst, share))
             k.inflight_cap = shared_cap(k.max_inflight, share)
 
