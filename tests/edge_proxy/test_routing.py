@@ -5,8 +5,8 @@ from collections import Counter
 
 from edge_proxy.prefix_index import BlockIndex, reply_hashes
 from edge_proxy.routing import (FAILOVER, LOAD, PREFIX, SPILL, STICKY, Candidate, Decision, Router, RouterConfig,
-                                compute_groups, effective_load, load_bound, pick_prefix, pick_sticky,
-                                rendezvous_order, valve_pick)
+                                compute_groups, effective_load, later_turn, load_bound, mark_home, pick_prefix,
+                                pick_sticky, rendezvous_order, valve_pick)
 from wire.hashing import block_hashes
 from wire.protocol import KvEvents
 
@@ -512,3 +512,27 @@ def test_a_new_conversation_goes_where_fewer_conversations_are_not_where_none_is
     reps.load.update(a=2.0)  # at its bound: the least loaded of the rest
     d = pick_prefix(len(prompt), 16, reps.cands(prompt), CFG, key=key)
     assert d.replica in ("b", "c") and d.reason == LOAD
+
+
+def test_a_later_turns_home_is_the_one_replica_holding_it_deepest():
+    """`mark_home`: from the match lengths every proxy sees alike (KV events), not from where
+    one proxy sent the previous turn."""
+    system = {"role": "system", "content": "s"}
+    assert not later_turn([system, {"role": "user", "content": "q"}], "sess")  # a chat's first turn
+    assert later_turn([system, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                       {"role": "user", "content": "q2"}], None)
+    assert later_turn(None, "sess") and not later_turn(None, None)  # a plain prompt: its session says so
+
+    def homes(cached: list[int], later: bool = True) -> list[str]:
+        cands = [Candidate(r, 0.0, n) for r, n in zip("abc", cached)]
+        mark_home(cands, later)
+        return [c.id for c in cands if c.history]
+
+    assert homes([9, 2, 2]) == ["a"]  # its history on a, the shared system prompt everywhere
+    assert homes([9, 2, 2], later=False) == []  # a first turn has no home
+    assert homes([9, 9, 2]) == []  # as deep on two (a spill's copy, a shared prompt): the load decides
+    assert homes([0, 0, 0]) == []  # held nowhere
+    # Routed on it: a home over the tight bound but within the spill bound keeps the turn.
+    cands = [Candidate("a", 3.0, 9), Candidate("b", 0.0, 2), Candidate("c", 0.0, 2)]
+    mark_home(cands, True)
+    assert Router().route(cands, 160, 16).replica == "a"
