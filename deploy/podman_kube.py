@@ -13,9 +13,10 @@ ConfigMaps and PersistentVolumeClaims; what it lacks is filled in here, each in 
   volumes, and replaces all of them at once).
 - emptyDir: a volume per pod (podman makes an emptyDir a named volume; named per pod here);
   removed with its pod.
-- `$(VAR)` in args and env values (--replica-id=$(POD_NAME)): expanded here, as the kubelet
-  does (podman passes them on as written); fieldRef metadata.namespace and spec.nodeName
-  (podman 4.3 refuses a pod naming them) given as values.
+- `$(VAR)` in args and env values (--replica-id=$(POD_NAME), --model=$(EDGECHAT_MODEL)):
+  expanded here, as the kubelet does (podman passes them on as written); fieldRef
+  metadata.namespace and spec.nodeName (podman 4.3 refuses a pod naming them) and
+  configMapKeyRef (the overlay's ConfigMap edgechat-model, which podman is not given) as values.
 - containerPort: dropped (podman 4.3 publishes each on the host, so two replicas collide);
   probes' named ports resolved first. The proxy's port is published on --port (its
   LoadBalancer Service).
@@ -43,7 +44,8 @@ ConfigMaps and PersistentVolumeClaims; what it lacks is filled in here, each in 
 - resources: podman applies limits (memory); requests are for a scheduler, and stay in the
   played YAML.
 - Namespace, NetworkPolicy, PodDisruptionBudget, the Services themselves: nothing in podman
-  to apply them to; left out.
+  to apply them to; left out. The ServiceMonitor (components/prometheus, not in cpu-demo):
+  `scrape_request` is the GET Prometheus makes from it, for a pod's address.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ except ImportError:
 ROOT = images.ROOT
 K8S = ROOT / "deploy" / "k8s"
 OVERLAY = K8S / "overlays" / "cpu-demo"
+SERVICE_MONITOR = K8S / "components" / "prometheus" / "service-monitor.yaml"
 NETWORK = "edgechat"
 PART_OF = "app.kubernetes.io/part-of=edgechat"
 REPLICAS_ALIAS = "edgechat-replica"  # the headless Service's name: --replicas-dns
@@ -84,7 +87,7 @@ def render(overlay: Path = OVERLAY) -> list[dict]:
     """The overlay as `kubectl kustomize` renders it (its secrets.env must exist)."""
     if not (overlay / "secrets.env").exists():
         raise SystemExit(f"{overlay / 'secrets.env'} is missing: cp secrets.env.example secrets.env there "
-                         "and set replica-secret (e.g. openssl rand -hex 32)")
+                         "and set replica-secret and metrics-token, each its own (e.g. openssl rand -hex 32)")
     kubectl, kustomize = shutil.which("kubectl"), shutil.which("kustomize")
     if not (kubectl or kustomize):
         raise SystemExit("kubectl (or kustomize) renders the overlay; neither is installed")
@@ -111,20 +114,37 @@ def pod_fields(pod: str, namespace: str) -> dict[str, str]:
     return {"metadata.name": pod, "metadata.namespace": namespace, "spec.nodeName": socket.gethostname()}
 
 
-def container_env(c: dict, pod: str, namespace: str) -> dict[str, str]:
-    """The variables $(VAR) may name: plain values and the pod's own fields (in order, as the kubelet)."""
+def config_maps(docs: list[dict]) -> dict[str, dict[str, str]]:
+    """The rendered ConfigMaps' data by their (generated) names."""
+    return {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+
+
+def config_map_value(ref: dict, maps: dict[str, dict[str, str]]) -> str:
+    try:
+        return maps[ref["name"]][ref["key"]]
+    except KeyError:
+        raise ValueError(f"configMapKeyRef {ref['name']}/{ref['key']}: no such ConfigMap key in the render") from None
+
+
+def container_env(c: dict, pod: str, namespace: str, maps: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
+    """The variables $(VAR) may name: plain values, ConfigMap keys and the pod's own fields (in
+    order, as the kubelet)."""
     fields = pod_fields(pod, namespace)
     env: dict[str, str] = {}
     for e in c.get("env", []):
+        ref = e.get("valueFrom", {})
         if "value" in e:
             env[e["name"]] = expand(e["value"], env)
-        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") in fields:
-            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in ref:
+            env[e["name"]] = config_map_value(ref["configMapKeyRef"], maps or {})
+        elif ref.get("fieldRef", {}).get("fieldPath") in fields:
+            env[e["name"]] = fields[ref["fieldRef"]["fieldPath"]]
     return env
 
 
-def pod_of(deployment: dict, name: str, host_port: int = 0) -> dict:
-    """The Pod a ReplicaSet would make from `deployment`'s template, as podman 4.3 can play it."""
+def pod_of(deployment: dict, name: str, host_port: int = 0, maps: dict[str, dict[str, str]] | None = None) -> dict:
+    """The Pod a ReplicaSet would make from `deployment`'s template, as podman 4.3 can play it
+    (`maps`: the rendered ConfigMaps, `config_maps(docs)`, for configMapKeyRef)."""
     tpl = copy.deepcopy(deployment["spec"]["template"])
     spec = tpl["spec"]
     renamed = {v["name"]: f"{name}-{v['name']}" for v in spec.get("volumes", []) if "emptyDir" in v}
@@ -132,13 +152,16 @@ def pod_of(deployment: dict, name: str, host_port: int = 0) -> dict:
         v["name"] = renamed.get(v["name"], v["name"])
     namespace = deployment["metadata"].get("namespace", "default")
     for c in spec["containers"]:
-        env = container_env(c, name, namespace)
+        env = container_env(c, name, namespace, maps)
         for key in ("command", "args"):
             if key in c:
                 c[key] = [expand(a, env) for a in c[key]]
         for e in c.get("env", []):
             if "value" in e:
                 e["value"] = env[e["name"]]  # expanded in order: only variables defined above it
+            if "configMapKeyRef" in e.get("valueFrom", {}):  # the ConfigMap is not played: its value
+                e.pop("valueFrom")
+                e["value"] = env[e["name"]]
             path = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
             if path in UNSUPPORTED_FIELDS:  # podman 4.3 refuses the pod: the value itself instead
                 e.pop("valueFrom")
@@ -168,6 +191,28 @@ def http_check(port: int, path: str) -> list[str]:
     HEALTHCHECK is this same command)."""
     return ["python", "-c", "import sys, urllib.request as u; "
             f"sys.exit(u.urlopen('http://127.0.0.1:{port}{path}', timeout=2).status != 200)"]
+
+
+def scrape_request(monitor: dict, docs: list[dict], pod_ip: str) -> tuple[str, dict[str, str]]:
+    """The GET Prometheus makes of a replica pod from the ServiceMonitor `monitor` (`SERVICE_MONITOR`):
+    its endpoint's port is the selected Service's port of that name, whose targetPort names the
+    container's port; its path; its bearer credentials the key of the rendered Secret (the monitor's
+    `edgechat-secrets` is the generator's name, which kustomize hashes). (URL, headers)."""
+    (ep,) = monitor["spec"]["endpoints"]
+    want = monitor["spec"]["selector"]["matchLabels"]
+    (service,) = [d for d in docs if d["kind"] == "Service" and want.items() <= d["metadata"]["labels"].items()]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == ep["port"]]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"
+              and service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    target = next(p["containerPort"] for p in c["ports"] if p["name"] == port["targetPort"])
+    secret = one(docs, "Secret")
+    cred = ep["authorization"]["credentials"]
+    if not secret["metadata"]["name"].startswith(cred["name"] + "-"):
+        raise ValueError(f"the ServiceMonitor's Secret {cred['name']} is not the overlay's {secret['metadata']['name']}")
+    token = base64.b64decode(secret["data"][cred["key"]]).decode()
+    return (f"{ep.get('scheme', 'http')}://{pod_ip}:{target}{ep['path']}",
+            {"Authorization": f"{ep['authorization'].get('type', 'Bearer')} {token}"})
 
 
 def secret_json(secret: dict) -> str:
@@ -276,7 +321,8 @@ class Region:
     # -- changing it --
     def play(self, component: str, name: str) -> Pod:
         """One pod of the component's Deployment, started; replicas join the headless Service's alias."""
-        doc = pod_of(self.deployment(component), name, self.host_port if component == "proxy" else 0)
+        doc = pod_of(self.deployment(component), name, self.host_port if component == "proxy" else 0,
+                     config_maps(self.docs))
         net = f"{NETWORK}:alias={REPLICAS_ALIAS}" if component == "replica" else NETWORK
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=f"{name}-") as f:
             yaml.safe_dump(doc, f)

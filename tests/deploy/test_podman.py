@@ -1,7 +1,8 @@
 """The images and the manifests as an operator runs them on one machine, with podman: the
 proxy and CPU replica images built from deploy/Dockerfile (deploy/images.py, cached layers
 reused), the cpu-demo overlay played (deploy/podman_kube.py: a proxy and two replicas, the
-replicas found through DNS), the official openai SDK streaming through the proxy, every
+replicas found through DNS, each scraped as the ServiceMonitor says, with the read-only
+metrics token), the official openai SDK streaming through the proxy, every
 replica replaced one at a time under continuous streaming load with no stream lost or
 changed, and nothing left behind.
 
@@ -19,12 +20,14 @@ import json
 import re
 import shutil
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import openai
 import pytest
+import yaml
 
 from deploy import images, podman_kube
 from tests.deploy.dockerfile import ROOT
@@ -70,10 +73,10 @@ def e2e(built, tmp_path_factory):
     tests learn on the way (the model, the reference streams) is kept here for the next ones."""
     tree = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(ROOT / "deploy" / "k8s", tree, ignore=shutil.ignore_patterns("secrets.env"))
-    secret = "e2e-" + time.strftime("%H%M%S")
-    (tree / "overlays" / "cpu-demo" / "secrets.env").write_text(f"replica-secret={secret}\n")
+    secret, token = "e2e-" + time.strftime("%H%M%S"), "e2e-metrics-" + time.strftime("%H%M%S")
+    (tree / "overlays" / "cpu-demo" / "secrets.env").write_text(f"replica-secret={secret}\nmetrics-token={token}\n")
     podman_kube.down()
-    state = SimpleNamespace(secret=secret, before=_leftovers(), model="", expected={},
+    state = SimpleNamespace(secret=secret, metrics_token=token, before=_leftovers(), model="", expected={},
                             region=podman_kube.Region(podman_kube.render(tree / "overlays" / "cpu-demo")))
     try:
         state.started = state.region.up()
@@ -137,11 +140,25 @@ def test_the_region_plays_with_probes_secret_resources_and_dns_discovery(e2e):
         c = json.loads(images.podman("inspect", container).stdout)[0]
         env = dict(e.split("=", 1) for e in c["Config"]["Env"])
         assert env["EDGECHAT_REPLICA_SECRET"] == e2e.secret  # from the Secret, through secretKeyRef
-        assert env["POD_NAME"] == p.name
+        assert env["POD_NAME"] == p.name and env["EDGECHAT_MODEL"] == "default"  # the ConfigMap's one value
+        if p.component == "replica":
+            assert env["EDGECHAT_METRICS_TOKEN"] == e2e.metrics_token
         limit = region.deployment(p.component)["spec"]["template"]["spec"]["containers"][0]["resources"]
         assert limit["requests"]["cpu"] and limit["requests"]["memory"]  # requests stay in what was played
         assert c["HostConfig"]["Memory"] == _bytes(limit["limits"]["memory"])
         assert c["HostConfig"]["ReadonlyRootfs"] and c["Config"]["User"] == "10001:10001"
+    # Prometheus' scrape of each replica, as components/prometheus's ServiceMonitor describes it
+    monitor = yaml.safe_load(podman_kube.SERVICE_MONITOR.read_text())
+    for p in replicas:
+        target, headers = podman_kube.scrape_request(monitor, region.docs, p.ip)
+        assert headers == {"Authorization": f"Bearer {e2e.metrics_token}"}
+        with urllib.request.urlopen(urllib.request.Request(target, headers=headers), timeout=5) as r:
+            assert r.status == 200 and "edgechat_replica_running" in r.read().decode()
+        for path, code in (("/metrics", 401), ("/v1/models", 403)):  # no token; the token where it reads nothing
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(
+                    target.replace("/metrics", path), headers=headers if code == 403 else {}), timeout=5)
+            assert refused.value.code == code, (p.name, path)
     # the proxy found both replicas by resolving the headless Service's name (the network alias)
     m = _metrics(url)
     assert m["edgechat_proxy_replicas_ready"] == 2

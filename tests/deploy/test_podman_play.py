@@ -1,7 +1,9 @@
 """What deploy/podman_kube.py gives `podman kube play`, and what deploy/images.py gives
 `podman build`, checked without podman: each replica a Pod of its own with its own emptyDir
-volumes, $(POD_NAME) expanded, no containerPort for podman 4.3 to publish but the proxy's, the
-probes' named ports resolved, the Secret in the JSON form podman's secretKeyRef reads; the
+volumes, $(POD_NAME) and $(EDGECHAT_MODEL) expanded (the ConfigMap's value given), no
+containerPort for podman 4.3 to publish but the proxy's, the probes' named ports resolved, the
+Secret in the JSON form podman's secretKeyRef reads; a replica started as played answers the
+scrape the ServiceMonitor describes (the metrics token) and refuses that token anything else; the
 images tagged as the cpu-demo overlay runs them; the build's pip sees this machine's package
 sources; the replica entry point copies the kernels built into the image where torch loads them.
 The podman run itself: tests/deploy/test_podman.py (-m podman)."""
@@ -17,12 +19,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 
 from deploy import images, podman_kube
 from edge_proxy.__main__ import parse_args as proxy_args
 from replica.__main__ import parse_args as replica_args
 from tests.deploy.dockerfile import ROOT, stages
+from tests.prom import samples
+from tests.replica.server import replica_server
+
+SECRETS = {"replica-secret": "s3cret", "metrics-token": "m3trics"}
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +39,23 @@ def docs(tmp_path_factory) -> list[dict]:
         pytest.skip("kubectl renders the overlay")
     tree = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(ROOT / "deploy" / "k8s", tree, ignore=shutil.ignore_patterns("secrets.env"))
-    (tree / "overlays" / "cpu-demo" / "secrets.env").write_text("replica-secret=s3cret\n")
+    (tree / "overlays" / "cpu-demo" / "secrets.env").write_text("".join(f"{k}={v}\n" for k, v in SECRETS.items()))
     return podman_kube.render(tree / "overlays" / "cpu-demo")
 
 
 def test_a_replica_pod_is_its_own_with_its_name_expanded(docs):
     dep = podman_kube.one(docs, "Deployment", "edgechat-replica")
-    pods = [podman_kube.pod_of(dep, f"edgechat-replica-{i}") for i in range(2)]
+    maps = podman_kube.config_maps(docs)
+    pods = [podman_kube.pod_of(dep, f"edgechat-replica-{i}", maps=maps) for i in range(2)]
     for i, pod in enumerate(pods):
         name = f"edgechat-replica-{i}"
         assert pod["kind"] == "Pod" and pod["metadata"]["name"] == name
         assert pod["metadata"]["labels"] == dep["spec"]["template"]["metadata"]["labels"]
         (c,) = pod["spec"]["containers"]
         assert replica_args(c["args"]).replica_id == name  # --replica-id=$(POD_NAME), as the kubelet expands it
+        assert replica_args(c["args"]).model == "default"  # --model=$(EDGECHAT_MODEL), from the ConfigMap
+        (model,) = [e for e in c["env"] if e["name"] == "EDGECHAT_MODEL"]
+        assert model == {"name": "EDGECHAT_MODEL", "value": "default"}  # podman is not given the ConfigMap
         assert "ports" not in c  # podman 4.3 would publish 8000 on the host for each: the second collides
         assert c["readinessProbe"]["httpGet"]["port"] == 8000  # named port resolved: "ws" is gone with ports
         (line,) = c["livenessProbe"]["exec"]["command"]  # one shell line (podman joins the words), not curl
@@ -57,21 +69,51 @@ def test_a_replica_pod_is_its_own_with_its_name_expanded(docs):
 
 def test_the_proxy_pod_publishes_its_port_only_when_asked(docs):
     dep = podman_kube.one(docs, "Deployment", "edgechat-proxy")
-    (c,) = podman_kube.pod_of(dep, "edgechat-proxy-0", host_port=8080)["spec"]["containers"]
+    maps = podman_kube.config_maps(docs)
+    (c,) = podman_kube.pod_of(dep, "edgechat-proxy-0", host_port=8080, maps=maps)["spec"]["containers"]
     assert c["ports"] == [{"containerPort": 8000, "hostPort": 8080}]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert "k8s.pod.name=edgechat-proxy-0" in env["OTEL_RESOURCE_ATTRIBUTES"]
     assert proxy_args(c["args"]).discovery.name == podman_kube.REPLICAS_ALIAS  # the alias the replicas join
-    assert "ports" not in podman_kube.pod_of(dep, "edgechat-proxy-0")["spec"]["containers"][0]
+    assert proxy_args(c["args"]).tokenizer == "default"  # the replicas' model, the same ConfigMap key
+    assert "ports" not in podman_kube.pod_of(dep, "edgechat-proxy-0", maps=maps)["spec"]["containers"][0]
+    with pytest.raises(ValueError, match="configMapKeyRef edgechat-model-"):
+        podman_kube.pod_of(dep, "edgechat-proxy-0")  # no ConfigMaps given: said, never played unresolved
 
 
 def test_the_secret_is_given_as_podman_reads_it(docs):
     secret = podman_kube.one(docs, "Secret")
     data = json.loads(podman_kube.secret_json(secret))
-    assert base64.b64decode(data["replica-secret"]) == b"s3cret"
+    assert {k: base64.b64decode(v).decode() for k, v in data.items()} == SECRETS
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for d in docs if d["kind"] == "Deployment"
             for e in d["spec"]["template"]["spec"]["containers"][0]["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert refs == {secret["metadata"]["name"]}  # the podman secret is created under the generated name
+
+
+def test_a_replica_as_played_answers_the_service_monitors_scrape(docs):
+    """components/prometheus's ServiceMonitor (left out of cpu-demo: kind and minikube lack the
+    operator) against a real replica started with the played pod's arguments and environment, its
+    Secret's keys resolved as podman's secretKeyRef does: the scrape it describes answers with the
+    replica's metrics; its token generates nothing; no token, no metrics."""
+    monitor = yaml.safe_load(podman_kube.SERVICE_MONITOR.read_text())
+    url, headers = podman_kube.scrape_request(monitor, docs, "127.0.0.1")
+    assert url == "http://127.0.0.1:8000/metrics" and headers == {"Authorization": "Bearer m3trics"}
+    dep = podman_kube.one(docs, "Deployment", "edgechat-replica")
+    (c,) = podman_kube.pod_of(dep, "edgechat-replica-0", maps=podman_kube.config_maps(docs))["spec"]["containers"]
+    secret = json.loads(podman_kube.secret_json(podman_kube.one(docs, "Secret")))
+    env = {e["name"]: e["value"] if "value" in e else base64.b64decode(secret[e["valueFrom"]["secretKeyRef"]["key"]]).decode()
+           for e in c["env"] if "value" in e or "secretKeyRef" in e.get("valueFrom", {})}
+    assert replica_args(c["args"]).port == 8000
+    cmd = [sys.executable, "-m", "replica", *c["args"], "--host", "127.0.0.1", "--port", "{port}", "--kv-memory-gb", "0.1"]
+    with replica_server(cmd=cmd, env=env) as (base, _):
+        local = url.replace("127.0.0.1:8000", base.removeprefix("http://"))
+        r = httpx.get(local, headers=headers, timeout=10)
+        assert r.status_code == 200 and "edgechat_replica_running" in samples(r.text)
+        assert httpx.get(local, timeout=10).status_code == 401
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(base + "/v1/chat/completions", json=chat, headers=headers, timeout=60).status_code == 403
+        secret_auth = {"Authorization": f"Bearer {env['EDGECHAT_REPLICA_SECRET']}"}
+        assert httpx.post(base + "/v1/chat/completions", json=chat, headers=secret_auth, timeout=120).status_code == 200
 
 
 def test_the_liveness_command_tells_200_from_anything_else():
