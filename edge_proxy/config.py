@@ -37,7 +37,6 @@ class ProxyConfig:
     max_pending_bytes: int = 1 << 20  # undelivered frames per client connection before it is cut off
     max_open_per_connection: int = 256  # requests in flight on one client socket
     cancel_rate_per_s: float = 100.0  # cancels per client socket (token bucket, burst twice this)
-    sessions_per_key: int = 10_000  # session bindings an API key may hold (its own oldest are forgotten first)
     auth_failures_per_s: float = 1.0  # failed authentications per source address, after a burst of
     auth_failure_burst: float = 20.0  # ... this many; then `rate_limited` before any key is checked
     failover_attempts: int = 3

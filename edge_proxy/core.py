@@ -3,9 +3,9 @@
 Everything socket-facing (the ASGI endpoints, the replica pool) calls in here;
 the decisions themselves are the pure functions of `routing` and `admission`.
 
-    submit: draining? -> in-flight cap -> rate limit -> size limits (`limits`: bytes,
-            messages, roles; before any work) -> sampling bounds (seed assigned) ->
-            session ownership -> tokenize (thread pool, never on the loop) -> length
+    submit: draining? -> in-flight caps (this process's, the key's share) -> rate limit (the
+            key's share) -> size limits (`limits`: bytes, messages, roles; before any work) ->
+            sampling bounds (seed assigned) -> session id (namespaced by the key) -> tokenize (thread pool, never on the loop) -> length
             limits -> block hashes -> route (sticky | prefix | load) -> admission
             (deadline, from the replica's Load) -> Generate
     no replica ready here (and the request was not itself forwarded): forward it to the
@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -44,7 +43,7 @@ from edge_proxy.peering import Forwarded, PeerLink
 from edge_proxy.pool import ReplicaPool
 from edge_proxy.prompt import TokenizerPool
 from edge_proxy.routing import LOAD, Candidate, Decision, later_turn, make_router, mark_home
-from edge_proxy.sessions import SessionTable, placement_key
+from edge_proxy.sessions import placement_key
 from edge_proxy.sinks import DeltaSink, TokenSink
 from edge_proxy.stream import ProxiedRequest
 from edge_proxy.throttle import FailedAuthThrottle
@@ -93,7 +92,6 @@ class Proxy:
         self.tracer = tracer or make_tracer(cfg.region, ([console_processor()] if cfg.otel_console else [])
                                             + ([otlp_processor()] if cfg.otel_otlp else []))
         self.router = make_router(cfg.router)
-        self.sessions = SessionTable(per_key=cfg.sessions_per_key)
         self.tokenizers = TokenizerPool(tokenizer, cfg.limits.tokenizer_threads, cfg.limits.max_tokenizing)
         self.auth_throttle = FailedAuthThrottle(cfg.auth_failures_per_s, cfg.auth_failure_burst)
         self.pool = ReplicaPool(cfg.replicas, cfg.pool, self, getattr(tokenizer, "fingerprint", ""))
@@ -214,12 +212,8 @@ class Proxy:
                 check_prompt(req.messages, req.prompt, self.cfg.limits)
             sampling = self._sampling(req.sampling or pp.Sampling())
             priority = self._priority(key, req.priority)
-            session = None
             if req.session is not None:
                 check_session_id(req.session)
-                session = self.sessions.get(req.session, key.key_id, time.monotonic())
-                if session is None:
-                    raise pp.ProtocolError(pp.FORBIDDEN, "this session belongs to another API key")
             if self._forwardable(req, sampling):
                 return self._forward(key, req, sampling, priority, sink, t0)
             ids = req.ids if req.ids is not None else await self._tokenize(req.messages, req.prompt, req.tools)
@@ -236,10 +230,10 @@ class Proxy:
         span = start_request_span(self.tracer, req.traceparent, {
             "edgechat.tenant": key.tenant, "edgechat.prompt_tokens": len(ids), "edgechat.priority": priority})
         gen = P.Generate("", ids, sampling, salt, priority, 0.0, [], traceparent_of(span))
-        s = ProxiedRequest(req.cid, key, sink, gen, hashes, session, t0, span)
+        s = ProxiedRequest(req.cid, key, sink, gen, hashes, req.session, t0, span)
         s.messages = req.messages
         s.later = later_turn(req.messages, req.session)
-        if session is not None:
+        if req.session is not None:  # namespaced by the key, on every proxy alike (`sessions`)
             s.placement = placement_key(key.key_id, req.session)
         if req.resume:
             s.ids += req.resume  # as after a failover: the replica continues at len(ids), the client has their text

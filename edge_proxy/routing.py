@@ -80,9 +80,9 @@ local, and why that is safe:
   replaced by the next one; they weigh load, never decide a conversation's home;
 - the rendezvous tie-breaks draw on the request's key: alike everywhere.
 
-No proxy keeps where a session or a conversation last ran (`sessions` holds owners
-only; `BlockIndex.history`, a process's marks of the streams it finished, no longer
-decides anything here).
+No proxy keeps where a session or a conversation last ran (`sessions`: an id is its
+key's, no table; `BlockIndex.history`, a process's marks of the streams it finished,
+no longer decides anything here).
 
 `RouterConfig.mode` (`python -m edge_proxy --routing MODE`) picks the policy;
 all but "auto" are reductions for comparisons (`bench/routing.py`,

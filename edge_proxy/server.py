@@ -14,7 +14,7 @@ Drain timeout: streams still open when `drain_timeout_s` passes are each failed
 with `shutting_down` (an error frame per request) before the sockets close.
 
 Workers: each process binds its own SO_REUSEPORT socket, so the kernel spreads
-connections across them; each has its own replica connections and session table.
+connections across them; each has its own replica connections.
 Every worker routes alike (routing reads the request and the replicas' reports,
 never a worker's memory), and each enforces its share of every key's limits
 (`limits.RegionShare`: 1 / (pods x workers)). Their

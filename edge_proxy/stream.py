@@ -44,7 +44,7 @@ class ProxiedRequest:
         self.token_sink = sink if isinstance(sink, TokenSink) else None  # gets `tokens` instead of `delta`
         self.gen = gen  # template for every attempt: prompt ids, sampling (with seed), salt, priority
         self.hashes = hashes  # chained block hashes of the prompt
-        self.session = session  # sessions.Session or None
+        self.session = session  # the session id the client named, or None
         self.placement: str | None = None  # rendezvous key of the session
         self.later = False  # it goes on from an earlier reply (`routing.later_turn`): it may have a home
         self.messages: list[dict] | None = None  # the chat, to check how its reply re-renders

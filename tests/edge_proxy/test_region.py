@@ -59,3 +59,24 @@ async def test_turns_alternating_between_two_proxies_stay_on_their_replica(sessi
         assert all(done[(k, n)].usage.cached_tokens > 0 for n in range(1, 4))
     per = [sum(d.replica == r for d in done.values()) for r in "abc"]
     assert sum(per) == 48 and max(per) - min(per) <= 8, per  # 12-20 of 48: conversations 3/4/5 at worst
+
+
+async def test_a_session_id_stays_its_keys_on_every_proxy():
+    """Bob naming Alice's session id on the other proxy gets a session of his own there
+    (namespaced by key: `placement_key`), and Alice's next turn through that proxy is hers
+    still: served, on her replica, cached. (Before issue 44 that proxy bound the id to Bob,
+    the first key it saw use it, and refused Alice `forbidden`.)"""
+    async with stubs("a", "b", "c") as reps, two_proxies(reps) as (p1, p2):
+        alice = [await EdgeClient.connect(p.ws_url, api_key="sk-alice") for p in (p1, p2)]
+        bob = await EdgeClient.connect(p2.ws_url, api_key="sk-bob")
+        try:
+            msgs = [system_prompt(1), {"role": "user", "content": "hello"}]
+            text, first = await alice[0].complete(messages=msgs, max_tokens=24, session="shared")
+            _, other = await bob.complete(messages=msgs, max_tokens=24, session="shared")
+            assert other.usage.cached_tokens == 0  # another tenant's salt: nothing of Alice's is his
+            msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "and then?"}]
+            _, again = await alice[1].complete(messages=msgs, max_tokens=4, session="shared")
+            assert again.replica == first.replica and again.usage.cached_tokens > 0
+        finally:
+            for c in alice + [bob]:
+                await c.close()
