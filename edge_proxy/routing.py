@@ -73,12 +73,15 @@ local, and why that is safe:
 
 - blocks a proxy expects but no KV event has confirmed yet (`BlockIndex.expect`: a
   prompt just sent, a reply just finished): the replica's events confirm them within
-  a step, or they age out in `expect_s`; they bridge that step, and another proxy
-  learns the same blocks from the same events before the client's next turn reaches it;
+  a step, or they age out in `expect_s`; they bridge that step (and count in a replica's
+  `held_blocks` for it), and another proxy learns the same blocks from the same events
+  before the client's next turn reaches it;
 - its own requests since a replica's last Load (`effective_load`) and their prompts
   still prefilling (`queued_prefill`): corrections of a report a few tens of ms old,
   replaced by the next one; they weigh load, never decide a conversation's home;
-- the rendezvous tie-breaks draw on the request's key: alike everywhere.
+- the rendezvous tie-breaks draw on the request's key (a session's placement key, else
+  its first block): alike everywhere, so new conversations that two proxies place in
+  the same instant, before either's Load or KV events reach the other, still spread.
 
 No proxy keeps where a session or a conversation last ran (`sessions`: an id is its
 key's, no table; `BlockIndex.history`, a process's marks of the streams it finished,
