@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -68,6 +68,10 @@ class HeadConfig:
     target_vocab_size: int
     draft_vocab_size: int
     aux_layers: tuple[int, int, int]
+    # The head's own rotary where it is not the target's (a published head trained with another
+    # rope_theta or scaling, speculative.published): theta 0 = the target's table.
+    rope_theta: float = 0.0
+    rope_scaling: dict | None = None  # Hugging Face's rope_scaling, with rope_theta
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
@@ -84,6 +88,20 @@ class HeadConfig:
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
                    target_vocab_size=cfg.vocab_size, draft_vocab_size=min(draft_vocab_size, cfg.vocab_size),
                    aux_layers=aux_layers_for(cfg.num_layers))
+
+    def rope_table(self, target: ModelConfig, max_positions: int) -> torch.Tensor | None:
+        """(max_positions, head_dim) [cos | sin] of the head's own rotary, or None where it is
+        the target's (the drafter then shares the target's table)."""
+        if not self.rope_theta:
+            return None
+        from replica.hf_checkpoint import _rope_scaling
+        from replica.model.llama import LlamaModel
+
+        own = replace(target, rope_theta=self.rope_theta, rope_scaling=_rope_scaling(self.rope_scaling, "the head"),
+                      head_dim=self.head_dim)
+        if (own.rope_theta, own.rope_scaling) == (target.rope_theta, target.rope_scaling):
+            return None
+        return LlamaModel.rope_table(own, max_positions)
 
     def check_target(self, cfg: ModelConfig) -> None:
         """Raise if a head with this config cannot draft for target `cfg`."""

@@ -25,8 +25,9 @@ residual add). What differs, and is converted here once, at load:
     vLLM reads the same list as layer inputs (one lower); a top-level
     eagle_aux_hidden_state_layer_ids (vLLM's speculators layout) is refused rather than guessed.
 
-The head rotates q/k with the target's rotary table (replica.engine.speculation binds it), so
-its rope_theta, rope_scaling and head_dim must be the target's. Variants this head does not
+The head rotates q/k with its own rope_theta and rope_scaling (absent theta: Llama's 10000, as
+vLLM and SGLang read it; HeadConfig.rope_table), the target's table where they are the target's;
+its head_dim must be the target's (its KV layer lives in the target's pool). Variants this head does not
 compute (more layers, norm_before_residual, a hidden size of its own, biases, ...) are refused
 by name.
 """
@@ -92,14 +93,9 @@ def head_config(raw: dict, target: ModelConfig, file: Path) -> HeadConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     if head_dim != target.head_dim:
         refuse("head_dim", f"is {head_dim}, the target's rotary table is {target.head_dim} wide")
-    theta = float(raw.get("rope_theta", 10000.0))
-    if theta != target.rope_theta:
-        given = "" if "rope_theta" in raw else " (absent: Llama's default)"
-        refuse("rope_theta", f"is {theta:g}{given}, the target's is {target.rope_theta:g} (the head rotates q/k "
-                             "with the target's table)")
-    scaling = _rope_scaling(raw.get("rope_scaling"), file)
-    if scaling != target.rope_scaling:
-        refuse("rope_scaling", f"is {raw.get('rope_scaling')!r}, the target's is {target.rope_scaling!r}")
+    theta = float(raw.get("rope_theta", 10000.0))  # absent: Llama's default, as vLLM and SGLang read it
+    scaling = _rope_scaling(raw.get("rope_scaling"), file)  # refuses a kind it does not know, naming it
+    own = (theta, scaling) != (target.rope_theta, target.rope_scaling)  # then the head rotates with its own table
     if raw.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"is {raw['hidden_act']!r}, not 'silu'")
     for flag in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
@@ -124,7 +120,8 @@ def head_config(raw: dict, target: ModelConfig, file: Path) -> HeadConfig:
     return HeadConfig(target_name=target.name, hidden_size=hidden, intermediate_size=need("intermediate_size"),
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                       rms_norm_eps=float(need("rms_norm_eps")), target_vocab_size=vocab,
-                      draft_vocab_size=draft_vocab, aux_layers=aux)
+                      draft_vocab_size=draft_vocab, aux_layers=aux, rope_theta=theta if own else 0.0,
+                      rope_scaling=raw.get("rope_scaling") if own else None)
 
 
 def weights_file(folder: Path) -> Path:
@@ -215,7 +212,8 @@ def save_published(head: Eagle3Head, target: ModelConfig, path: str | os.PathLik
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.target_vocab_size,
         "draft_vocab_size": c.draft_vocab_size, "max_position_embeddings": target.max_position_embeddings,
-        "rope_theta": target.rope_theta, "rope_scaling": rope_scaling_json(target.rope_scaling),
+        **({"rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling} if c.rope_theta else
+           {"rope_theta": target.rope_theta, "rope_scaling": rope_scaling_json(target.rope_scaling)}),
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "torch_dtype": str(head.fc.weight.dtype).removeprefix("torch."),
         "eagle_config": {AUX_IDS: list(c.aux_layers), "use_aux_hidden_state": True},

@@ -115,6 +115,7 @@ class Speculator:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, embed_weight: torch.Tensor, ops):
         """embed_weight: the target's embedding (an EAGLE-3 head shares it)."""
         self.kind, self.ops, self.block_size = cfg.speculative, ops, cfg.block_size
+        self.model_cfg = model_cfg
         self.max_batch = cfg.spec_max_batch
         self.threads = cfg.engine_threads()  # the C++ head step's, as the target step's
         self.sample = cfg.spec_sample
@@ -134,10 +135,13 @@ class Speculator:
         self._specs = [None] + [self._for_batch(cfg, b) for b in range(1, self.max_batch + 1)]
 
     def bind_kv(self, kv: torch.Tensor, cos_sin: torch.Tensor) -> None:
-        """The head's KV layer in the Runner's pool, and the target's rotary table."""
-        # The head rotates q/k with the table as given: in its own dtype, so a bf16 head stays bf16
+        """The head's KV layer in the Runner's pool, and the target's rotary table (the head's
+        own instead where its config has another rope: a published head's)."""
+        own = self.head.cfg.rope_table(self.model_cfg, cos_sin.shape[0])
+        table = cos_sin if own is None else own.to(cos_sin.device)
+        # The head rotates q/k with the table in its own dtype, so a bf16 head stays bf16
         # (drafts only; the target keeps its fp32 table).
-        self.drafter = Drafter(self.head, cos_sin.to(self.head.fc.weight.dtype), kv, self.ops, self.threads)
+        self.drafter = Drafter(self.head, table.to(self.head.fc.weight.dtype), kv, self.ops, self.threads)
 
     # -- draft shape per batch size -----------------------------------------------------------
     def _shape(self, cfg: EngineConfig, depth: int):

@@ -146,9 +146,7 @@ CONFIG_VARIANTS = [
     ("vocab_size", {"vocab_size": 32000}),
     ("head_dim", {"head_dim": 32}),
     ("num_key_value_heads", {"num_key_value_heads": 2}),
-    ("rope_theta", {"rope_theta": 10000.0}),
-    ("rope_theta", {"rope_theta": None}),  # absent: Llama's 10000, as in EAGLE3-LLaMA3.1-Instruct-8B's config
-    ("rope_scaling", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("rope_scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}),  # a kind no table here computes
     ("hidden_act", {"hidden_act": "gelu"}),
     ("attention_bias", {"attention_bias": True}),
     ("mlp_bias", {"mlp_bias": True}),
@@ -199,15 +197,27 @@ def test_a_head_with_an_embedding_of_its_own_drafts_with_it(embed, draft_ids, tm
         assert load_head(folder, TARGET, embed).embed_weight.data_ptr() == embed.data_ptr()  # the target's
 
 
-def test_llama3_rope_scaling_must_be_the_targets(embed, draft_ids, tmp_path):
+def test_a_head_with_a_rope_of_its_own_rotates_with_its_own_table(folders, embed, draft_ids, tmp_path):
+    """rope_theta / rope_scaling unlike the target's (absent theta: Llama's 10000, as in
+    EAGLE3-LLaMA3.1-Instruct-8B's config against its target's 500000): the head keeps them and
+    its table is built from them; the target's where they are the target's (shared, None)."""
+    assert load_head(folders["published"], TARGET, embed).cfg.rope_table(TARGET, 64) is None
+    for edit, theta, scaling in (({"rope_theta": 10000.0}, 10000.0, None), ({"rope_theta": None}, 10000.0, None),
+                                 ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, TARGET.rope_theta,
+                                  RopeScaling(rope_type="linear", factor=2.0))):
+        head = load_head(config_variant(folders["published"], tmp_path / str(len(list(tmp_path.iterdir()))), edit),
+                         TARGET, embed)
+        want = LlamaModel.rope_table(dataclasses.replace(TARGET, rope_theta=theta, rope_scaling=scaling), 64)
+        got = head.cfg.rope_table(TARGET, 64)
+        assert torch.equal(got, want) and not torch.equal(got, LlamaModel.rope_table(TARGET, 64)), edit
     scaled = dataclasses.replace(TARGET, rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=2048))
     folder = write_published(own_head(scaled, embed, draft_ids), scaled, tmp_path / "llama3")
-    assert load_head(folder, scaled, embed).cfg.aux_layers == (1, 14, 26)
-    with pytest.raises(ValueError, match="rope_scaling"):
-        load_head(folder, TARGET, embed)
-    other = dataclasses.replace(scaled, rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=2048))
-    with pytest.raises(ValueError, match="rope_scaling"):
-        load_head(folder, other, embed)
+    assert load_head(folder, scaled, embed).cfg.rope_table(scaled, 64) is None  # the target's llama3 table
+    head = load_head(folder, TARGET, embed)  # a llama3 head over an unscaled target: its own table
+    assert torch.equal(head.cfg.rope_table(TARGET, 64), LlamaModel.rope_table(scaled, 64))
+    again = load_head(published.save_published(head, TARGET, tmp_path / "again"), TARGET, embed)
+    assert again.cfg.rope_table(TARGET, 64) is not None and torch.equal(again.cfg.rope_table(TARGET, 64),
+                                                                        head.cfg.rope_table(TARGET, 64))
 
 
 def test_a_published_folder_counts_as_a_head(folders, tmp_path):
@@ -238,3 +248,27 @@ def test_the_engine_drafts_with_a_published_head_and_answers_as_plain_decoding(t
         if name != "plain":
             assert eng.speculator.head.cfg.aux_layers == (0, 2, 3) and eng.stats.drafted > 0
     assert out["chain"] == out["plain"] and out["tree"] == out["plain"]
+
+
+def test_the_engine_binds_a_heads_own_rope_and_still_answers_as_plain_decoding(tmp_path):
+    """A published head with another rope_theta than its target's: the drafter rotates with the
+    head's table (Speculator.bind_kv), and the answers stay the plain engine's."""
+    cfg = tiny_config(num_layers=4)
+    w = tiny_weights(cfg)
+    folder = config_variant(write_published(random_head(tiny_target()), cfg, tmp_path / "head"), tmp_path / "own",
+                            {"rope_theta": cfg.rope_theta * 3})
+    out = {}
+    for name, kw in {"plain": {}, "chain": dict(speculative="eagle3", spec_depth=3)}.items():
+        eng = LLMEngine(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=40,
+                                     spec_max_batch=4, spec_policy="taper", spec_head=str(folder), **kw), cfg, w)
+        assert eng.add(P.Generate(id="a", prompt_ids=list(range(3, 40)), sampling=P.SamplingParams(
+            max_tokens=12, temperature=0.0, ignore_eos=True))) is None
+        toks = []
+        while eng.has_work():
+            toks += [t for m in eng.step() for t in m.ids]
+        out[name] = toks
+        if name != "plain":
+            table = eng.speculator.drafter.cos_sin
+            own = LlamaModel.rope_table(dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 3), table.shape[0])
+            assert torch.equal(table, own.to(table.dtype)) and eng.stats.drafted > 0
+    assert out["chain"] == out["plain"]
