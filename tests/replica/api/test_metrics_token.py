@@ -52,13 +52,14 @@ def test_the_token_reads_get_metrics_and_nothing_else():
         r = c.request(method, path, headers=SCRAPER)
         assert r.status_code == 403, (method, path)
         assert r.json()["error"]["code"] == "forbidden" and "metrics token" in r.json()["error"]["message"]
-    with pytest.raises(WebSocketDisconnect) as closed, c.websocket_connect("/v1/replica", headers=SCRAPER):
+    # websocket_connect adds its handshake headers to the dict it is given: a copy, never the shared ones
+    with pytest.raises(WebSocketDisconnect) as closed, c.websocket_connect("/v1/replica", headers=dict(SCRAPER)):
         pass
     assert closed.value.code == 4403
     for method, path in (("GET", "/metrics"), ("POST", "/metrics"), ("GET", "/v1/models"),
                          ("POST", "/v1/chat/completions")):  # the secret: everything, as before
         assert c.request(method, path, headers=AUTH).status_code == 200, (method, path)
-    with c.websocket_connect("/v1/replica", headers=AUTH) as ws:
+    with c.websocket_connect("/v1/replica", headers=dict(AUTH)) as ws:
         assert ws.receive_text() == "hello"
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):  # neither: 401
         r = c.get("/metrics", headers=headers)
@@ -91,8 +92,8 @@ def test_where_a_launch_gets_its_metrics_token(tmp_path):
 
 
 async def _handshake(url: str, headers: dict) -> str:
-    """"open" once the replica's Hello came, or "refused" (the handshake answered with an HTTP error:
-    a close before accept, 4401 or 4403, is a 403 from uvicorn)."""
+    """"open" once the replica's Hello came, or "refused <status> <body>" (a close before accept, 4401
+    or 4403, is a 403 from uvicorn)."""
     try:
         async with connect(url.replace("http://", "ws://") + "/v1/replica", additional_headers=headers) as ws:
             await ws.recv()  # the replica's Hello
@@ -115,7 +116,7 @@ def test_a_real_replica_serves_metrics_to_the_token_and_generation_only_to_the_s
             assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", (path, r.text)
         assert httpx.get(url + "/v1/models", headers=SCRAPER, timeout=10).status_code == 403
         assert httpx.get(url + "/metrics", timeout=10).status_code == 401
-        assert asyncio.run(asyncio.wait_for(_handshake(url, SCRAPER), 60)).startswith("refused 403")  # no proxy connection either
+        assert asyncio.run(asyncio.wait_for(_handshake(url, SCRAPER), 60)) == "refused 403 b''"  # no proxy connection either
         after = samples(httpx.get(url + "/metrics", headers=SCRAPER, timeout=10).text)
         assert after["edgechat_replica_prompt_tokens_total"] == 0  # nothing reached the engine
 
