@@ -85,9 +85,11 @@ class StreamCodec:
         self._dec = msgspec.msgpack.Decoder(StreamMessage)
         self._buf = bytearray()
 
-    def pack(self, msg) -> bytes:
-        body = self._enc.encode(msg)
-        return _LEN.pack(len(body)) + body
+    def pack(self, msg) -> bytearray:
+        out = bytearray(4)
+        self._enc.encode_into(msg, out, 4)  # after the length, in place: a frame's bytes are copied once here
+        _LEN.pack_into(out, 0, len(out) - 4)
+        return out
 
     @property
     def pending(self) -> int:

@@ -76,7 +76,7 @@ class KvRoutes:
     @staticmethod
     async def _stream(client, spec: P.KvSpec, hashes: list[int], start: int, per_frame: int):
         codec, sent, reason, per = StreamCodec(), 0, "", spec.block_bytes
-        yield codec.pack(spec)
+        yield memoryview(codec.pack(spec))  # Starlette sends bytes or memoryviews
         for i in range(0, len(hashes), per_frame):
             want = hashes[i: i + per_frame]
             try:
@@ -90,12 +90,13 @@ class KvRoutes:
             if got.hashes:
                 view = memoryview(got.data)
                 digests = [block_digest(view[k * per: (k + 1) * per]) for k in range(len(got.hashes))]
-                yield codec.pack(KvFrame(start=start + i, hashes=got.hashes, digests=digests, data=got.data))
+                yield memoryview(codec.pack(KvFrame(start=start + i, hashes=got.hashes, digests=digests,
+                                                    data=got.data)))
                 sent += len(got.hashes)
             if len(got.hashes) < len(want):
                 reason = f"block {start + i + len(got.hashes)} is not cached here (never computed, or evicted)"
                 break
-        yield codec.pack(KvEnd(blocks=sent, reason=reason))
+        yield memoryview(codec.pack(KvEnd(blocks=sent, reason=reason)))
 
     async def pull(self, request: Request):
         try:
