@@ -14,6 +14,13 @@ Invariants:
     the bytes (digests, the hash chain from the token ids, the spec) before it sends them.
   * Tensor parallelism: each rank holds a shard of the KV heads, so a block is not one buffer
     here: refused (a later transfer sends each rank's shard beside its peer's).
+
+The bytes' path on CPU today: pool -> one buffer (Runner.read_blocks: a block's strided views
+copied straight in, the only copy torch makes) -> the engine's frame -> the API process's socket
+buffer -> its export frame -> TCP, and the reverse on the receiver into blocks it reserved. On
+CUDA the buffer becomes pinned staging registered once with the RDMA library
+(replica.api.kv_transport names NIXL): KvRead would answer with its descriptors instead of
+bytes and the receiver's NIC read it, with these commands, checks and registration unchanged.
 """
 
 from __future__ import annotations
