@@ -151,5 +151,4 @@ class EngineConfig:
             raise ValueError("spec_depth and spec_top_k must be >= 1, spec_budget and spec_max_batch >= 0")
         if self.spec_sample and (self.speculative not in ("eagle3", "auto") or self.spec_top_k != 1):
             raise ValueError("spec_sample draws chains from the EAGLE-3 head: use speculative=eagle3 and spec_top_k=1")
-        if self.speculative not in ("off", "auto") and self.tp > 1:
-            raise ValueError("speculative decoding runs on a single rank for now: use tp=1")
+

@@ -96,7 +96,7 @@ class LLMEngine:
             if features is not None:
                 raise ValueError("a feature hook records plain decoding: build the engine with speculative='off'")
             # The head (if any) is the feature hook: it sees every token the target computes.
-            self.speculator = features = Speculator(cfg, model_cfg, self.runner.model.embed_tokens.weight,
+            self.speculator = features = Speculator(cfg, model_cfg, self.runner.head_embedding(),
                                                     self.runner.ops)
         self.features = features
         layout = self.runner.allocate_kv(aux_layers=features.aux_layers if features is not None else (),

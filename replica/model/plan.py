@@ -68,6 +68,9 @@ class StepPlan(msgspec.Struct, array_like=True):
     trees: list[list[int]] = []  # parents of the nodes of each tree row
     extra_logits: list[int] = []  # flat token indices whose logits follow the sampled rows' (prompt logprobs)
     prompt_lens: list[int] = []  # per row: its sequence's prompt tokens (positions past them are generated)
+    # (src, dst) KV slot pairs, flattened: the accepted drafts' moves of the speculative step before
+    # (Runner.move_kv), which rank 0 made at once and ranks 1..N-1 make before this step's forward
+    kv_moves: list[int] = []
 
 
 def sampling_of(seq, position: int) -> Sampling:

@@ -22,6 +22,9 @@ sampling the same tokens from the same all-gathered logits (so with overlap each
 rank resolves the next plan's placeholders from its own copy). `allocate_kv` is
 collective: each rank says how many blocks its memory holds, rank 0 takes the
 smallest and broadcasts the layout, so a block id means the same on every rank.
+Speculation runs on rank 0 alone (the head, its KV layer, drafting, acceptance): the
+verify is a plan like any other, and the accepted drafts' KV moves ride in the next
+plan (`StepPlan.kv_moves`), made by every rank before its forward.
 """
 
 from __future__ import annotations
@@ -135,6 +138,13 @@ class Runner:
             model = build_model(self.model_cfg, cfg, weights, self.ops, self.max_model_len, self.tp)
             del weights
         self.model = model
+        # An EAGLE-3 head on rank 0 embeds with the whole vocabulary: the ranks gather the
+        # embedding's shards once, together (every rank's config says eagle3 alike).
+        self._whole_embedding = None
+        if self.tp.world > 1 and cfg.speculative == "eagle3":
+            whole = self.tp.gather_rows(self.model.embed_tokens.weight.detach())
+            self._whole_embedding = whole if self.tp.rank == 0 else None
+        self._kv_moves: list[int] = []  # rank 0 of a group: moves the other ranks make before the next step
         self.kv_cache: torch.Tensor | None = None
         self.draft_kv: torch.Tensor | None = None  # (2, blocks, block_size, Hkv', D'): the EAGLE-3 head's layer
         self.graphs: DecodeGraphs | None = None
@@ -143,6 +153,11 @@ class Runner:
         self.narrow_from: int | None = None  # prompts this long prefill narrow (int8) rows: `enable_narrow`
         self.narrow_decodes = False  # plain decode rows narrow too (EngineConfig.decode_activations "int8")
         self._encoder = msgspec.msgpack.Encoder()
+
+    def head_embedding(self) -> torch.Tensor:
+        """The target's embedding as an EAGLE-3 head shares it: every row (rank 0 of a group
+        holds the gathered whole; one rank, the model's own)."""
+        return self._whole_embedding if self._whole_embedding is not None else self.model.embed_tokens.weight
 
     def pool_stats(self) -> tuple[int, int]:
         """The C++ CPU step's thread pool: (steps, steps on the calling thread alone); (0, 0) for other steps."""
@@ -253,6 +268,8 @@ class Runner:
         destination is written, so overlapping moves are safe."""
         if not src:
             return
+        if self.tp.world > 1 and self.tp.rank == 0:
+            self._kv_moves += [x for pair in zip(src, dst) for x in pair]  # sent with the next plan
         flat = self.kv_cache.flatten(2, 3)  # (L, 2, slots, Hkv, D), a view (int8: D + 4, the scale moves too)
         flat[:, :, self._tensor(dst, torch.int64)] = flat[:, :, self._tensor(src, torch.int64)]
 
@@ -325,6 +342,8 @@ class Runner:
         constrain(x, first_row) (rank 0): grammar masks, applied to the logits rows
         before sampling, once the forward is queued (replica.engine.grammar)."""
         if self.tp.world > 1 and self.tp.rank == 0:
+            if self._kv_moves:
+                plan, self._kv_moves = msgspec.structs.replace(plan, kv_moves=self._kv_moves), []
             self.tp.broadcast_bytes(self._encoder.encode(plan))
         if (self.graphs is not None and not plan.trees and not plan.extra_logits
                 and plan.num_decodes == len(plan.starts) and self.graphs.bucket_for(plan.num_decodes) is not None):
@@ -363,7 +382,10 @@ class Runner:
         decoder = msgspec.msgpack.Decoder(StepPlan)
         prev = None  # this rank's copy of the previous step's tokens (overlap placeholders)
         while (payload := self.tp.broadcast_bytes(b"")) is not None:
-            prev = self.execute(decoder.decode(payload), prev).tokens
+            plan = decoder.decode(payload)
+            if plan.kv_moves:  # rank 0's accepted drafts, moved there after the last step
+                self.move_kv(plan.kv_moves[0::2], plan.kv_moves[1::2])
+            prev = self.execute(plan, prev).tokens
         self.tp.close()
 
     def close(self) -> None:

@@ -54,6 +54,14 @@ class TensorParallel:
         dist.all_gather(parts, logits.contiguous())
         return torch.cat(parts, dim=-1)
 
+    def gather_rows(self, shard: torch.Tensor) -> torch.Tensor:
+        """(V/N, H) row shards from every rank -> (V, H) on every rank (a collective)."""
+        if self.world == 1:
+            return shard
+        parts = [torch.empty_like(shard) for _ in range(self.world)]
+        dist.all_gather(parts, shard.contiguous())
+        return torch.cat(parts, dim=0)
+
     # -- step plans (rank 0 -> workers) ---------------------------------------------
     def broadcast_bytes(self, payload: bytes | None) -> bytes | None:
         """Rank 0 sends payload (None = shut down); other ranks receive it."""

@@ -49,6 +49,23 @@ def run_workload(engine, rounds: int = 1):
     return {"logits": {k: torch.stack(v) for k, v in logits.items()}, "tokens": tokens}
 
 
+def run_spec_workload(engine) -> dict:
+    """Longer greedy and seeded answers to prompts that repeat themselves (so drafts get
+    accepted and their KV moves): tokens, and the draft tokens accepted in all."""
+    sp = [P.SamplingParams(max_tokens=28, temperature=0, ignore_eos=True),
+          P.SamplingParams(max_tokens=28, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)]
+    tokens, accepted = {}, 0
+    for i in range(4):
+        motif = [(11 * i + 3 * j) % 120 + 2 for j in range(5 + i)]
+        engine.add(P.Generate(id=f"s{i}", prompt_ids=motif * 4, sampling=sp[i % 2]))
+    while engine.has_work():
+        for m in engine.step():
+            tokens.setdefault(m.id, []).extend(getattr(m, "ids", ()))
+            usage = getattr(m, "usage", None)
+            accepted += usage.accepted_draft_tokens if usage is not None else 0
+    return {"tokens": tokens, "accepted": accepted}
+
+
 def engine_with_worker_config(cfg: EngineConfig, worker_config: str) -> LLMEngine:
     init_method = f"tcp://127.0.0.1:{free_port()}"
     worker = subprocess.Popen([sys.executable, "-m", "replica.model.worker", "--rank", "1", "--world", "2",
@@ -131,6 +148,7 @@ if __name__ == "__main__":
     ap.add_argument("--config", required=True)
     ap.add_argument("--worker-config")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--spec-workload", action="store_true", help="run_spec_workload instead of run_workload")
     ap.add_argument("--measure", action="store_true", help="measure each rank's load (saved as 'load')")
     ap.add_argument("--rank", type=int, help="run as this worker rank, measured (with --init-method)")
     ap.add_argument("--init-method")
@@ -146,7 +164,7 @@ if __name__ == "__main__":
     else:
         engine = engine_with_worker_config(cfg, args.worker_config) if args.worker_config else build_engine(cfg)
     try:
-        torch.save(run_workload(engine, args.rounds) | {"num_blocks": engine.blocks.num_blocks, "load": load},
-                   args.out)
+        result = run_spec_workload(engine) if args.spec_workload else run_workload(engine, args.rounds)
+        torch.save(result | {"num_blocks": engine.blocks.num_blocks, "load": load}, args.out)
     finally:
         engine.close()

@@ -14,7 +14,7 @@ from replica.config import EngineConfig
 from replica.engine.process import build_engine
 from replica.model.tp import local_config, shard
 from tests.replica.tiny import tiny_config
-from tests.replica.tp_job import run_workload
+from tests.replica.tp_job import run_spec_workload, run_workload
 
 TINY_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -77,3 +77,48 @@ def test_ranks_agree_on_the_kv_layout_rank_1_affords(tmp_path):
     two = torch.load(out)
     assert two["num_blocks"] == 12
     assert two["tokens"] == one["tokens"] and len(one["tokens"]) == 12
+
+
+SPECS = {"eagle3-chain": dict(speculative="eagle3", spec_depth=3),
+         "eagle3-tree": dict(speculative="eagle3", spec_depth=3, spec_top_k=2, spec_budget=6),
+         "ngram": dict(speculative="ngram", spec_depth=3)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec", sorted(SPECS))
+def test_two_ranks_speculate_as_one(tmp_path, spec):
+    """Speculation at tp=2: drafting and acceptance on rank 0 (the head embeds with the
+    gathered vocabulary), the verify on both ranks, the accepted drafts' KV moves made by
+    rank 1 before the next step. Its tokens are tp=1's with speculation and plain decoding's."""
+    from types import SimpleNamespace
+
+    from replica.hf_checkpoint import config_from_hf
+    from speculative.head import save_head
+    from tests.speculative.util import random_head
+
+    from collections import Counter
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_HF, "num_hidden_layers": 4}))
+    target = config_from_hf(tmp_path)
+    head = tmp_path / "head"
+    base = dict(model=str(tmp_path), random_weights=True, num_blocks=48, max_num_batched_tokens=32, max_num_seqs=4,
+                cpu_threads=1, spec_head=str(head), spec_policy="taper", spec_max_batch=4)
+    plain = run_spec_workload(build_engine(EngineConfig(**base)))
+    # A head whose draft tokens (one a child) are the ones the answers repeat most: drafts get accepted.
+    stand_in = SimpleNamespace(cfg=target, embed_tokens=SimpleNamespace(weight=torch.zeros(target.vocab_size,
+                                                                                         target.hidden_size)))
+    k = SPECS[spec].get("spec_top_k", 1)
+    eagle = random_head(stand_in, draft_vocab=k)  # its embedding is the target's (not saved)
+    common = Counter(t for ids in plain["tokens"].values() for t in ids).most_common(k)
+    eagle.d2t.copy_(torch.tensor(sorted(t for t, _ in common)))
+    save_head(eagle, head)
+    cfg = EngineConfig(**base, **SPECS[spec])
+    one = run_spec_workload(build_engine(cfg))
+    cfg.tp = 2
+    out = tmp_path / "tp2.pt"
+    subprocess.run([sys.executable, "-m", "tests.replica.tp_job", "--config", msgspec.json.encode(cfg).decode(),
+                    "--spec-workload", "--out", str(out)], check=True, timeout=250)
+    two = torch.load(out)
+    assert one["tokens"] == plain["tokens"] and len(plain["tokens"]) == 4
+    assert two["tokens"] == one["tokens"]
+    assert two["accepted"] == one["accepted"] > 0  # drafts were kept, so KV moved on both ranks
