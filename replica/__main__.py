@@ -149,31 +149,30 @@ CUDA_FIX = ("install a CUDA build of torch into the replica's venv (`make instal
             "or serve on the CPU with --device cpu")
 
 
-def choose_device(requested: str | None, env: dict[str, str] | None = None) -> str:
-    """The device to serve on: `requested` (--device), else cuda where the driver sees a GPU,
-    else cpu. Asked for CUDA (--device cuda, or GPUs handed over by the environment) where
+def default_device(env: dict[str, str] | None = None) -> str:
+    """Without --device: cuda where the driver sees a GPU or the environment hands GPUs over
+    (then `check_device` holds the replica to it), else cpu."""
+    return "cuda" if cuda_devices() > 0 or gpus_given(os.environ if env is None else env) else "cpu"
+
+
+def check_device(device: str, requested: str | None, env: dict[str, str] | None = None) -> None:
+    """A replica asked for CUDA (--device cuda, or GPUs handed over by the environment) where
     none can be used: a ValueError naming the fix, never a silent CPU replica."""
-    env = os.environ if env is None else env
-    given = gpus_given(env)
-    if requested is not None and not requested.startswith("cuda"):
-        return requested
-    if cuda_devices() > 0:
-        return requested or "cuda"
-    if requested is None and not given:
-        return "cpu"
+    if not device.startswith("cuda") or cuda_devices() > 0:
+        return
     from importlib import metadata
 
     try:
         torch = f"the installed torch {metadata.version('torch')}"
     except metadata.PackageNotFoundError:
         torch = "no torch installed"
-    asked = f"--device {requested}" if requested else given
+    asked = f"--device {requested}" if requested else gpus_given(os.environ if env is None else env)
     cause = f"{torch} is a CPU-only build" if torch.endswith("+cpu") else f"the CUDA driver sees no GPU ({torch})"
     raise ValueError(f"asked for CUDA ({asked}), but {cause}: {CUDA_FIX}")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    device = choose_device(args.device)
+    device = args.device or default_device()
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     quantization = args.quantization or default_quantization(args.model, device, args.tp, args.random_weights)
     # the step budget, at least one token a seat; the seats, at most a token of the budget each
@@ -240,8 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         sys.exit("python -m replica: TLS needs both --ssl-certfile and --ssl-keyfile")
     sock = bind(args.host, args.port)
-    try:
-        cfg = engine_config(args)  # before anything heavy: a replica that cannot serve says so at once
+    try:  # before anything heavy: a replica that cannot serve says so at once
+        cfg = engine_config(args)
+        check_device(cfg.device, args.device)
     except ValueError as e:
         sys.exit(f"python -m replica: {e}")
 

@@ -58,15 +58,16 @@ def test_a_replica_asked_for_cuda_without_one_refuses_at_once_naming_the_fix(fla
 def test_cpu_stays_cpu_and_is_chosen_without_gpus():
     from importlib import metadata
 
-    from replica.__main__ import choose_device
+    from replica.__main__ import check_device, default_device
 
     if not metadata.version("torch").endswith("+cpu"):
         pytest.skip("needs a CPU-only torch (this one is a CUDA build)")
-
-    assert choose_device("cpu", {"CUDA_VISIBLE_DEVICES": "0"}) == "cpu"
-    assert choose_device(None, {}) == "cpu"
-    with pytest.raises(ValueError, match="asked for CUDA"):
-        choose_device(None, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert default_device({}) == "cpu" and default_device({"CUDA_VISIBLE_DEVICES": "0"}) == "cuda"
+    check_device("cpu", "cpu", {"CUDA_VISIBLE_DEVICES": "0"})  # asked for the CPU: served there
+    with pytest.raises(ValueError, match=r"asked for CUDA \(CUDA_VISIBLE_DEVICES=0\)"):
+        check_device("cuda", None, {"CUDA_VISIBLE_DEVICES": "0"})
+    with pytest.raises(ValueError, match=r"asked for CUDA \(--device cuda:1\)"):
+        check_device("cuda:1", "cuda:1", {})
 
 
 def test_the_start_line_says_what_auto_speculation_does_on_this_device_type(tmp_path):
