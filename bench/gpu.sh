@@ -6,38 +6,43 @@
 #   bash bench/gpu.sh [STAGE ...]        # on the GPU machine (the device tool's run)
 #   bash bench/gpu.sh --dry-run [STAGE ...]   # here, on CPU: the same stages on tiny shapes
 #
-# Stages (default: all, in this order; one device call allows at most 10 minutes, so
-# a lease runs two calls back to back while the machine is warm):
+# Stages, in order of value; the default is the lease's one call (decode spec tests profile peer,
+# each under its own timeout: 500 s in all, inside one command's 540), then $OUT/summary.json
+# (bench/gpu_summary.py: card, decode_ms_b1, roofline_ms_b1, peer_ms_b1, host_syncs_per_spec_step,
+# spec_step_over_plain, spec_implied_speedup):
 #   decode   engine decode at batch 1/8/32/64, 8B shape, eager / graphs / graphs + overlap,
 #            roofline and GPU idle in the same process      (bench/decode.py)
-#   profile  one step's device time by kernel name at batch 1 and 8 (what the roofline gap is made of)
-#   peer     transformers static cache + torch.compile, batch 1 and 8, same shape
+#   spec     EAGLE-3 step times at the 8B shape: chain 3 / tree 16 / tree 32 at batch 1, 4 and 16
+#            against plain decoding, host syncs per step counted (bench/spec_gpu.py)
 #   tests    pytest -m gpu: Triton kernels vs references (bf16 included), graphs vs
 #            eager, overlap vs synchronous, EAGLE-3 under graphs vs plain decoding
+#   profile  one step's device time by kernel name at batch 1 and 8 (what the roofline gap is made of)
+#   peer     (last, capped) transformers' generate with a static cache (it compiles the forward
+#            itself), batch 1 and 8, same shape
+# Named only (a second call while the machine is warm):
 #   service  replica + proxy on the GPU, the openai SDK at 1 and 16 streams (bench/gpu_service.py)
-#   spec     EAGLE-3 draft + verify step times at the 8B shape (bench/spec_gpu.py)
 #   kernels  Triton kernels' GB/s against the copy bandwidth (bench/kernels.py --quick)
 #   host     engine host time per step, graph step preparation (bench/engine.py --host)
-#   train    (named only) an EAGLE-3 head for the default model trained on the GPU, packed into
+#   train    an EAGLE-3 head for the default model trained on the GPU, packed into
 #            $OUT/eagle3-head.tar.part-*, and its measured speed-up (bench/gpu_train.sh; needs the GGUF
 #            carried in two parts: `mkdir -p .gguf && split -n 2 "$(.venv/bin/python -c 'from
 #            replica.model.loader import resolve_model; print(resolve_model("default"))')" .gguf/part-`,
 #            .gguf/ ignored by git, part-aa carried by one call, part-ab by the next)
-# The lease's calls (each brings back at most 8 files of $OUT; issue the next within the 30 s the
+# The lease's calls (each brings back at most 8 files of $OUT; the next within the 30 s the
 # machine stays warm):
-#   run(command="bash bench/gpu.sh decode profile peer", carry=[".whl"], timeout_s=540)
-#   run(command="bash bench/gpu.sh tests service spec kernels host", carry=[".whl"], timeout_s=540)
+#   run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=540)
+#   run(command="bash bench/gpu.sh service kernels host", carry=[".whl"], timeout_s=540)
 #   with .gguf/part-aa carried by one of them: run(command="bash bench/gpu.sh train", carry=[".whl", ".gguf/part-ab"])
-# Measured on an H200 (2026-11-26): decode 26 s, spec 39 s, tests 24 s, host 5 s, machine start
-# about 90 s; the peer compiled for over 100 s; the service 257 s while its replica drew random
-# weights on the CPU (now on the device).
+# Measured on an H200 (2026-11-26): decode 26 s, spec 39 s (batch 1 only then), tests 24 s, host 5 s,
+# machine start about 90 s; the peer compiled for over 100 s; the service 257 s while its replica drew
+# random weights on the CPU (now on the device).
 # Wheels the image lacks: `bash bench/gpu_wheels.sh` here first (fills .whl/, ignored by git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode profile peer tests service spec kernels host)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode spec tests profile peer)
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ $DRY = 1 ]; then
@@ -52,7 +57,7 @@ else
 fi
 $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 
-declare -A TIMEOUT=([decode]=130 [profile]=90 [peer]=300 [tests]=90 [service]=150 [spec]=80 [kernels]=100 [host]=20 [train]=400)
+declare -A TIMEOUT=([decode]=130 [spec]=150 [tests]=60 [profile]=60 [peer]=100 [service]=150 [kernels]=100 [host]=20 [train]=400)
 # The dry run checks that each stage runs, on a CPU that may be shared with a build or a
 # test suite: its stages get three times the device's budget (a decode stage took over
 # 130 s on two cores at load 6).
@@ -71,7 +76,7 @@ stage_cmd() {  # the command of a stage; the dry run's on tiny shapes
     service:0) echo "$PY bench/gpu_service.py" ;;
     service:1) echo "$PY bench/gpu_service.py --model smollm2-135m --device cpu --max-tokens 8 --streams 1,4" ;;
     spec:0) echo "$PY bench/spec_gpu.py" ;;
-    spec:1) echo "$PY bench/spec_gpu.py --model smollm2-135m --layers 4 --device cpu --dtype float32 --steps 2 --context 32" ;;
+    spec:1) echo "$PY bench/spec_gpu.py --model smollm2-135m --layers 4 --device cpu --dtype float32 --steps 2 --context 32 --batches 1,4" ;;
     kernels:0) echo "$PY bench/kernels.py --quick" ;;
     kernels:1) echo "$PY bench/kernels.py --help" ;;
     host:0) echo "$PY bench/engine.py --graph-prepare --device cuda" ;;
@@ -95,3 +100,6 @@ for s in "${STAGES[@]}"; do
 done
 rm -rf "$OUT/ext"
 echo; echo "## summary"; printf '%s\n' "${SUMMARY[@]}"
+# The figures in one file, whichever stages ran (a figure of a stage not run is null).
+$PY bench/gpu_summary.py "$OUT" "${SUMMARY[@]}" > /dev/null && echo "figures: $OUT/summary.json" \
+  || echo "summary FAILED"

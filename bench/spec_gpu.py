@@ -107,6 +107,23 @@ def engine_for(model, ops, model_cfg, args, head: Path, policies: Path, spec: Tr
     return engine
 
 
+def host_syncs(engine: LLMEngine, dev: str) -> int | None:
+    """Synchronizing CUDA calls the host makes in one step() (torch.cuda.set_sync_debug_mode
+    warns at each: .item(), .tolist(), a blocking copy to the host, ...); None off CUDA."""
+    if not dev.startswith("cuda"):
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def time_steps(engine: LLMEngine, batch: int, args, max_tokens: int, speculating: bool) -> dict:
     """Median seconds per step() once every sequence decodes, and what those steps did."""
     sp = P.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -130,11 +147,14 @@ def time_steps(engine: LLMEngine, batch: int, args, max_tokens: int, speculating
         times.append(time.perf_counter() - t0)
         emitted += sum(len(m.ids) for m in out)
     sync(args.device)
+    syncs = host_syncs(engine, args.device)  # one more step, counted
+    sync(args.device)
     assert len(engine.seqs) == batch, "a sequence finished while timed: raise max_tokens"
     st, graphs = engine.stats, engine.runner.graphs
     how = ("CUDA graphs" if graphs is not None and graphs.graphs else "eager") + (" + overlap" if engine.overlap else "")
     return dict(t=statistics.median(times), tokens_per_step=emitted / args.steps / batch, how=how,
-                drafted=st.drafted - st0.drafted, accepted=st.accepted - st0.accepted, steps=st.steps - st0.steps)
+                drafted=st.drafted - st0.drafted, accepted=st.accepted - st0.accepted, steps=st.steps - st0.steps,
+                syncs=syncs)
 
 
 def main() -> None:
@@ -146,8 +166,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=32, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps first (compiles, graph buckets)")
-    ap.add_argument("--batches", default="1", help="comma-separated batch sizes, e.g. 1,4")
-    ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated subset of: " + ", ".join(SPECS))
+    ap.add_argument("--batches", default="1,4,16", help="comma-separated batch sizes")
+    ap.add_argument("--specs", default="chain 3,tree 16,tree 32",
+                    help="comma-separated subset of: " + ", ".join(SPECS))
     ap.add_argument("--draft-vocab", type=int, default=32000, help="the head's draft vocabulary (EAGLE-3's for Llama 3)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -164,7 +185,7 @@ def main() -> None:
             ap.error("--layers: an EAGLE-3 head reads three distinct target layers")
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     # Every step stays in its sequence's first max_tokens; a speculating step emits at most depth + 1.
-    max_tokens = (args.warmup + args.steps + 4) * (max(SPECS[s].depth for s in labels) + 1 if labels else 1)
+    max_tokens = (args.warmup + args.steps + 5) * (max(SPECS[s].depth for s in labels) + 1 if labels else 1)
     args.max_len = args.context + max_tokens + max((SPECS[s].lookahead for s in labels), default=0) + BLOCK
     gpu = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
 
@@ -206,6 +227,7 @@ def main() -> None:
             results[label, b] = r
             log(f"batch {b} {label}: {r['t'] * 1e3:.2f} ms/step, {r['tokens_per_step']:.2f} tokens/sequence/step, "
                 f"accepted {r['accepted']}/{r['drafted']} (engine built in {built:.1f} s; {freed or 'freed'})")
+            log(f"host syncs per step: {label} at batch {b}: {'n/a' if r['syncs'] is None else r['syncs']}")
 
     log(f"\nimplied speed-up = tau x t_plain / t_spec (tau measured on CPU for SmolLM2-135M, step times measured "
         f"on {gpu}); {cfg.name} ({cfg.num_layers} layers), {args.dtype}, context {args.context}\n")

@@ -3,6 +3,7 @@ call on this CPU, on tiny shapes (the figures mean nothing; the code paths, flag
 imports and output files are the call's), and what the call would send fits the
 device tool's limits."""
 
+import json
 import os
 import re
 import subprocess
@@ -14,20 +15,26 @@ ROOT = Path(__file__).resolve().parents[2]
 # The lease's calls, as bench/gpu.sh's header lays them out (each call's $OUT comes back on its
 # own, at most 8 files); service: tests/bench/test_gpu_service.py runs its dry run (and checks
 # that it leaves nothing behind).
-CALLS = [["decode", "profile", "peer"], ["tests", "spec", "kernels", "host"], ["train"]]
+CALLS = [[], ["kernels", "host"], ["train"]]  # []: the default, the lease's one call
 MAX_FILES_BACK = 8  # the device tool returns at most 8 files from $OUT, 16 MiB each
 MAX_TREE = 64 << 20  # working tree + carried paths, per call
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
-@pytest.mark.parametrize("stages", CALLS, ids="+".join)
-def test_every_stage_of_the_call_runs_on_cpu(tmp_path, stages):
+DEFAULT = ["decode", "spec", "tests", "profile", "peer"]
+SUMMARY_KEYS = {"card", "decode_ms_b1", "roofline_ms_b1", "decode_over_roofline_b1", "peer_ms_b1",
+                "host_syncs_per_spec_step", "spec_step_over_plain", "spec_implied_speedup", "stages"}
+
+
+@pytest.mark.parametrize("call", CALLS, ids=lambda c: "+".join(c) or "default")
+def test_every_stage_of_the_call_runs_on_cpu(tmp_path, call):
+    stages = call or DEFAULT
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"OUT": str(out), "PY": str(ROOT / ".venv/bin/python")}
     if not (ROOT / ".venv/bin/python").exists():
         env["PY"] = "python3"
-    proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run", *stages], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run", *call], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=2300, stdin=subprocess.DEVNULL)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
@@ -39,6 +46,14 @@ def test_every_stage_of_the_call_runs_on_cpu(tmp_path, stages):
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     assert [f for f in files if f.endswith(".md")] == sorted(f"{s}.md" for s in stages), files
     assert len(files) <= MAX_FILES_BACK and all((out / f).stat().st_size <= 16 << 20 for f in files), files
+    summary = json.loads((out / "summary.json").read_text())  # the figures in one file, whichever stages ran
+    assert set(summary) == SUMMARY_KEYS and len(summary["stages"]) == len(stages), summary
+    if "decode" in stages:
+        assert summary["card"].startswith("CPU (dry run") and summary["decode_ms_b1"] > 0, summary
+    if "spec" in stages:  # the dry run's batch sizes 1 and 4; host syncs are counted on CUDA only
+        assert set(summary["spec_step_over_plain"]) == {"chain3", "tree16", "tree32"}, summary
+        assert all(set(r) == {"1", "4"} for r in summary["spec_step_over_plain"].values()), summary
+        assert summary["spec_implied_speedup"]["best"] > 0 and "implied" in summary["spec_implied_speedup"]["tau_source"]
     if "decode" in stages:
         decode = (out / "decode.md").read_text()
         for mode in ("eager", "CUDA graphs", "graphs + overlap"):
