@@ -8,7 +8,10 @@ step as another. What runs where is decided here, once at start-up, by
 `ops(device_type)`: the model's layers, its quantized linears (packed or not), the
 Runner's choice of the C++ step and that step's KV pool dtype (fp16 unless
 `cpu_step_kv=` says fp32 or int8), and the Drafter's choice of the C++ head step all
-read the one `Ops` it returns; tests force one with `impl=`.
+read the one `Ops` it returns; tests force one with `impl=`. `fused_decode=True` (off by
+default: not yet measured on a GPU) gives the model `rope_store` (rotary and KV store in one
+launch, kernels/rope_store.py) and, with Triton, decode attention with its split merge folded
+in (kernels/decode_attention.py's FusedDecodeAttention).
 """
 
 import os
@@ -17,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from kernels import decode_attention, extend_attention, rmsnorm, rotary, sampling, store_kv, swiglu, tree_attention
+from kernels import (decode_attention, extend_attention, rmsnorm, rope_store, rotary, sampling, store_kv, swiglu,
+                     tree_attention)
 from kernels._triton import HAS_TRITON
 
 _SOURCES = {
@@ -64,9 +68,14 @@ class Ops:
     # reads (kernels/csrc/include/edgechat/attention.h); fp32 is served too, and int8 (a
     # scale per token and kv head, rows of head_dim + 4 bytes: kernels/paged.py) on request.
     cpu_step_kv: torch.dtype = torch.float16
+    # fused_decode: apply_rotary then store_kvcache as one call, rope_store(q, k, v, positions,
+    # cos_sin, k_cache, v_cache, slot_mapping) -> q (kernels/rope_store.py); None: the two.
+    rope_store: Callable | None = None
+    fused_decode: bool = False
 
 
-def ops(device_type: str, impl: str | None = None, cpu_step_kv: torch.dtype = torch.float16) -> Ops:
+def ops(device_type: str, impl: str | None = None, cpu_step_kv: torch.dtype = torch.float16,
+        fused_decode: bool = False) -> Ops:
     """Kernels for tensors on `device_type` ("cuda", "cpu", ...).
 
     impl=None: Triton on "cuda"; on "cpu" the C++ ops where they build (the
@@ -74,6 +83,9 @@ def ops(device_type: str, impl: str | None = None, cpu_step_kv: torch.dtype = to
     "cpu" or "ref" forces one (Triton on CPU tensors needs TRITON_INTERPRET=1 set
     before triton is first imported, as tests/conftest.py does). cpu_step_kv: the
     KV pool's dtype where a model runs as the C++ step (torch.float16, torch.float32 or torch.int8).
+    fused_decode: fewer launches a decode step: rope_store in place of rotary + store, and with
+    Triton decode attention in one launch (no merge kernel); elsewhere rope_store is its
+    reference (the same math, so the switch's path runs on CPU too) and attention is unchanged.
     """
     if cpu_step_kv not in CPU_STEP_KV.values():
         raise ValueError(f"kernels.ops: cpu_step_kv must be torch.float16, torch.float32 or torch.int8, "
@@ -91,7 +103,7 @@ def ops(device_type: str, impl: str | None = None, cpu_step_kv: torch.dtype = to
         return Ops(impl=impl, **{name: getattr(cpu_ops, f"{name}_cpu", None) or getattr(mod, f"{name}_ref")
                                  for name, mod in _SOURCES.items()},
                    packed_qgemm=packed, cpu_step=packed and cpu_forward.available(), cpu_step_kv=cpu_step_kv,
-                   cpu_draft=cpu_draft.available())
+                   cpu_draft=cpu_draft.available(), **_fused(impl, fused_decode))
     if impl == "triton":
         if not HAS_TRITON:
             raise RuntimeError("kernels.ops: impl='triton' needs the triton package; install it or use impl='ref'")
@@ -100,4 +112,15 @@ def ops(device_type: str, impl: str | None = None, cpu_step_kv: torch.dtype = to
                 f"kernels.ops: Triton kernels on {device_type!r} tensors run only under the interpreter; "
                 "set TRITON_INTERPRET=1 before triton is imported, or use impl='ref'"
             )
-    return Ops(impl=impl, **{name: getattr(mod, f"{name}_{impl}") for name, mod in _SOURCES.items()})
+    return Ops(impl=impl, **{**{name: getattr(mod, f"{name}_{impl}") for name, mod in _SOURCES.items()},
+                             **_fused(impl, fused_decode)})
+
+
+def _fused(impl: str, fused_decode: bool) -> dict:
+    """The fields fused_decode changes: none when off."""
+    if not fused_decode:
+        return {}
+    if impl != "triton":
+        return {"fused_decode": True, "rope_store": rope_store.rope_store_ref}
+    return {"fused_decode": True, "rope_store": rope_store.rope_store_triton,
+            "paged_decode_attention": decode_attention.FusedDecodeAttention()}
