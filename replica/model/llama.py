@@ -95,8 +95,11 @@ class Attention(nn.Module):
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # (T, H, D)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.apply_rotary(q, k, positions, cos_sin)
-        ops.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ops.rope_store is not None:  # kernels.ops(..., fused_decode=True): one launch for both
+            q = ops.rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, ctx.slot_mapping)
+        else:
+            q, k = ops.apply_rotary(q, k, positions, cos_sin)
+            ops.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         nd = ctx.num_decode_tokens
         if ctx.tree_mask is not None:
             o = ops.paged_tree_attention(q, k_cache, v_cache, ctx.extend_block_tables, ctx.extend_cu_seqlens_q,
