@@ -5,6 +5,7 @@ and Runner as served, against the memory roofline measured in the same run.
     python bench/decode.py --models smollm2-135m --batches 1 8 --steps 32
     python bench/decode.py --peer-only --batches 1 8         # the transformers peer alone
     python bench/decode.py --profile 1 8                     # one step's device time by kernel
+    python bench/decode.py --fused both                      # each mode with and without fused decode
 
 Weights are random bf16, made on the device (timing does not depend on values); so
 are the prompts (--context tokens). Per (model, batch, mode) it prints:
@@ -16,7 +17,10 @@ are the prompts (--context tokens). Per (model, batch, mode) it prints:
     (bytes read + written, CUDA events);
   * GPU idle = 1 - (GPU time of the step's replayed graph, timed back to back) /
     (wall time per step): the share of a step the device waits for the host.
-The peer (--peer, on by default): Hugging Face transformers' generate with a static
+--fused on / both: the modes also (both: each mode twice, side by side) with
+kernels.ops(..., fused_decode=True): rotary + KV store in one launch and decode attention
+without its merge launch (kernels/rope_store.py, kernels/decode_attention.py), rows labelled
+"<mode>, fused decode". The peer (--peer, on by default): Hugging Face transformers' generate with a static
 cache, which compiles the decode forward itself, same shape and dtype, ms per decode
 step as (time for N tokens - time for 1) / (N - 1).
 
@@ -37,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernels  # noqa: E402
 from wire import protocol as P  # noqa: E402
 from replica.config import EngineConfig, ModelConfig  # noqa: E402
 from replica.engine.llm_engine import LLMEngine  # noqa: E402
@@ -137,20 +142,28 @@ def decode_step_time(engine: LLMEngine, batch: int, context: int, steps: int) ->
     return per_step, replay
 
 
-def bench_model(name: str, batches: list[int], context: int, steps: int, device: str, bw: float | None) -> None:
+FUSED = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def bench_model(name: str, batches: list[int], context: int, steps: int, device: str, bw: float | None,
+                fused_modes: tuple[bool, ...] = (False,)) -> None:
     cfg = model_config(name)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     weights = random_weights(cfg, dtype=dtype, seed=0, device=device)
-    for label, graph_mode, overlap in MODES:
+    for (mode, graph_mode, overlap), fused in [(m, f) for m in MODES for f in fused_modes]:
+        label = f"{mode}, fused decode" if fused else mode
         if device != "cuda" and graph_mode == "auto":
             graph_mode = "buffers"  # the dry run: the padded-buffer path, eagerly
         ecfg = EngineConfig(model=name, device=device, dtype=str(dtype).removeprefix("torch."), graph_mode=graph_mode,
                             overlap=overlap, speculative="off", max_num_seqs=max(batches), max_num_batched_tokens=4096,
                             max_model_len=context + steps + 64, seed=0)
+        # The engine's own kernel set (replica.model.runner.kernel_set), with the switch flipped.
+        ops = kernels.ops(torch.device(device).type, cpu_step_kv=kernels.CPU_STEP_KV[ecfg.kv_cache_dtype],
+                          fused_decode=True) if fused else None
         engine = None
         try:
             t0 = time.perf_counter()
-            engine = LLMEngine(ecfg, cfg, weights)
+            engine = LLMEngine(ecfg, cfg, weights, ops=ops)
             print(f"  [{name} {label}: engine built in {time.perf_counter() - t0:.1f}s]", file=sys.stderr, flush=True)
             for b in batches:
                 step, replay = decode_step_time(engine, b, context, steps)
@@ -283,6 +296,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--peer-only", action="store_true")
     ap.add_argument("--peer-batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--fused", choices=sorted(FUSED), default="off",
+                    help="kernels.ops(..., fused_decode=True) off, on, or both (each mode twice, same process)")
     ap.add_argument("--profile", nargs="*", type=int, metavar="BATCH",
                     help="only: one step's device time by kernel at these batch sizes (default 1)")
     args = ap.parse_args()
@@ -296,12 +311,13 @@ def main() -> None:
         return
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: figures mean nothing)"
     print(f"device: {name}, torch {torch.__version__}, copy bandwidth "
-          f"{f'{bw / 1e12:.2f} TB/s' if bw else 'n/a'}, context {args.context}, {args.steps} steps\n")
+          f"{f'{bw / 1e12:.2f} TB/s' if bw else 'n/a'}, context {args.context}, {args.steps} steps, "
+          f"fused decode {args.fused}\n")
     print("| model | batch | mode | ms/step | tokens/s | roofline ms | x roofline | graph replay ms | GPU idle |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
     for name in models:
         if not args.peer_only:
-            bench_model(name, args.batches, args.context, args.steps, device, bw)
+            bench_model(name, args.batches, args.context, args.steps, device, bw, FUSED[args.fused])
         if not args.no_peer:
             hf_peer(name, args.peer_batches, args.context, args.steps, device)
 

@@ -10,7 +10,8 @@
 # each under its own timeout: 500 s in all, inside one command's 540), then $OUT/summary.json
 # (bench/gpu_summary.py: card, decode_ms_b1, roofline_ms_b1, peer_ms_b1, host_syncs_per_spec_step,
 # spec_step_over_plain, spec_implied_speedup):
-#   decode   engine decode at batch 1/8/32/64, 8B shape, eager / graphs / graphs + overlap,
+#   decode   engine decode at batch 1/8/32/64, 8B shape, eager / graphs / graphs + overlap, each
+#            with and without fused decode (--fused both: rope_store, merge-free decode attention),
 #            roofline and GPU idle in the same process      (bench/decode.py)
 #   spec     EAGLE-3 step times at the 8B shape: chain 3 / tree 16 / tree 32 at batch 1, 4 and 16
 #            against plain decoding, host syncs per step counted (bench/spec_gpu.py)
@@ -64,8 +65,8 @@ declare -A TIMEOUT=([decode]=130 [spec]=150 [tests]=60 [profile]=60 [peer]=100 [
 if [ $DRY = 1 ]; then for s in "${!TIMEOUT[@]}"; do TIMEOUT[$s]=$((3 * ${TIMEOUT[$s]})); done; fi
 stage_cmd() {  # the command of a stage; the dry run's on tiny shapes
   case "$1:$DRY" in
-    decode:0) echo "$PY bench/decode.py --no-peer --steps 32" ;;
-    decode:1) echo "$PY bench/decode.py --no-peer --batches 1 4 --steps 8 --context 32" ;;
+    decode:0) echo "$PY bench/decode.py --no-peer --steps 32 --fused both" ;;
+    decode:1) echo "$PY bench/decode.py --no-peer --batches 1 4 --steps 8 --context 32 --fused both" ;;
     profile:0) echo "$PY bench/decode.py --profile 1 8" ;;
     profile:1) echo "$PY bench/decode.py --profile 1 --context 32" ;;
     peer:0) echo "$PY bench/decode.py --peer-only --peer-batches 1 8" ;;
