@@ -275,8 +275,10 @@ def _decode_fused_kernel(
         row = heads * NUM_SPLITS + split  # (BLOCK_G,) index into (B, H, S)
         tl.store(mid_o_ptr + row[:, None] * D + d[None, :], acc / l_safe[:, None], mask=gd_mask)
         tl.store(mid_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g < G)
-        # Release: this split's partials are visible before its ticket; acquire: the last
-        # program sees every other split's partials (read past L1, ".cg").
+        # The barrier: every thread's partials are stored before the one thread's ticket; release:
+        # they are visible before it; acquire: the last program sees every other split's
+        # partials (read past L1, ".cg"). (The interpreter runs programs in turn.)
+        tl.debug_barrier()
         counter = counter_ptr + b * tl.num_programs(1) + kvh
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if ticket == NUM_SPLITS - 1:
@@ -355,3 +357,26 @@ class FusedDecodeAttention:
         splits = _num_splits(q, q.shape[0] * hkv, triton.cdiv(block_tables.shape[1] * page, 64))
         return _decode_fused(q, k_cache, v_cache, block_tables, seq_lens, scale, splits,
                              self.counters(q.device, q.shape[0] * hkv))
+
+
+def bench(batch: int = 1, context: int = 4096, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> None:
+    """GB/s (KV bytes read) of split + merge against the fused launch, bf16, on a GPU
+    (python -m kernels.decode_attention)."""
+    lens = [context] * batch
+    page = 16
+    blocks = batch * context // page
+    k_cache = torch.randn(blocks, page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    fused = FusedDecodeAttention()
+    for name, fn in (("split + merge", paged_decode_attention_triton), ("fused", fused)):
+        ms = triton.testing.do_bench(lambda fn=fn: fn(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5))
+        print(f"{name}: batch {batch}, context {context}: {ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    for b in (1, 8, 64):
+        bench(batch=b)
