@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--graph-mode", default="auto", choices=["auto", "off", "buffers"],
                     help="CUDA graphs for decode steps (auto: on CUDA)")
+    ap.add_argument("--fused-decode", action="store_true",
+                    help="on CUDA, rotary and the KV store in one kernel and decode attention with its split merge "
+                         "folded in (fewer launches a step; kernels/rope_store.py); opt-in: not yet measured on a GPU")
     ap.add_argument("--max-num-seqs", type=int, default=0,
                     help="sequences running at once (default: 64, or the step budget where it is smaller: each "
                          "decode takes a token of it; 32 on CPU)")
@@ -186,6 +189,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len,
                         random_weights=args.random_weights, tp=args.tp,
                         gpu_memory_utilization=args.gpu_memory_utilization, graph_mode=args.graph_mode,
+                        fused_decode=args.fused_decode,
                         speculative=args.speculative, spec_head=args.spec_head, spec_depth=args.spec_depth,
                         spec_top_k=args.spec_top_k, spec_budget=args.spec_budget, spec_max_batch=args.spec_max_batch,
                         spec_policy=args.spec_policy, spec_sample=args.spec_sample, cpu_threads=args.cpu_threads)

@@ -98,6 +98,7 @@ class EngineConfig:
     # "auto": CUDA graphs on CUDA, the whole step in one C++ call on CPU (quantized fp32 models);
     # "off": op by op; "buffers": padded graph buffers, eager
     graph_mode: str = "auto"
+    fused_decode: bool = False  # kernels.ops(fused_decode=): rotary + KV store and decode attention in fewer launches
     overlap: bool | None = None  # schedule step N+1 while step N runs; None -> on CUDA
     tp: int = 1  # tensor-parallel ranks (one process per device)
     cpu_threads: int = 0  # threads of the engine's math on CPU; 0 -> every core for the C++ step, cores - 1 for torch

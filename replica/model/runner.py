@@ -69,8 +69,10 @@ class StepOutput:
 
 def kernel_set(cfg: EngineConfig):
     """The kernel set an engine with `cfg` runs: its device's, the C++ step's KV pool in
-    cfg.kv_cache_dtype (kernels.ops builds the C++ kernels once per machine)."""
-    return kernels.ops(torch.device(cfg.device).type, cpu_step_kv=kernels.CPU_STEP_KV[cfg.kv_cache_dtype])
+    cfg.kv_cache_dtype, the fused decode kernels where cfg.fused_decode asks (kernels.ops builds
+    the C++ kernels once per machine)."""
+    return kernels.ops(torch.device(cfg.device).type, cpu_step_kv=kernels.CPU_STEP_KV[cfg.kv_cache_dtype],
+                       fused_decode=cfg.fused_decode)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -85,3 +85,12 @@ def test_the_start_line_says_what_auto_speculation_does_on_this_device_type(tmp_
     said = speculation_said(cuda, "default")
     assert said.startswith("speculative decoding off:") and "measured on AMD EPYC, not on cuda" in said, said
     assert speculation_said(dataclasses.replace(cpu, speculative="off"), "default") == "speculative decoding off"
+
+
+def test_fused_decode_is_opt_in_and_reaches_the_kernel_set():
+    from replica.model.runner import kernel_set
+
+    assert engine_config(parse_args([])).fused_decode is False
+    cfg = engine_config(parse_args(["--device", "cpu", "--fused-decode"]))
+    assert cfg.fused_decode is True and kernel_set(cfg).fused_decode is True
+    assert kernel_set(dataclasses.replace(cfg, fused_decode=False)).fused_decode is False
