@@ -80,8 +80,10 @@ local, and why that is safe:
   still prefilling (`queued_prefill`): corrections of a report a few tens of ms old,
   replaced by the next one; they weigh load, never decide a conversation's home;
 - the rendezvous tie-breaks draw on the request's key (a session's placement key, else
-  its first block): alike everywhere, so new conversations that two proxies place in
-  the same instant, before either's Load or KV events reach the other, still spread.
+  its first block): alike everywhere. What is left open: two new conversations placed
+  through two processes within one replica's step (before its Load or KV events show
+  the first) both see the same replica as the one holding the fewest blocks and both
+  go there (docs/perf.md, "One region, several proxies": 20/12/16 once in six runs).
 
 No proxy keeps where a session or a conversation last ran (`sessions`: an id is its
 key's, no table; `BlockIndex.history`, a process's marks of the streams it finished,
