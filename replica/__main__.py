@@ -16,13 +16,16 @@ process), then `stage: ready N s` once /healthz answers 200.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import os
+import signal
 import socket
 import sys
 from time import perf_counter
 
 from replica import stages
+from replica.api.drain import DRAIN_TIMEOUT_S, Drain
 from replica.config import SPEC_MAX_BATCH, EngineConfig
 
 
@@ -99,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-sample", action="store_true",
                     help="EAGLE-3 chains draw their drafts from the head at the request's temperature, verified by "
                          "rejection sampling (lossless; seeded outputs then differ from non-speculative ones)")
+    ap.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
+                    help="on SIGTERM or POST /v1/drain: admit nothing new, exit once the proxies moved the "
+                         "running streams or after S seconds")
     ap.add_argument("--random-weights", action="store_true", help="random weights of the model's shape (timing)")
     ap.add_argument("--ssl-certfile", default="", metavar="PEM",
                     help="serve https:// and wss:// (proxies then connect with wss://; see the proxy's --replica-ca)")
@@ -255,11 +261,29 @@ def main(argv: list[str] | None = None) -> None:
     from replica.api.auth import launch_secret, metrics_token
     from replica.tokenizer import Tokenizer
 
+    drain = Drain(args.drain_timeout)
+
     class Server(uvicorn.Server):
+        """uvicorn's server, but a first SIGTERM drains (replica.api.drain) before it shuts down."""
+
+        loop = None
+
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
+                self.loop = asyncio.get_running_loop()
+                drain.on_drained = self.drained
                 stages.say("ready", perf_counter() - t0)
+
+        def drained(self) -> None:
+            self.should_exit = True
+
+        def handle_exit(self, sig, frame) -> None:  # a signal handler: only hand the drain to the loop
+            if sig == signal.SIGTERM and self.loop is not None and not drain.started and not self.should_exit:
+                self._captured_signals.append(sig)  # re-raised after the shutdown: the exit status stays SIGTERM's
+                self.loop.call_soon_threadsafe(drain.start)
+                return
+            super().handle_exit(sig, frame)
 
     tokenizer = Tokenizer.from_spec(args.model)
     replica_id = args.replica_id or f"{args.host}:{args.port}"
@@ -275,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     if token == secret:
         sys.exit("replica: the metrics token must differ from the replica secret (scrapers are given it)")
     where += f"; {token_where}"
-    app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id, secret=secret, metrics_token=token)
+    app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id, secret=secret, metrics_token=token,
+                     drain=drain)
     gc.freeze()  # start-up objects (tokenizer, app) are never garbage: collections skip them
     try:
         import uvloop  # noqa: F401

@@ -243,6 +243,9 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     # count is those over the largest), and their seconds in all
     step_counts: list[int] = []
     step_seconds: float = 0.0
+    # the replica drains (SIGTERM, POST /v1/drain): it admits nothing new and serves its running streams and
+    # its KV export until the proxy has handed them on (edge_proxy.handoff); set by its API process
+    draining: bool = False
 
 
 class KvEvents(msgspec.Struct, tag="kv", array_like=True, omit_defaults=True):

@@ -6,6 +6,7 @@
   POST /infill               llama.cpp's fill-in-the-middle (IDE plugins)
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
   GET  /v1/kv/spec, POST /v1/kv/export, POST /v1/kv/pull   KV between replicas (replica.api.kv_routes)
+  POST /v1/drain             admit nothing new, exit once the proxies moved the streams (replica.api.drain)
 
 Every path but /healthz and /health requires the replica secret (`replica.api.auth`);
 GET /metrics also takes the read-only metrics token, where one is given.
@@ -31,6 +32,7 @@ from starlette.websockets import WebSocket
 
 from wire import protocol as P
 from replica.api.auth import RequireSecret
+from replica.api.drain import Drain
 from replica.config import EngineConfig
 from replica.api.engine_client import EngineClient
 from replica.api.frame_split import split_frame
@@ -166,10 +168,12 @@ class ReplicaConnection:
 
 
 def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secret: str,
-               replica_id: str = "replica", metrics_token: str = "") -> RequireSecret:
+               replica_id: str = "replica", metrics_token: str = "", drain: Drain | None = None) -> RequireSecret:
     """The API process's ASGI app; every path but /healthz requires `secret` (never optional);
-    GET /metrics takes `metrics_token` too (Prometheus' read-only credential), where one is given."""
+    GET /metrics takes `metrics_token` too (Prometheus' read-only credential), where one is given.
+    `drain`: started by POST /v1/drain (and by the server on SIGTERM); its end exits the server."""
     client_box: dict[str, EngineClient] = {}
+    drain = drain or Drain()
     fingerprint = tokenizer.fingerprint  # hashed once here, not on the event loop when a proxy connects
     metrics = ReplicaMetrics(lambda: client_box["c"].load if "c" in client_box else None)
 
@@ -185,6 +189,8 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
 
     def client() -> EngineClient:
         return client_box["c"]
+
+    drain.client = client
 
     # -- proxy WebSocket (called with the raw ASGI send: wire.ws_frames.WebSocketFront) --
     async def replica_ws(scope, receive, send):
@@ -232,7 +238,14 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
             return JSONResponse({"status": "unavailable"}, status_code=503)
         ld = c.load
         return JSONResponse({"status": "ok", "replica": replica_id, "model": model_name,
-                             "running": ld.running if ld else 0, "waiting": ld.waiting if ld else 0})
+                             "running": ld.running if ld else 0, "waiting": ld.waiting if ld else 0,
+                             "draining": c.draining})
+
+    async def drain_endpoint(request: Request):
+        if "c" not in client_box:
+            return JSONResponse({"error": {"message": "the replica is starting", "code": 503}}, status_code=503)
+        drain.start()
+        return JSONResponse({"draining": True, "streams": len(client().streams)}, status_code=202)
 
     async def metrics_endpoint(request: Request):
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -242,6 +255,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         Route("/healthz", healthz),
         Route("/health", healthz),  # what routers built for vLLM/SGLang workers probe
         Route("/metrics", metrics_endpoint),
+        Route("/v1/drain", drain_endpoint, methods=["POST"]),
         *KvRoutes(client, HttpKvTransport(secret)).routes(),  # KV export and import between replicas
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -81,6 +81,8 @@ class EngineClient:
         self.subscribers: set[Sink] = set()  # receive Load and KvEvents
         self.lost_listeners: set[Callable[[], None]] = set()  # called once the streams got their errors
         self.kv_spec: P.KvSpec | None = None  # the engine's KV pool, as blocks travel (replica.api.kv_routes)
+        self.draining = False  # admit nothing new; every Load says so (replica.api.drain)
+        self.idle = asyncio.Event()  # set once draining and no stream is left
         self._kv_calls: dict[str, asyncio.Future] = {}  # KvRead / KvBlocks sent, by id: their answers to come
         self._kv_ids = itertools.count()
         self._codec = P.FrameCodec()
@@ -110,6 +112,8 @@ class EngineClient:
         problem = check_generate(req, hello.max_model_len if hello else P.INT32_MAX)
         if problem is None and not self.engine.ready.is_set():
             problem = P.OVERLOADED, "the engine process is restarting; retry on another replica or shortly"
+        if problem is None and self.draining:
+            problem = P.OVERLOADED, "the replica is draining (shutting down); retry on another replica"
         if problem is not None:
             sink(P.Error(code=problem[0], message=problem[1], id=req.id))
             return
@@ -170,6 +174,18 @@ class EngineClient:
                 self.aborting.add(rid)
         if aborts:
             self._send(aborts)
+        self._check_idle()
+
+    def drain(self) -> None:
+        """Admit nothing new from now on, and say so in every Load (this one re-sent at once)."""
+        self.draining = True
+        self.load = msgspec.structs.replace(self.load or P.Load(0, 0, 0, 0), draining=True)
+        self._publish(self.load)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self.draining and not self.streams:
+            self.idle.set()
 
     def _send(self, msgs: list) -> None:
         try:
@@ -246,6 +262,7 @@ class EngineClient:
             if stream is not None:
                 self._finish(stream, msg)
         elif isinstance(msg, P.Load):
+            msg.draining = self.draining
             self.load = msg
             self._publish(msg)
         elif isinstance(msg, P.KvEvents):
@@ -276,6 +293,7 @@ class EngineClient:
         stream.done = True
         stream.sink(msg)
         self._count_finish(msg)
+        self._check_idle()
 
     def _count_finish(self, msg) -> None:
         if self.metrics is not None and isinstance(msg, P.Finished):
