@@ -37,6 +37,7 @@ import msgspec
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
 from edge_proxy.discovery import DnsDiscovery, ProxyCensus
+from edge_proxy.handoff import Handoff
 from edge_proxy.limits import RegionShare, check_key_inflight, check_prompt, check_prompt_tokens, check_session_id
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.peering import Forwarded, PeerLink
@@ -110,6 +111,7 @@ class Proxy:
         self._parked: dict[ProxiedRequest, tuple[str, asyncio.TimerHandle]] = {}
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.peers = PeerLink(cfg.region, list(cfg.peers), cfg.peer_key or None) if cfg.peers else None
+        self.handoff = Handoff(self)  # a draining replica's streams, moved with their KV
 
     async def start(self) -> None:
         await self.pool.start()
@@ -436,6 +438,36 @@ class Proxy:
         # move the streams a beat later, when every replica lost in the same moment is out of the
         # choice, so none is sent to a dying replica and blamed for failing there too.
         asyncio.get_running_loop().call_later(LOSS_GRACE_S, self._resume_all, streams, cause)
+
+    def on_draining(self, conn, streams: list[ProxiedRequest]) -> None:
+        """`conn` drains (its Load says so): its streams move with their KV (`handoff`), each by `hand_off`."""
+        self.handoff.drain(conn, streams)
+
+    def successor(self, s: ProxiedRequest) -> Decision | None:
+        """Where a draining replica's stream goes: placed as failover places one, among the ready replicas."""
+        conns = self.pool.ready()
+        return self.router.route(self._candidates(s, conns), len(s.gen.prompt_ids), self.pool.block_size,
+                                 key=s.route_key(), failover=True) if conns else None
+
+    def hand_off(self, s: ProxiedRequest, draining, d: Decision) -> None:
+        """Move a stream off its draining replica to `d.replica`, its KV pulled there (or not: recomputed)
+        exactly as failover moves one (a resume with the ids so far), and abort it on the draining one."""
+        if s.done or s.conn is not draining:
+            return  # finished, failed, or its replica was lost and it failed over meanwhile
+        draining.release(s.rid, abort=True)
+        s.conn = None
+        conn = next((c for c in self.pool.ready() if c.id == d.replica), None)
+        if conn is None:  # the successor went away during the pull
+            self._resume(s, "drain")
+            return
+        ended = s.settle(self._eos)
+        if ended:
+            self._finish(s, ended, P.Usage())
+            return
+        s.failovers += 1
+        self.metrics.failovers.inc("drain")
+        s.span.add_event("failover", {"cause": "drain", "resume_tokens": len(s.ids), "cached_blocks": d.cached_blocks})
+        self._attach(s, conn, d, 0.0)
 
     def _resume_all(self, streams: list[ProxiedRequest], cause: str) -> None:
         for s in streams:

@@ -25,6 +25,11 @@ size, and its `/healthz` passes. It is *lost* (its streams handed to
 Replicas join and leave while serving (`add`, `remove`: `discovery.DnsDiscovery`);
 one that leaves has its streams handed to `on_lost` at once (cause `removed`).
 
+A replica whose `Load` says `draining` (SIGTERM, `POST /v1/drain`: replica.api.drain) is not
+ready from then on (nothing new goes there) and its streams are handed to
+`events.on_draining(conn, streams)` once, still registered on it and streaming
+(`edge_proxy.handoff` moves them); a new Hello (a restarted replica) clears it.
+
 The reader is the per-token hot path: decode a frame, look each message's id up
 in one dict, hand the message and its request to the pool's `events` (the
 `RequestEvents` of the proxy that owns the requests). Nothing on it awaits a client.
@@ -80,6 +85,7 @@ class RequestEvents(Protocol):
     def on_finished(self, s, msg: P.Finished, now: float) -> None: ...
     def on_replica_error(self, s, err: P.Error) -> None: ...
     def on_lost(self, conn: ReplicaConn, streams: list, cause: str) -> None: ...
+    def on_draining(self, conn: ReplicaConn, streams: list) -> None: ...
 
 
 def array_header(n: int) -> bytes:
@@ -126,6 +132,7 @@ class ReplicaConn:
         self.healthy = True  # /healthz verdict
         self.refused = False  # the replica refused our secret (4401)
         self.mismatch = ""  # why its last Hello was refused (tokenizer, block size); "" once accepted
+        self.draining = False  # its Load said so: routed nothing new, its streams handed on
         self.streams: dict[str, object] = {}  # internal id -> the request (stream.ProxiedRequest)
         self.index = BlockIndex()
         self.load: P.Load | None = None
@@ -151,7 +158,12 @@ class ReplicaConn:
 
     @property
     def ready(self) -> bool:
-        return self.connected and self.healthy
+        return self.connected and self.healthy and not self.draining
+
+    @property
+    def base_url(self) -> str:
+        """Its HTTP API (the KV routes): the WebSocket's host and port."""
+        return self.http_url.removesuffix("/healthz")
 
     # -- routing inputs --------------------------------------------------------
 
@@ -267,6 +279,8 @@ class ReplicaConn:
                 self.own_at_report = self.own_inflight
                 self.pending_tokens = 0
                 self.load_event.set()
+                if m.draining and not self.draining:
+                    self._drains()
             elif t is P.KvEvents:
                 self.index.apply(m)
             elif t is P.Error:
@@ -277,6 +291,13 @@ class ReplicaConn:
                     log.warning("replica %s: %s: %s", self.id, m.code, m.message)
             else:
                 log.warning("replica %s sent unexpected %s", self.id, t.__name__)
+
+    def _drains(self) -> None:
+        log.info("replica %s drains with %d streams in flight", self.id, len(self.streams))
+        self.draining = True
+        if self.connected:
+            self.pool.on_state_change()
+            self.pool.events.on_draining(self, list(self.streams.values()))
 
     def _prefilled(self, rid: str) -> None:
         """`rid`'s prompt is no longer queued prefill here (its first token came, or it ended)."""
@@ -303,6 +324,7 @@ class ReplicaConn:
         self.hello, self.id = hello, hello.replica_id
         self.index.reset()
         self.load = None
+        self.draining = False
         self.own_at_report = 0
         self.last_rx = now
         self.connected = True
@@ -317,7 +339,7 @@ class ReplicaConn:
 
     def lose(self, cause: str) -> None:
         """Take every stream off this replica and hand them to failover; not ready until reconnected."""
-        was_ready = self.ready
+        was_ready = self.connected and self.healthy  # (a draining replica is not `ready`, but up)
         self.connected = False
         lost = list(self.streams.values())
         self.streams.clear()

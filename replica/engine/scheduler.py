@@ -160,8 +160,8 @@ class Scheduler:
                 break  # preempted with a token still in flight: admit once it is read back
             if seq.num_computed == 0 and not seq.block_table:
                 hit = self.blocks.match_prefix(seq)
-                if seq.num_cached_prompt < 0:
-                    seq.num_cached_prompt = min(hit, seq.num_prompt_tokens)
+                if seq.num_cached_prompt < 0:  # a resume's input is its prompt and the tokens resumed
+                    seq.num_cached_prompt = min(hit, len(seq.token_ids))
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.allocate(seq, n):
                 # Interactive work may take blocks from running batch work, never the reverse.

@@ -1,0 +1,71 @@
+"""A replica drained mid-stream (SIGTERM) behind a proxy, on two real default-model replicas:
+the proxy hands the stream on with its KV (edge_proxy.handoff: the successor pulls every full
+block from the draining replica, then the stream resumes there), the text equals an undisturbed
+run's, the successor's usage counts the moved blocks as cached, and the drained replica exits.
+A pull that fails (the source's export cut: drain_stack.ExportCutter) falls back to exact resume
+by recompute: the same text, nothing cached."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from time import perf_counter
+
+import pytest
+
+from edge_proxy.client import EdgeClient
+from tests.edge_proxy.drain_stack import prefix_hit_tokens, stack
+
+pytestmark = pytest.mark.timeout(400)
+BLOCK = 16
+STORY = [{"role": "user", "content": "Here is the setting of a story. " + "A small harbour town lies between two "
+          "green hills, its houses painted blue and yellow, its fishermen out before dawn every day. " * 12
+          + "Now write a long story about a brave little dragon who lives in that town."}]
+MAX_TOKENS = 64
+SIGTERM_AT = 24  # deltas seen when the replica gets SIGTERM: the stream's own blocks beyond the prompt's
+EXIT_BOUND_S = 10.0  # the test's bound on signal -> exit (docs/perf.md has the measured figure)
+
+
+async def drained(url: str, reps):
+    """The undisturbed text, then the same request with its replica sent SIGTERM mid-stream."""
+    async with await EdgeClient.connect(url) as c:
+        whole, done = await c.complete(messages=STORY, max_tokens=MAX_TOKENS, temperature=0)
+        proc = reps[done.replica][1]  # the prompt's blocks are there: the second run goes there too
+        successor = next(u for rid, (u, _) in reps.items() if rid != done.replica)
+        hits = await asyncio.to_thread(prefix_hit_tokens, successor)
+        req = await c.generate(messages=STORY, max_tokens=MAX_TOKENS, temperature=0)
+        seen, at = 0, 0
+        async for _ in req:
+            seen += 1
+            if seen == SIGTERM_AT:
+                os.kill(proc.pid, signal.SIGTERM)  # the API process alone, as Kubernetes signals a pod
+                t_sig, at = perf_counter(), req.tokens
+        code = await asyncio.to_thread(proc.wait, 30)
+        exit_s = perf_counter() - t_sig
+        hits = await asyncio.to_thread(prefix_hit_tokens, successor) - hits  # what the successor's cache served
+        return whole, done, req.text, req.done, at, hits, exit_s, code
+
+
+def test_a_drained_replica_hands_its_stream_on_with_its_kv():
+    with stack() as (url, reps, _):
+        whole, done, text, after, at, hits, exit_s, code = asyncio.run(drained(url, reps))
+        assert done.usage.completion_tokens == MAX_TOKENS, "the story ended before the drain could move it"
+        assert after.failovers == 1 and after.replica != done.replica
+        assert text == whole
+        # The successor never saw this prompt: whatever its cache served was pulled, every full block of
+        # the prompt and of the tokens computed before the drain at least (more than the prompt's blocks).
+        moved = (done.usage.prompt_tokens + at - 1) // BLOCK * BLOCK
+        assert moved > done.usage.prompt_tokens // BLOCK * BLOCK
+        assert hits >= moved and after.usage.cached_tokens == hits, (hits, after.usage.cached_tokens, moved)
+        assert code == -signal.SIGTERM and exit_s < EXIT_BOUND_S, (code, exit_s)
+
+
+def test_a_failed_pull_falls_back_to_exact_resume():
+    with stack(cut_exports=True) as (url, reps, relays):
+        whole, done, text, after, _, hits, exit_s, code = asyncio.run(drained(url, reps))
+        assert after.failovers == 1 and after.replica != done.replica
+        assert relays[done.replica].cut == 1, "the successor never tried to pull from the draining replica"
+        assert text == whole
+        assert hits == 0  # nothing moved: the successor recomputed the stream
+        assert code == -signal.SIGTERM and exit_s < EXIT_BOUND_S, (code, exit_s)
