@@ -27,6 +27,11 @@ SIGTERM_AT = 24  # deltas seen when the replica gets SIGTERM: the stream's own b
 EXIT_BOUND_S = 10.0  # the test's bound on signal -> exit (docs/perf.md has the measured figure)
 
 
+def exit_time(proc) -> tuple[int, float]:
+    code = proc.wait(30)
+    return code, perf_counter()
+
+
 async def drained(url: str, reps):
     """The undisturbed text, then the same request with its replica sent SIGTERM mid-stream."""
     async with await EdgeClient.connect(url) as c:
@@ -35,14 +40,15 @@ async def drained(url: str, reps):
         successor = next(u for rid, (u, _) in reps.items() if rid != done.replica)
         hits = await asyncio.to_thread(prefix_hit_tokens, successor)
         req = await c.generate(messages=STORY, max_tokens=MAX_TOKENS, temperature=0)
-        seen, at = 0, 0
+        seen, at, exited = 0, 0, None
         async for _ in req:
             seen += 1
             if seen == SIGTERM_AT:
                 os.kill(proc.pid, signal.SIGTERM)  # the API process alone, as Kubernetes signals a pod
                 t_sig, at = perf_counter(), req.tokens
-        code = await asyncio.to_thread(proc.wait, 30)
-        exit_s = perf_counter() - t_sig
+                exited = asyncio.ensure_future(asyncio.to_thread(exit_time, proc))
+        code, t_exit = await exited
+        exit_s = t_exit - t_sig
         hits = await asyncio.to_thread(prefix_hit_tokens, successor) - hits  # what the successor's cache served
         return whole, done, req.text, req.done, at, hits, exit_s, code
 
