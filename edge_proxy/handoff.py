@@ -37,9 +37,11 @@ FRAME_BLOCKS = 32  # blocks per export frame (the source caps a frame at 16 MiB)
 
 
 class Handoff:
-    def __init__(self, proxy, timeout_s: float = PULL_TIMEOUT_S, frame_blocks: int = FRAME_BLOCKS):
+    def __init__(self, proxy, timeout_s: float = PULL_TIMEOUT_S, frame_blocks: int = FRAME_BLOCKS,
+                 transport: httpx.AsyncBaseTransport | None = None):
         self.proxy = proxy  # core.Proxy: `successor`, `hand_off`, its pool (the secret, TLS)
         self.timeout_s, self.frame_blocks = timeout_s, frame_blocks
+        self.transport = transport  # None: the network (tests hand in an httpx.MockTransport)
         self.tasks: set[asyncio.Task] = set()
 
     def drain(self, conn, streams: list) -> None:
@@ -54,7 +56,7 @@ class Handoff:
         pool = self.proxy.pool
         headers = {"Authorization": f"Bearer {pool.cfg.secret}"} if pool.cfg.secret else None
         async with httpx.AsyncClient(trust_env=False, headers=headers, verify=pool.ssl or True,
-                                     timeout=self.timeout_s) as http:
+                                     timeout=self.timeout_s, transport=self.transport) as http:
             await asyncio.gather(*(self._one(http, conn, s) for s in streams))
 
     async def _one(self, http: httpx.AsyncClient, conn, s) -> None:

@@ -1,0 +1,128 @@
+"""edge_proxy.handoff without sockets: what a drain asks each successor to pull, and that every
+stream moves (`Proxy.hand_off`) whatever the pull answers: cached blocks counted on success, none
+on a refusal, a pull that outlasts its bound given up at the bound. The real thing, on real
+replicas: test_drain_handoff.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from edge_proxy.handoff import Handoff
+from edge_proxy.pool import PoolConfig, ReplicaPool
+from edge_proxy.routing import Decision
+from wire import protocol as P
+
+pytestmark = pytest.mark.anyio
+
+
+class StubProxy:
+    """What Handoff uses of core.Proxy: its pool (secret, TLS, replicas), successor, hand_off."""
+
+    def __init__(self, successor: str | None = "B"):
+        self.pool = SimpleNamespace(cfg=PoolConfig(secret="s3cret"), ssl=None,
+                                    conns=[SimpleNamespace(id="B", base_url="http://b:8000")])
+        self.to = successor
+        self.moved: list[tuple] = []
+        self.all_moved = asyncio.Event()
+        self.expect = 0
+
+    def successor(self, s):
+        return Decision(self.to, "failover", 3) if self.to else None
+
+    def hand_off(self, s, conn, d: Decision) -> None:
+        self.moved.append((s.cid, conn.id, d))
+        if len(self.moved) == self.expect:
+            self.all_moved.set()
+
+
+def stream(cid: str, n: int = 1):
+    return SimpleNamespace(cid=cid, gen=SimpleNamespace(prompt_ids=list(range(40)), cache_salt="salt"),
+                           ids=[7, 8, 9], samples=None if n == 1 else [[7], [8]])
+
+
+DRAINING = SimpleNamespace(id="A", base_url="http://a:8000")
+
+
+async def drain(proxy: StubProxy, handler, streams, timeout_s: float = 2.0) -> None:
+    proxy.expect = len(streams)
+    h = Handoff(proxy, timeout_s=timeout_s, transport=httpx.MockTransport(handler))
+    h.drain(DRAINING, streams)
+    await asyncio.wait_for(proxy.all_moved.wait(), 10)
+    await asyncio.gather(*h.tasks)
+
+
+async def test_each_stream_is_pulled_from_the_draining_replica_then_moved_with_its_blocks():
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append((str(request.url), request.headers["authorization"], json.loads(request.content)))
+        return httpx.Response(200, json={"status": 200, "blocks": 2, "cached": 1, "imported": 1, "complete": True})
+
+    p = StubProxy()
+    await drain(p, handler, [stream("r1"), stream("r2")])
+    assert [m[0] for m in sorted(p.moved)] == ["r1", "r2"]
+    assert all(conn == "A" and d == Decision("B", "failover", 2) for _, conn, d in p.moved)
+    url, auth, body = asked[0]
+    assert url == "http://b:8000/v1/kv/pull" and auth == "Bearer s3cret"
+    # the prompt and the ids generated but the last (sampled, never computed), from the draining replica
+    assert body["source"] == "http://a:8000" and body["token_ids"] == list(range(40)) + [7, 8]
+    assert body["cache_salt"] == "salt" and len(asked) == 2
+
+
+async def test_a_refused_or_broken_pull_still_moves_the_stream_with_what_arrived():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(502, json={"status": 502, "blocks": 2, "cached": 0, "imported": 1,
+                                         "error": "the export stream broke"})
+
+    p = StubProxy()
+    await drain(p, handler, [stream("r1")])
+    assert p.moved == [("r1", "A", Decision("B", "failover", 1))]  # the block that arrived is whole: it counts
+
+
+async def test_a_pull_past_its_bound_is_given_up_and_the_stream_moves_by_recompute():
+    never = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await never.wait()  # a source or successor that never answers
+        raise AssertionError("unreachable")
+
+    p = StubProxy()
+    t0 = asyncio.get_running_loop().time()
+    await drain(p, handler, [stream("r1")], timeout_s=0.2)
+    assert p.moved == [("r1", "A", Decision("B", "failover", 0))]
+    assert 0.2 <= asyncio.get_running_loop().time() - t0 < 5
+
+
+async def test_n_samples_move_without_a_pull_and_nothing_moves_without_a_successor():
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise AssertionError("no pull for n > 1 samples")
+
+    p = StubProxy()
+    await drain(p, handler, [stream("r1", n=2)])
+    assert p.moved == [("r1", "A", Decision("B", "failover", 0))]
+    alone = StubProxy(successor=None)
+    h = Handoff(alone, transport=httpx.MockTransport(handler))
+    h.drain(DRAINING, [stream("r2")])
+    await asyncio.gather(*h.tasks)
+    assert alone.moved == []  # it stays on the draining replica: it finishes there, or fails over at its exit
+
+
+async def test_a_replica_whose_load_says_draining_is_not_ready_and_its_streams_are_handed_on_once():
+    told = []
+    events = SimpleNamespace(on_draining=lambda conn, streams: told.append((conn.id, streams)))
+    pool = ReplicaPool(["ws://127.0.0.1:9/v1/replica"], PoolConfig(), events)
+    conn = pool.conns[0]
+    conn.connected, conn.hello = True, P.Hello("A", "m", 16, 2048)
+    conn.id, conn.streams = "A", {"x-1": "stream 1", "x-2": "stream 2"}
+    conn._dispatch([P.Load(2, 0, 10, 20)], 0.0)
+    assert conn.ready and told == []
+    conn._dispatch([P.Load(2, 0, 10, 20, draining=True)], 0.0)
+    conn._dispatch([P.Load(2, 0, 10, 20, draining=True)], 0.0)
+    assert not conn.ready and pool.ready() == []
+    assert told == [("A", ["stream 1", "stream 2"])]  # once, still registered there (they stream on meanwhile)
+    assert conn.streams and conn.base_url == "http://127.0.0.1:9"
