@@ -383,16 +383,21 @@ def test_grace_periods_cover_the_drains(rendered, overlay):
     cfg = proxy_args(pc["args"])
 
     def pre_stop(c) -> float:
+        """How long the preStop may take: `sleep N`, or the replica's drain script's wait."""
         cmd = c["lifecycle"]["preStop"]["exec"]["command"]
-        assert cmd[0] == "sleep"
-        return float(cmd[1])
+        if cmd[0] == "sleep":
+            return float(cmd[1])
+        assert cmd[:2] == ["python", "-c"], cmd
+        assert '"http://127.0.0.1:8000/v1/drain", method="POST"' in cmd[2] and "EDGECHAT_REPLICA_SECRET" in cmd[2]
+        (bound,) = re.findall(r"end = time\.time\(\) \+ (\d+)", cmd[2])
+        return float(bound) + 3  # + the drain request's own timeout
 
     def grace(name) -> float:
         return one(docs, "Deployment", f"edgechat-{name}")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
 
     # Proxy: out of the Service's endpoints first, then SIGTERM: drain for up to --drain-timeout.
     assert 1 <= pre_stop(pc) and grace("proxy") >= pre_stop(pc) + cfg.drain_timeout_s + 5
-    # Replica: every proxy has seen it leave DNS (and moved its streams) before SIGTERM.
+    # Replica: drained (its streams handed on) or seen gone from DNS by every proxy before SIGTERM.
     assert pre_stop(rc) >= cfg.discovery.interval_s + COREDNS_TTL_S + 1
     assert grace("replica") >= pre_stop(rc) + REPLICA_SHUTDOWN_S + 5
     rolling = one(docs, "Deployment", "edgechat-replica")["spec"]["strategy"]["rollingUpdate"]

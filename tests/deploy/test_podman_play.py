@@ -116,6 +116,25 @@ def test_a_replica_as_played_answers_the_service_monitors_scrape(docs):
         assert httpx.post(base + "/v1/chat/completions", json=chat, headers=secret_auth, timeout=120).status_code == 200
 
 
+def test_the_replicas_pre_stop_drains_it_and_waits_for_its_exit(docs):
+    """The pod's preStop, run as the kubelet runs it (the container's environment) against a real
+    replica: it asks for the drain with the secret, the replica (no stream left) exits 0, and the
+    hook ends with it, well inside its 10 s wait."""
+    dep = podman_kube.one(docs, "Deployment", "edgechat-replica")
+    (c,) = podman_kube.pod_of(dep, "edgechat-replica-0", maps=podman_kube.config_maps(docs))["spec"]["containers"]
+    secret = json.loads(podman_kube.secret_json(podman_kube.one(docs, "Secret")))
+    env = {e["name"]: e["value"] if "value" in e else base64.b64decode(secret[e["valueFrom"]["secretKeyRef"]["key"]]).decode()
+           for e in c["env"] if "value" in e or "secretKeyRef" in e.get("valueFrom", {})}
+    hook = c["lifecycle"]["preStop"]["exec"]["command"]
+    cmd = [sys.executable, "-m", "replica", *c["args"], "--host", "127.0.0.1", "--port", "{port}", "--kv-memory-gb", "0.1"]
+    with replica_server(cmd=cmd, env=env) as (base, proc):
+        script = hook[2].replace("127.0.0.1:8000", base.removeprefix("http://"))
+        r = subprocess.run([sys.executable, *hook[1:2], script], env={**os.environ, **env}, timeout=30,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert proc.wait(timeout=30) == 0  # drained by the hook's request: a clean exit, not a signal
+
+
 def test_the_liveness_command_tells_200_from_anything_else():
     import http.server
     import threading
