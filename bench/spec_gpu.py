@@ -102,7 +102,7 @@ def engine_for(model, ops, model_cfg, args, head: Path, policies: Path, spec: Tr
                        max_num_seqs=batch, max_model_len=args.max_len, graph_mode="auto",
                        max_num_batched_tokens=max(512, batch * (1 + draft)), **kw)
     engine = LLMEngine(cfg, model_cfg, model=model, ops=ops)
-    if engine.speculator is not None:  # speculative.head.load_head builds the head on the target's device
+    if engine.speculator is not None:  # speculative.loading.load_head builds the head on the target's device
         assert engine.speculator.head.fc.weight.device == model.embed_tokens.weight.device, "head off the target's device"
     return engine
 

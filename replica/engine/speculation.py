@@ -58,7 +58,7 @@ from replica.model.plan import StepPlan, slot
 from speculative.cache import head_dir
 from speculative.drafting import DraftTree, Drafter
 from speculative.tree_spec import TreeSpec
-from speculative.head import load_head
+from speculative.loading import load_head
 from speculative.ngram import NgramDrafter
 from speculative.policy import SpecPolicy
 from speculative.verify import Verdict, accept_greedy, accept_sampling

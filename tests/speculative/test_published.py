@@ -18,7 +18,8 @@ from replica.presets import PRESETS
 from speculative import published
 from speculative.cache import has_head
 from speculative.drafting import Drafter
-from speculative.head import load_head, save_head
+from speculative.head import save_head
+from speculative.loading import load_head
 from speculative.tree_spec import TreeSpec
 from tests.replica.tiny import tiny_config, tiny_weights
 from tests.speculative.published_heads import config_variant, own_head, write_published

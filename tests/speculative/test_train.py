@@ -17,7 +17,8 @@ from wire import protocol as P
 from speculative.cache import head_dir
 from speculative.drafting import Drafter
 from speculative.tree_spec import TreeSpec
-from speculative.head import HeadConfig, aux_layers_for, load_head, save_head
+from speculative.head import HeadConfig, aux_layers_for, save_head
+from speculative.loading import load_head
 from replica.tokenizer import Tokenizer
 from speculative.train import (DATA_FILE, STATE_FILE, batches, build_data, data_key, draft_vocab, init_head,
                                load_data, load_prompts, output_weight, self_distill, train, ttt_unroll,

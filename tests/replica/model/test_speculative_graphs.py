@@ -177,7 +177,7 @@ def eagle3_against_plain(weights: dict, head: str) -> dict:
     del plain
     eng = gpu_engine(weights, speculative="eagle3", spec_head=head, spec_policy="taper", spec_max_batch=2,
                      spec_depth=4, spec_top_k=3, spec_budget=10)
-    assert eng.speculator.head.fc.weight.is_cuda, "the head must be on the target's device (speculative.head.load_head)"
+    assert eng.speculator.head.fc.weight.is_cuda, "the head must be on the target's device (speculative.loading.load_head)"
     assert eng.overlap and eng.runner.graphs.graphs
     got = run_recording(eng, reqs)
     assert got["replays"] > 0 and got["counters"][0] > 0, "both plain (graph) and speculating steps ran"
