@@ -39,11 +39,20 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    ties spread and every proxy worker breaks them alike. A prompt that only
    shares a system prompt held everywhere has several candidates and goes to the
    least loaded. A prompt no replica holds any of (a new conversation, its own
-   system prompt) goes first to the one holding the fewest blocks (SGLang's
-   "smallest tree": the fewest conversations), then the least loaded: load counts
-   only the turns running this instant, and a replica whose conversations are
-   all between turns looks idle, so by load alone new conversations pile onto it
-   (12 conversations placed 2/4/6) and, kept home, stay piled.
+   system prompt) goes where fewer blocks are held (SGLang's "smallest tree": the
+   fewest conversations), not by load alone: load counts only the turns running
+   this instant, and a replica whose conversations are all between turns looks
+   idle, so by load alone new conversations pile onto it (12 conversations placed
+   2/4/6) and, kept home, stay piled. "Fewer" is a tie band (`fewest_held`): the
+   replicas holding less than one prompt's worth of blocks (this prompt's full
+   blocks) more than the fewest tie, and among them the least loaded, then the
+   rendezvous draw, takes it. Block counts tell conversations apart only to
+   within a conversation's progress, so a difference under one prompt says
+   nothing about which holds fewer; and the band is what lets simultaneous
+   placements through several processes spread: each sees the same reports (none
+   shows the others' new prompts until the replica's next step), and their keys
+   draw different replicas of the band, where the one smallest took them all.
+   A replica holding a prompt's worth fewer than every other still takes it.
 4. Spill, when every such replica is at its bound: the replica with the least
    `cost = (prefill + queued prefill + load_cost_tokens * decoding) / speed`, where
    `queued prefill` is the uncached prompt tokens of this proxy's requests there
@@ -80,10 +89,13 @@ local, and why that is safe:
   still prefilling (`queued_prefill`): corrections of a report a few tens of ms old,
   replaced by the next one; they weigh load, never decide a conversation's home;
 - the rendezvous tie-breaks draw on the request's key (a session's placement key, else
-  its first block): alike everywhere. What is left open: two new conversations placed
-  through two processes within one replica's step (before its Load or KV events show
-  the first) both see the same replica as the one holding the fewest blocks and both
-  go there (docs/perf.md, "One region, several proxies": 20/12/16 once in six runs).
+  its first block): alike everywhere. Two new conversations placed through two
+  processes within one replica's step (before its Load or KV events show the first)
+  see the same reports; the tie band of rule 3 spreads them over the replicas within
+  a prompt of the fewest blocks, by their keys, when their loads tie too. Where one
+  replica alone is in the band, or the band's loads differ, both still go to the same
+  one: no rule over reports a step old can tell them apart (docs/perf.md, "One region,
+  several proxies").
 
 No proxy keeps where a session or a conversation last ran (`sessions`: an id is its
 key's, no table; `BlockIndex.history`, a process's marks of the streams it finished,
@@ -284,6 +296,13 @@ def mark_home(cands: list[Candidate], later: bool) -> None:
         holders[0].history = True
 
 
+def fewest_held(cands: list[Candidate], prompt_blocks: int) -> list[Candidate]:
+    """Rule 3's tie band for a prompt no replica holds: the candidates holding fewer than
+    `prompt_blocks` (at least one) blocks more than the one holding the fewest."""
+    least = min(c.held_blocks for c in cands)
+    return [c for c in cands if c.held_blocks < least + max(prompt_blocks, 1)]
+
+
 def conversation_home(close: list[Candidate], prefill: dict[str, int], prefer: str | None) -> Candidate | None:
     """The replica a later turn of a conversation belongs on, among those that can
     prefill it nearly as cheaply as the cheapest (`close`): the session's (`prefer`, when
@@ -318,7 +337,7 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
         return Decision(home.id, STICKY if home.id == prefer else PREFIX, home.cached_blocks)
     ok = [c for c in close if c.load + 1 <= bound]
     if ok and cheapest == prompt_tokens:  # a prompt of its own (a new conversation): where fewer conversations are
-        c = min(ok, key=lambda c: (c.held_blocks, c.load, -hrw_score(key, c.id)))
+        c = min(fewest_held(ok, prompt_tokens // block_size), key=lambda c: (c.load, -hrw_score(key, c.id)))
         return Decision(c.id, LOAD, 0)
     if ok:
         c = min(ok, key=lambda c: (c.load, prefill[c.id], c.held_blocks, -hrw_score(key, c.id)))
