@@ -84,8 +84,9 @@ UP_ARGS = $(TOPOLOGY) $(if $(or $(PORT),$(if $(TOPOLOGY),,x)),--port $(or $(PORT
 run: $(STAMP)
 	$(PY) -m regions up $(strip $(UP_ARGS))
 
+# --durations: every run (CI's too) ends with its 25 slowest tests, where the suite's time goes.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The proxy and CPU replica images, built here with podman from deploy/Dockerfile (no registry needed:
 # the base is made from Debian's packages where none answers); prints their sizes, build times and a
