@@ -98,7 +98,8 @@ def create_app(proxy: Proxy) -> EdgeApp:
         ready = len(proxy.pool.ready())
         ok = ready > 0 and not proxy.draining
         return JSONResponse({"status": "ok" if ok else ("draining" if proxy.draining else "no_replica"),
-                             "replicas_ready": ready, "inflight": len(proxy.streams) + len(proxy.forwarding),
+                             "replicas_ready": ready, "prefill_ready": len(proxy.pool.prefill_ready()),
+                             "inflight": len(proxy.streams) + len(proxy.forwarding),
                              "connections": len(guard), "pid": os.getpid()},
                             status_code=200 if ok else 503)
 

@@ -36,6 +36,7 @@ import msgspec
 
 from edge_proxy import protocol as pp
 from edge_proxy.admission import admit, predict_ttft_ms
+from edge_proxy.disagg import Disagg
 from edge_proxy.discovery import DnsDiscovery, ProxyCensus
 from edge_proxy.handoff import Handoff
 from edge_proxy.limits import RegionShare, check_key_inflight, check_prompt, check_prompt_tokens, check_session_id
@@ -112,6 +113,7 @@ class Proxy:
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.peers = PeerLink(cfg.region, list(cfg.peers), cfg.peer_key or None) if cfg.peers else None
         self.handoff = Handoff(self)  # a draining replica's streams, moved with their KV
+        self.disagg = Disagg(self)  # cold prompts of decode-role replicas, prefilled on a prefill-role one
 
     async def start(self) -> None:
         await self.pool.start()
@@ -142,6 +144,7 @@ class Proxy:
             await self.discovery.stop()
         if self.census is not None:
             await self.census.stop()
+        await self.disagg.close()
         await self.pool.stop()
         self.tokenizers.close()
 
@@ -314,7 +317,8 @@ class Proxy:
         mark_home(out, s.later)  # from the replicas' KV events and the request: alike on every proxy
         return out
 
-    def _place_new(self, s: ProxiedRequest, deadline_ms: float, prefer: str | None = None) -> None:
+    def _place_new(self, s: ProxiedRequest, deadline_ms: float, prefer: str | None = None,
+                   colocated: bool = False) -> None:
         conns = self.pool.ready()
         if not conns:
             raise pp.ProtocolError(pp.UNAVAILABLE, "no replica is ready", 1.0)
@@ -336,6 +340,21 @@ class Proxy:
         conn = by_id[d.replica]
         if deadline_ms > 0 or s.gen.priority >= P.BATCH:
             conn, d = self._admit(s, cands, by_id, d, deadline_ms)
+        if colocated or not self.disagg.take(s, conn, d, deadline_ms):  # (a decode replica's cold prompt: not yet)
+            remaining = max(deadline_ms - (perf_counter() - s.t0) * 1e3, 1.0) if deadline_ms > 0 else 0.0
+            self._attach(s, conn, d, remaining)
+
+    def prefilled(self, s: ProxiedRequest, conn, d: Decision, deadline_ms: float) -> None:
+        """`s`'s prompt was prefilled elsewhere for `conn` (`disagg`; d.cached_blocks: the blocks it holds now,
+        whether the hand-off worked or not): start its stream there, or placed anew if `conn` went meanwhile."""
+        if s.done:
+            return  # cancelled or failed meanwhile
+        if not conn.ready:
+            try:
+                self._place_new(s, deadline_ms, colocated=True)
+            except pp.ProtocolError as e:
+                self._fail(s, e.code, e.message)
+            return
         remaining = max(deadline_ms - (perf_counter() - s.t0) * 1e3, 1.0) if deadline_ms > 0 else 0.0
         self._attach(s, conn, d, remaining)
 

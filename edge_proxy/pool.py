@@ -25,6 +25,11 @@ size, and its `/healthz` passes. It is *lost* (its streams handed to
 Replicas join and leave while serving (`add`, `remove`: `discovery.DnsDiscovery`);
 one that leaves has its streams handed to `on_lost` at once (cause `removed`).
 
+A replica's Hello names its role (`Hello.role`: prefill, decode or both, the default): `ready()`
+lists the replicas that take streams (decode and both), `prefill_ready()` the prefill ones, which
+only compute prompts for others to pull (edge_proxy.disagg). Every proxy learns roles alike, from
+the replicas.
+
 A replica whose `Load` says `draining` (SIGTERM, `POST /v1/drain`: replica.api.drain) is not
 ready from then on (nothing new goes there) and its streams are handed to
 `events.on_draining(conn, streams)` once, still registered on it and streaming
@@ -159,6 +164,11 @@ class ReplicaConn:
     @property
     def ready(self) -> bool:
         return self.connected and self.healthy and not self.draining
+
+    @property
+    def role(self) -> str:
+        """What its Hello says it does: "prefill", "decode" or "both" (also an older replica's, that says none)."""
+        return (self.hello.role if self.hello is not None else "") or "both"
 
     @property
     def base_url(self) -> str:
@@ -468,7 +478,12 @@ class ReplicaPool:
         self.state_listeners: list = []
 
     def ready(self, exclude: frozenset | set = frozenset()) -> list[ReplicaConn]:
-        return [c for c in self.conns if c.ready and c.id not in exclude]
+        """The ready replicas that take streams (a prefill-role one never does)."""
+        return [c for c in self.conns if c.ready and c.id not in exclude and c.role != "prefill"]
+
+    def prefill_ready(self) -> list[ReplicaConn]:
+        """The ready prefill-role replicas (edge_proxy.disagg)."""
+        return [c for c in self.conns if c.ready and c.role == "prefill"]
 
     def models(self) -> list[str]:
         return sorted({c.hello.model for c in self.conns if c.hello is not None})
@@ -483,6 +498,8 @@ class ReplicaPool:
             mismatch = f"tokenizer {hello.tokenizer}, this proxy's is {self.tokenizer}"
         elif self.block_size and hello.block_size != self.block_size:
             mismatch = f"block size {hello.block_size}, the pool uses {self.block_size}"
+        elif hello.role and hello.role not in P.ROLES:
+            mismatch = f"role {hello.role[:40]!r}, not one of {', '.join(P.ROLES)}"
         conn.mismatch = mismatch
         if mismatch:
             log.error("replica %s at %s has %s: not routing to it", hello.replica_id, conn.url, mismatch)

@@ -14,7 +14,7 @@ Chosen by `kernels.ops(..., fused_decode=True)`.
 import torch
 
 from kernels._triton import tl, triton
-from kernels.rotary import _rotate_heads, apply_rotary_ref
+from kernels.rotary import _cos_sin, _rotate_heads, apply_rotary_ref
 from kernels.store_kv import store_kvcache_ref
 
 
@@ -58,9 +58,8 @@ def _rope_store_kernel(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
+    cos, sin = _cos_sin(cache_ptr, pos, stride_cache, HALF, BLOCK_HALF)
     i = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, H, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
 
     h = tl.arange(0, BLOCK_HKV)[:, None]

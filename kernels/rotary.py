@@ -37,6 +37,14 @@ def apply_rotary_ref(q, k, positions, cos_sin_cache):
 
 
 @triton.jit
+def _cos_sin(cache_ptr, pos, stride_cache, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The (1, BLOCK_HALF) fp32 cos and sin rows of position `pos` in the [cos | sin] cache."""
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    row = cache_ptr + pos * stride_cache + i
+    return tl.load(row, mask=i < HALF, other=0.0), tl.load(row + HALF, mask=i < HALF, other=0.0)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,  # first element of this token's (n_heads, D) block
     stride_h,
@@ -77,9 +85,7 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0)
+    cos, sin = _cos_sin(cache_ptr, pos, stride_cache, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, H, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, HKV, cos, sin, HALF, BLOCK_HKV, BLOCK_HALF)
 

@@ -198,6 +198,8 @@ class Stack:
                 "--replica-id", rep.id]
         if rep.tp > 1:
             argv += ["--tp", str(rep.tp)]
+        if rep.role != "both":
+            argv += ["--role", rep.role]
         if not rep.gpus and "--cpu-threads" not in t.replica_args:
             # CPU replicas on this one machine split its cores: several spinning pools on the same cores
             # slow every one of them (docs/perf.md, routing).

@@ -11,6 +11,9 @@ client locations and regions and between regions.
     [regions.eu]
     proxy_port = 8100          # optional
     replicas = [{ port = 8101 }, { tp = 1, gpus = [] }]
+    # roles (opt-in prefill/decode disaggregation, edge_proxy.disagg): "both" (the default),
+    # "prefill" or "decode", passed as `python -m replica --role`; a prefill replica needs a
+    # decode one in its region, e.g. replicas = [{ role = "prefill" }, { role = "decode" }]
 
     [regions.us]
     replicas = [{}]
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from edge_proxy.routing import MODES
+from wire.protocol import ROLES
 
 REPLICA_KINDS = ("model", "stub")
 ROUTING_MODES = MODES  # edge_proxy --routing
@@ -51,6 +55,7 @@ class ReplicaSpec:
     port: int
     tp: int = 1
     gpus: tuple[int, ...] = ()  # CUDA_VISIBLE_DEVICES for this replica; () = inherit
+    role: str = "both"  # python -m replica --role: "both", "prefill" or "decode" (edge_proxy.disagg)
 
 
 @dataclass(frozen=True)
@@ -225,7 +230,7 @@ def parse(text: str, source: str = "<topology>") -> Topology:
 _TOP_KEYS = {"model", "replica_kind", "host", "base_port", "jitter", "stub_step_ms", "replica_args", "proxy_args",
              "regions", "clients", "links"}
 _REGION_KEYS = {"proxy_port", "proxy_workers", "replicas"}
-_REPLICA_KEYS = {"port", "tp", "gpus"}
+_REPLICA_KEYS = {"port", "tp", "gpus", "role"}
 
 
 def _check_keys(d: dict, allowed: set, path: tuple, w: _Where) -> None:
@@ -336,8 +341,17 @@ def _build(doc: dict, w: _Where, source: str) -> Topology:
                 raise w.error(rp_ + ("gpus",), "must be an array of GPU indices (integers >= 0)")
             if gpus and len(gpus) != tp:
                 raise w.error(rp_ + ("gpus",), f"tp = {tp} needs {tp} GPUs, got {len(gpus)}")
+            role = _typed(rep, "role", str, "both", rp_, w)
+            if role not in ROLES:
+                raise w.error(rp_ + ("role",), f"must be one of {', '.join(ROLES)}, got {role!r}")
+            if role != "both" and kind != "model":
+                raise w.error(rp_ + ("role",), f"roles need replica_kind = \"model\" (a {kind} replica computes no KV)")
             port = rep.get("port") or claim(0, rp_ + ("port",))
-            reps.append(ReplicaSpec(f"{name}-{i}", port, tp, tuple(gpus)))
+            reps.append(ReplicaSpec(f"{name}-{i}", port, tp, tuple(gpus), role))
+        roles = [x.role for x in reps]
+        if "prefill" in roles and "decode" not in roles:
+            raise w.error(path + ("replicas",), "a prefill replica computes prompts for decode replicas to pull: "
+                                                "this region has none (give one role = \"decode\")")
         regions.append(RegionSpec(name, pport, tuple(reps), workers))
     names = [r.name for r in regions]
 

@@ -27,6 +27,7 @@ from time import perf_counter
 from replica import stages
 from replica.api.drain import DRAIN_TIMEOUT_S, Drain
 from replica.config import SPEC_MAX_BATCH, EngineConfig
+from wire.protocol import ROLES as P_ROLES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--replica-id", default=None, help="name reported to routers (default: host:port)")
+    ap.add_argument("--role", default="both", choices=list(P_ROLES),
+                    help="prefill/decode disaggregation (edge_proxy.disagg), said in its Hello: prefill (computes "
+                         "prompts for decode replicas to pull; streams nothing), decode (streams; cold prompts "
+                         "prefilled on a prefill replica) or both (default: serves everything itself)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
                                                   "bfloat16 on CUDA)")
@@ -300,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("replica: the metrics token must differ from the replica secret (scrapers are given it)")
     where += f"; {token_where}"
     app = create_app(cfg, tokenizer, model_name=name, replica_id=replica_id, secret=secret, metrics_token=token,
-                     drain=drain)
+                     drain=drain, role=args.role)
     gc.freeze()  # start-up objects (tokenizer, app) are never garbage: collections skip them
     try:
         import uvloop  # noqa: F401

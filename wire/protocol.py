@@ -263,6 +263,12 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
     tokenizer: str = ""  # Tokenizer.fingerprint: the proxy routes token ids only to replicas that match it
     compute: list[str] = []  # the units it computes on (cores of one kernel, GPU UUIDs): replicas whose sets meet share them
     uses: int = 0  # how many of them it computes on at once (its engine's CPU threads); 0: all
+    # prefill/decode disaggregation (edge_proxy.disagg): "prefill" (computes prompts into its prefix cache for
+    # others to pull, streams nothing), "decode" (streams; cold prompts prefilled elsewhere), "both" ("": today's)
+    role: str = ""
+
+
+ROLES = ("both", "prefill", "decode")
 
 
 # -- KV export and import between replicas (replica.engine.kv_transfer, replica.api.kv_routes, wire.kv_frames) ---------

@@ -6,6 +6,7 @@
   POST /infill               llama.cpp's fill-in-the-middle (IDE plugins)
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
   GET  /v1/kv/spec, POST /v1/kv/export, POST /v1/kv/pull   KV between replicas (replica.api.kv_routes)
+  POST /v1/prefill           compute a prompt into the prefix cache, for another replica to pull (replica.api.prefill)
   POST /v1/drain             admit nothing new, exit once the proxies moved the streams (replica.api.drain)
 
 Every path but /healthz and /health requires the replica secret (`replica.api.auth`);
@@ -40,6 +41,7 @@ from replica.api.kv_routes import KvRoutes
 from replica.api.kv_transport import HttpKvTransport
 from replica.api.metrics import ReplicaMetrics
 from replica.api.openai_http import ReplicaBackend
+from replica.api.prefill import PrefillRoute
 from wire.metrics import CONTENT_TYPE
 from wire.openai_routes import OpenAIRoutes
 from wire.openai_stream import http_error
@@ -168,10 +170,12 @@ class ReplicaConnection:
 
 
 def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secret: str,
-               replica_id: str = "replica", metrics_token: str = "", drain: Drain | None = None) -> RequireSecret:
+               replica_id: str = "replica", metrics_token: str = "", drain: Drain | None = None,
+               role: str = "both") -> RequireSecret:
     """The API process's ASGI app; every path but /healthz requires `secret` (never optional);
     GET /metrics takes `metrics_token` too (Prometheus' read-only credential), where one is given.
-    `drain`: started by POST /v1/drain (and by the server on SIGTERM); its end exits the server."""
+    `drain`: started by POST /v1/drain (and by the server on SIGTERM); its end exits the server.
+    `role`: said in the Hello (wire.protocol.ROLES: prefill/decode disaggregation, edge_proxy.disagg)."""
     client_box: dict[str, EngineClient] = {}
     drain = drain or Drain()
     fingerprint = tokenizer.fingerprint  # hashed once here, not on the event loop when a proxy connects
@@ -202,7 +206,8 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
             return
         conn = ReplicaConnection(c, send)
         # The served name (not the spec), and the fingerprint of the tokenizer the proxy must use.
-        conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=fingerprint))
+        conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=fingerprint,
+                                          role="" if role == "both" else role))
         conn.sink(P.KvEvents(stored=list(c.cached_blocks), cleared=True))
         if c.load is not None:
             conn.sink(c.load)
@@ -257,6 +262,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         Route("/metrics", metrics_endpoint),
         Route("/v1/drain", drain_endpoint, methods=["POST"]),
         *KvRoutes(client, HttpKvTransport(secret)).routes(),  # KV export and import between replicas
+        *PrefillRoute(client).routes(),  # a prompt computed for another replica to pull
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     return RequireSecret(WebSocketFront(app, "/v1/replica", replica_ws), secret, open_paths=("/healthz", "/health"),

@@ -22,11 +22,13 @@ EXPORT = b"POST /v1/kv/export"
 
 class ExportCutter:
     """A TCP relay to 127.0.0.1:`target`: every connection relayed both ways, except one whose
-    request is a KV export: closed before the source sees it (`cut` counts them)."""
+    request is a KV export: closed before the source sees it (`cut` counts them) while `armed`
+    (from the start; False: it relays exports too)."""
 
     def __init__(self, target: int):
         self.target = target
         self.cut = 0
+        self.armed = True
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -44,7 +46,7 @@ class ExportCutter:
         first = b""
         with contextlib.suppress(OSError):
             first = client.recv(1 << 16)
-        if not first or first.startswith(EXPORT):
+        if not first or (self.armed and first.startswith(EXPORT)):
             self.cut += bool(first)
             client.close()
             return

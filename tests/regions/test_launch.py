@@ -119,6 +119,15 @@ def test_cpu_replicas_on_one_machine_split_its_cores(tmp_path, monkeypatch):
     assert argv.count("--cpu-threads") == 1 and argv[argv.index("--cpu-threads") + 1] == "4"
 
 
+def test_a_replica_role_reaches_its_command_line(tmp_path):
+    regions = '[regions.eu]\nreplicas = [{ role = "prefill" }, { role = "decode" }, {}]\n'
+    topo = parse(f"base_port = {free_block(6)}\n{regions}", "roles.toml")
+    stack = Stack(topo, log_dir=tmp_path, out=io.StringIO())
+    argvs = [stack._replica_argv(rep, "eu") for rep in topo.regions[0].replicas]
+    roles = [argv[argv.index("--role") + 1] if "--role" in argv else None for argv in argvs]
+    assert roles == ["prefill", "decode", None]  # "both" is the replica's default
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_stops_everything_on_signal(tmp_path, sig):
     with cli_up(tmp_path) as (proc, lines, pids):

@@ -74,6 +74,13 @@ def test_default_clients_sit_next_to_each_region():
     ("[regions.EU]\nreplicas = [{}]\n", 1, "lowercase"),
     ("[regions.a]\nreplicas = [{ port = 70000 }]\n", 2, "port must be 0..65535"),
     ("jitter = 1.5\n[regions.a]\nreplicas = [{}]\n", 1, "jitter"),
+    ('[regions.a]\nreplicas = [\n  { role = "decode" },\n  { role = "prefil" },\n]\n', 4,
+     "regions.a.replicas.1.role: must be one of both, prefill, decode, got 'prefil'"),
+    ('[regions.a]\nreplicas = [{ role = "prefill" }, { role = "both" }]\n', 2,
+     "regions.a.replicas: a prefill replica computes prompts for decode replicas to pull: this region has none"),
+    ('replica_kind = "stub"\n[regions.a]\nreplicas = [{ role = "decode" }]\n', 3,
+     'regions.a.replicas.0.role: roles need replica_kind = "model"'),
+    ('[regions.a]\nreplicas = [{ role = 1 }]\n', 2, "regions.a.replicas.0.role: expected a string"),
 ])
 def test_errors_name_file_line_and_key(text, line, words):
     with pytest.raises(TopologyError) as e:
@@ -119,3 +126,8 @@ def test_replica_and_proxy_args_are_arrays_of_strings():
         parse('proxy_args = "--allowed-origin x"\n[regions.eu]\nreplicas = [{}]\n', "bad.toml")
     with pytest.raises(TopologyError, match=r"^bad\.toml:1: proxy_args: must be an array of strings"):
         parse('proxy_args = [1]\n[regions.eu]\nreplicas = [{}]\n', "bad.toml")
+
+
+def test_replica_roles_default_to_both():
+    t = parse('[regions.eu]\nreplicas = [{ role = "prefill" }, { role = "decode" }, {}]\n', "roles.toml")
+    assert [r.role for r in t.regions[0].replicas] == ["prefill", "decode", "both"]

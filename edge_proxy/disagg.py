@@ -1,0 +1,136 @@
+"""Prefill/decode disaggregation (opt-in): a cold prompt is computed on a prefill replica, its
+KV pulled by the decode replica the router chose, and the stream starts there.
+
+Roles come from the replicas (`Hello.role`, `python -m replica --role`; a topology's replicas
+say theirs: regions.topology), so every proxy of a region sees them alike. A prefill-role
+replica never takes a stream (`pool.ready()` leaves it out); a "both" replica serves as today.
+
+For a new request placed (router, then admission) on a decode-role replica D (`take`):
+  * D's cache already holds all but fewer than `min_blocks` of the prompt's full blocks, or
+    no prefill replica is ready, or the request asks for prompt logprobs: served on D as today
+    (colocated). MIN_BLOCKS is 4 (64 tokens at the default block size): below it the hand-off's
+    fixed cost, three HTTP round trips and an export stream (docs/perf.md, "Prefill/decode
+    disaggregation"), is of the order of computing those tokens.
+  * else a prefill replica P is chosen, the least work away: the prompt tokens P lacks (its KV
+    events, as routing reads them) plus the prefills this proxy has in flight there and P's
+    reported queue. The prompt's full blocks are POSTed to P's /v1/prefill (replica.api.prefill:
+    computed into its prefix cache), then D is asked to pull them (`POST D/v1/kv/pull`, the
+    replica secret, source P: replica.api.kv_import), and the stream starts on D
+    (`Proxy.prefilled`) with the blocks D now holds: D computes only the last partial block.
+The client sees one ordinary stream: its TTFT counts from the request, hand-off included.
+
+Failures fall back to colocated serving on D, exactly (the same Generate; D computes what it
+lacks): P refusing or unreachable, past PREFILL_TIMEOUT_S, a pull answering an error or past
+PULL_TIMEOUT_S (blocks it cached stay and are used). A request cancelled meanwhile never
+starts; one whose D went away meanwhile is placed again, colocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from time import perf_counter
+
+import httpx
+
+from edge_proxy.routing import Decision
+
+log = logging.getLogger("edge_proxy.disagg")
+
+MIN_BLOCKS = 4  # uncached full blocks on the decode replica from which a prompt is prefilled elsewhere
+PREFILL_TIMEOUT_S = 30.0  # P's /v1/prefill, request to answer (a 4k prompt takes ~2-4 s on this CPU)
+PULL_TIMEOUT_S = 10.0  # D's pull from P, request to answer
+FRAME_BLOCKS = 32  # blocks per export frame (as edge_proxy.handoff)
+
+
+class Disagg:
+    def __init__(self, proxy, min_blocks: int = MIN_BLOCKS, transport: httpx.AsyncBaseTransport | None = None):
+        self.proxy = proxy  # core.Proxy: its pool (roles, the secret, TLS) and `prefilled`
+        self.min_blocks = min_blocks
+        self.transport = transport
+        self.pending: dict[str, int] = {}  # prefill replica id -> prompt tokens this proxy awaits there
+        self.tasks: set[asyncio.Task] = set()
+        self._http: httpx.AsyncClient | None = None
+
+    def prefill_replica(self, s, conn, d: Decision):
+        """The prefill replica for stream `s` routed to `conn` (`d`), or None to serve it colocated."""
+        if conn.role != "decode" or s.gen.sampling.prompt_logprobs is not None:
+            return None
+        full = len(s.gen.prompt_ids) // self.proxy.pool.block_size
+        if full - d.cached_blocks < self.min_blocks:
+            return None
+        prefills = self.proxy.pool.prefill_ready()
+        if not prefills:
+            return None
+        now = perf_counter()
+
+        def work(c) -> int:  # prompt tokens ahead of this one there, its own uncached ones included
+            queued = c.load.waiting_tokens if c.load is not None else 0
+            lacks = (full - c.index.match(s.hashes, now)) * self.proxy.pool.block_size
+            return lacks + self.pending.get(c.id, 0) + queued
+
+        return min(prefills, key=work)
+
+    def take(self, s, conn, d: Decision, deadline_ms: float) -> bool:
+        """Start `s`'s disaggregated prefill (True), or leave it to be attached colocated (False)."""
+        p = self.prefill_replica(s, conn, d)
+        if p is None:
+            return False
+        task = asyncio.get_running_loop().create_task(self._run(s, p, conn, d, deadline_ms))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return True
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            pool = self.proxy.pool
+            headers = {"Authorization": f"Bearer {pool.cfg.secret}"} if pool.cfg.secret else None
+            self._http = httpx.AsyncClient(trust_env=False, headers=headers, verify=pool.ssl or True, timeout=None,
+                                           transport=self.transport)
+        return self._http
+
+    async def close(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def _run(self, s, p, conn, d: Decision, deadline_ms: float) -> None:
+        bs = self.proxy.pool.block_size
+        ids = s.gen.prompt_ids[: len(s.gen.prompt_ids) // bs * bs]  # its full blocks: D computes the rest
+        body = {"token_ids": ids, "cache_salt": s.gen.cache_salt}
+        http, cached, why = self._client(), d.cached_blocks, ""
+        t0 = perf_counter()
+        t1 = t0
+        self.pending[p.id] = self.pending.get(p.id, 0) + len(ids)
+        try:
+            r = await asyncio.wait_for(http.post(p.base_url + "/v1/prefill", json=body), PREFILL_TIMEOUT_S)
+            t1 = perf_counter()
+            if r.status_code != 200:
+                why = f"prefill on {p.id} answered {r.status_code}: {r.text[:200]}"
+            elif not s.done:
+                r = await asyncio.wait_for(http.post(conn.base_url + "/v1/kv/pull", json={
+                    "source": p.base_url, "frame_blocks": FRAME_BLOCKS, **body}), PULL_TIMEOUT_S)
+                res = r.json()
+                cached = max(cached, res.get("cached", 0) + res.get("imported", 0))
+                if r.status_code != 200 or not res.get("complete"):
+                    why = f"pull from {p.id} answered {r.status_code} ({res.get('error', '')})"
+        except TimeoutError:
+            why = f"{'prefill on ' + p.id if t1 == t0 else 'pull from ' + p.id} took too long"
+        except (httpx.HTTPError, ValueError) as e:  # unreachable, broken, or an answer that is not JSON
+            why = f"{'prefill on ' + p.id if t1 == t0 else 'pull from ' + p.id} failed: {type(e).__name__}: {e}"
+        finally:
+            left = self.pending[p.id] - len(ids)
+            if left:
+                self.pending[p.id] = left
+            else:
+                del self.pending[p.id]
+        t2 = perf_counter()
+        if why:
+            log.warning("disaggregated prefill of %s: %s; %d of %d blocks on %s, the rest computed there", s.cid, why,
+                        cached, len(ids) // bs, conn.id)
+        s.span.add_event("disagg", {"prefill": p.id, "blocks": len(ids) // bs, "cached_blocks": cached,
+                                    "prefill_ms": (t1 - t0) * 1e3, "pull_ms": (t2 - t1) * 1e3, "error": why})
+        self.proxy.prefilled(s, conn, Decision(d.replica, d.reason, cached), deadline_ms)
