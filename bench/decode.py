@@ -20,7 +20,10 @@ are the prompts (--context tokens). Per (model, batch, mode) it prints:
 --fused on / both: the modes also (both: each mode twice, side by side) with
 kernels.ops(..., fused_decode=True): rotary + KV store in one launch and decode attention
 without its merge launch (kernels/rope_store.py, kernels/decode_attention.py), rows labelled
-"<mode>, fused decode". The peer (--peer, on by default): Hugging Face transformers' generate with a static
+"<mode>, fused decode". Then (unless --no-bucket-check) every graph bucket's logits
+against eager decoding's, same weights and prompts, one table row per bucket and a line
+"graphs vs eager: ..." (the worst difference, top-1 agreement) that bench/gpu_summary.py
+reads. The peer (--peer, on by default): Hugging Face transformers' generate with a static
 cache, which compiles the decode forward itself, same shape and dtype, ms per decode
 step as (time for N tokens - time for 1) / (N - 1).
 
@@ -142,11 +145,68 @@ def decode_step_time(engine: LLMEngine, batch: int, context: int, steps: int) ->
     return per_step, replay
 
 
+def check_rows(bucket: int) -> int:
+    """Rows to run through `bucket`'s graph: all but one (padding rows replayed too), one for
+    buckets 1 and 2 (one row fewer would be another bucket's)."""
+    return bucket if bucket <= 2 else bucket - 1
+
+
+def bucket_check(name: str, weights: dict, device: str, dtype: torch.dtype, max_rows: int, context: int = 64) -> None:
+    """Every graph bucket's logits against eager decoding's: two engines over the same weights
+    (graph_mode off and auto; "buffers" on CPU, the same padded buffers run eagerly), the same
+    greedy prompts, and the logits of the first decode step after prefill compared row by row
+    (the step a graph replays; the prefill before it is eager in both, so its inputs are the
+    same while the prefill's tokens agree)."""
+    cfg = model_config(name)
+    blocks = max_rows * (-(-(context + 8) // 16)) + 8
+    engines = {}
+    try:
+        for mode in ("off", "auto" if device == "cuda" else "buffers"):
+            ecfg = EngineConfig(model=name, device=device, dtype=str(dtype).removeprefix("torch."), graph_mode=mode,
+                                overlap=False, speculative="off", max_num_seqs=max_rows, num_blocks=blocks,
+                                max_num_batched_tokens=4096, max_model_len=context + 64, seed=0)
+            engines[mode] = LLMEngine(ecfg, cfg, weights)
+        eager, graphed = engines.values()
+        buckets = graphed.runner.graphs.buckets
+        print(f"\n### Graphs against eager, every bucket: {name}, context {context}, first decode step after "
+              f"prefill, greedy ({'CUDA graph replays' if device == 'cuda' else 'CPU: padded buffers, eagerly'})\n")
+        print("| bucket | rows | max abs logit diff | top-1 equal |")
+        print("|---:|---:|---:|---:|", flush=True)
+        worst, agree, total = 0.0, 0, 0
+        for bucket in buckets:
+            n = check_rows(bucket)
+            logits = []
+            for engine in (eager, graphed):
+                add_requests(engine, n, context, 4, f"check{bucket}")
+                while any(s.num_computed < len(s) - 1 for s in engine.seqs.values()):
+                    engine.step()
+                _, by_id = engine.step(return_logits=True)
+                logits.append(torch.stack([by_id[k].float().cpu() for k in sorted(by_id)]))
+                for rid in list(engine.seqs):
+                    engine.abort(rid)
+                while engine.has_work():
+                    engine.step()
+            a, b = logits
+            diff = (a - b).abs().max().item()
+            same = int((a.argmax(-1) == b.argmax(-1)).sum())
+            worst, agree, total = max(worst, diff), agree + same, total + n
+            print(f"| {bucket} | {n} | {diff:.4g} | {same}/{n} |", flush=True)
+        print(f"\ngraphs vs eager: {len(buckets)} buckets, max abs logit diff {worst:.4g}, top-1 equal {agree}/{total}",
+              flush=True)
+    except Exception as e:  # the timings before stay; the failure is a figure too
+        print(f"\ngraphs vs eager: FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        engines.clear()
+        release_memory()
+
+
 FUSED = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def bench_model(name: str, batches: list[int], context: int, steps: int, device: str, bw: float | None,
-                fused_modes: tuple[bool, ...] = (False,)) -> None:
+                fused_modes: tuple[bool, ...] = (False,), check: bool = True) -> None:
     cfg = model_config(name)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     weights = random_weights(cfg, dtype=dtype, seed=0, device=device)
@@ -179,6 +239,8 @@ def bench_model(name: str, batches: list[int], context: int, steps: int, device:
                 engine.close()
             engine = None
             release_memory()
+    if check:
+        bucket_check(name, weights, device, dtype, max(batches))
     del weights
     release_memory()
 
@@ -298,6 +360,8 @@ def main() -> None:
     ap.add_argument("--peer-batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--fused", choices=sorted(FUSED), default="off",
                     help="kernels.ops(..., fused_decode=True) off, on, or both (each mode twice, same process)")
+    ap.add_argument("--no-bucket-check", action="store_true",
+                    help="skip the check of every graph bucket's logits against eager decoding's")
     ap.add_argument("--profile", nargs="*", type=int, metavar="BATCH",
                     help="only: one step's device time by kernel at these batch sizes (default 1)")
     args = ap.parse_args()
@@ -317,7 +381,8 @@ def main() -> None:
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
     for name in models:
         if not args.peer_only:
-            bench_model(name, args.batches, args.context, args.steps, device, bw, FUSED[args.fused])
+            bench_model(name, args.batches, args.context, args.steps, device, bw, FUSED[args.fused],
+                        check=not args.no_bucket_check)
         if not args.no_peer:
             hf_peer(name, args.peer_batches, args.context, args.steps, device)
 

@@ -9,6 +9,8 @@ bench/spec_gpu.py) and writes summary.json:
   decode_ms_b1             the engine's decode step at batch 1, CUDA graphs + overlap
   roofline_ms_b1           the bytes that step must read over the copy bandwidth measured in
                            the same call; decode_over_roofline_b1 their ratio
+  graphs_vs_eager          every graph bucket's logits against eager decoding's: buckets,
+                           max_abs_logit_diff, top1_equal of rows ({"error": ...} if it failed)
   peer_ms_b1               transformers' static-cache decode step at batch 1
   host_syncs_per_spec_step the most synchronizing calls one speculative step made
                            (torch.cuda.set_sync_debug_mode), over every configuration
@@ -50,6 +52,11 @@ def decode_figures(text: str) -> dict:
     """decode.md: the graphs + overlap row at batch 1 of the first model, and the device."""
     card = re.search(r"^device: (.*?), torch", text, re.M)
     out = {"card": card.group(1) if card else None, "decode_ms_b1": None, "roofline_ms_b1": None}
+    check = re.search(r"^graphs vs eager: (\d+) buckets, max abs logit diff (\S+), top-1 equal (\d+)/(\d+)$", text, re.M)
+    failed = re.search(r"^graphs vs eager: (FAILED.*)$", text, re.M)
+    out["graphs_vs_eager"] = ({"buckets": int(check.group(1)), "max_abs_logit_diff": number(check.group(2)),
+                               "top1_equal": int(check.group(3)), "rows": int(check.group(4))} if check
+                              else {"error": failed.group(1)} if failed else None)
     for r in rows(text):
         if len(r) >= 7 and r[1] == "1" and r[2] == "graphs + overlap":
             out["decode_ms_b1"], out["roofline_ms_b1"] = number(r[3]), number(r[5])

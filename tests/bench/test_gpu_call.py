@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 DEFAULT = ["decode", "spec", "tests", "profile", "peer"]
-SUMMARY_KEYS = {"card", "decode_ms_b1", "roofline_ms_b1", "decode_over_roofline_b1", "peer_ms_b1",
+SUMMARY_KEYS = {"card", "decode_ms_b1", "roofline_ms_b1", "decode_over_roofline_b1", "graphs_vs_eager", "peer_ms_b1",
                 "host_syncs_per_spec_step", "spec_step_over_plain", "spec_implied_speedup", "stages"}
 
 
@@ -50,6 +50,8 @@ def test_every_stage_of_the_call_runs_on_cpu(tmp_path, call):
     assert set(summary) == SUMMARY_KEYS and len(summary["stages"]) == len(stages), summary
     if "decode" in stages:
         assert summary["card"].startswith("CPU (dry run") and summary["decode_ms_b1"] > 0, summary
+        check = summary["graphs_vs_eager"]  # every bucket of the dry run's engines (max_num_seqs 4: 1, 2, 4)
+        assert check["buckets"] == 3 and check["top1_equal"] == check["rows"] == 6, summary
     if "spec" in stages:  # the dry run's batch sizes 1 and 4; host syncs are counted on CUDA only
         assert set(summary["spec_step_over_plain"]) == {"chain3", "tree16", "tree32"}, summary
         assert all(set(r) == {"1", "4"} for r in summary["spec_step_over_plain"].values()), summary

@@ -12,6 +12,15 @@ DECODE = """device: NVIDIA H200, torch 2.13.0+cu130, copy bandwidth 4.21 TB/s, c
 | llama-3.1-8b | 1 | CUDA graphs | 4.801 | 208 | 3.562 | 1.35 | 4.683 | 2.5% |
 | llama-3.1-8b | 1 | graphs + overlap | 4.755 | 210 | 3.562 | 1.33 | 4.683 | 1.5% |
 | llama-3.1-8b | 8 | graphs + overlap | 5.018 | 1594 | 3.677 | 1.36 | 4.923 | 1.9% |
+
+### Graphs against eager, every bucket: llama-3.1-8b, context 64, first decode step after prefill, greedy
+
+| bucket | rows | max abs logit diff | top-1 equal |
+|---:|---:|---:|---:|
+| 1 | 1 | 0 | 1/1 |
+| 4 | 3 | 0.0625 | 3/3 |
+
+graphs vs eager: 2 buckets, max abs logit diff 0.0625, top-1 equal 4/4
 """
 PEER = """| llama-3.1-8b | 1 | transformers static cache (generate's compile) | 6.210 | 161 | | | | |
 | llama-3.1-8b | 8 | transformers static cache (generate's compile) | 7.000 | 1143 | | | | |
@@ -36,6 +45,7 @@ def test_the_figures_come_from_the_tables(tmp_path):
     s = summarize(tmp_path, ["decode: rc=0 in 26s"])
     assert (s["card"], s["decode_ms_b1"], s["roofline_ms_b1"], s["peer_ms_b1"]) == ("NVIDIA H200", 4.755, 3.562, 6.21)
     assert s["decode_over_roofline_b1"] == round(4.755 / 3.562, 3)
+    assert s["graphs_vs_eager"] == {"buckets": 2, "max_abs_logit_diff": 0.0625, "top1_equal": 4, "rows": 4}
     assert s["host_syncs_per_spec_step"] == 43
     assert s["spec_step_over_plain"] == {"chain3": {"1": round(26.9 / 4.58, 3), "4": round(28 / 4.9, 3)},
                                          "tree16": {"1": round(31.1 / 4.58, 3), "4": round(33 / 4.9, 3)},
@@ -47,5 +57,11 @@ def test_the_figures_come_from_the_tables(tmp_path):
 def test_a_stage_that_did_not_run_leaves_nulls(tmp_path):
     s = summarize(tmp_path)
     assert s["card"] is None and s["decode_ms_b1"] is None and s["peer_ms_b1"] is None
+    assert s["graphs_vs_eager"] is None
     assert s["host_syncs_per_spec_step"] is None and s["spec_step_over_plain"] == {}
     assert s["spec_implied_speedup"]["best"] is None
+
+
+def test_a_failed_bucket_check_is_reported_not_hidden(tmp_path):
+    (tmp_path / "decode.md").write_text("device: NVIDIA H200, torch x\n\ngraphs vs eager: FAILED: RuntimeError: boom\n")
+    assert summarize(tmp_path)["graphs_vs_eager"] == {"error": "FAILED: RuntimeError: boom"}
