@@ -12,7 +12,8 @@
 # spec_step_over_plain, spec_implied_speedup):
 #   decode   engine decode at batch 1/8/32/64, 8B shape, eager / graphs / graphs + overlap, each
 #            with and without fused decode (--fused both: rope_store, merge-free decode attention),
-#            roofline and GPU idle in the same process      (bench/decode.py)
+#            roofline and GPU idle in the same process, then every graph bucket's logits
+#            against eager decoding's                        (bench/decode.py)
 #   spec     EAGLE-3 step times at the 8B shape: chain 3 / tree 16 / tree 32 at batch 1, 4 and 16
 #            against plain decoding, host syncs per step counted (bench/spec_gpu.py)
 #   tests    pytest -m gpu: Triton kernels vs references (bf16 included), graphs vs
