@@ -6,7 +6,7 @@ say theirs: regions.topology), so every proxy of a region sees them alike. A pre
 replica never takes a stream (`pool.ready()` leaves it out); a "both" replica serves as today.
 
 For a new request placed (router, then admission) on a decode-role replica D (`take`):
-  * D's cache already holds all but fewer than `min_blocks` of the prompt's full blocks, or
+  * D's cache already holds all but fewer than `min_blocks` of the prompt's usable full blocks, or
     no prefill replica is ready, or the request asks for prompt logprobs: served on D as today
     (colocated). MIN_BLOCKS is 4 (64 tokens at the default block size): below it the hand-off's
     fixed cost, three HTTP round trips and an export stream (docs/perf.md, "Prefill/decode
@@ -16,7 +16,8 @@ For a new request placed (router, then admission) on a decode-role replica D (`t
     reported queue. The prompt's full blocks are POSTed to P's /v1/prefill (replica.api.prefill:
     computed into its prefix cache), then D is asked to pull them (`POST D/v1/kv/pull`, the
     replica secret, source P: replica.api.kv_import), and the stream starts on D
-    (`Proxy.prefilled`) with the blocks D now holds: D computes only the last partial block.
+    (`Proxy.prefilled`) with the blocks D now holds: D computes only the last block (partial, or the
+    whole last one when the prompt ends on a block boundary: its last token must be computed).
 The client sees one ordinary stream: its TTFT counts from the request, hand-off included.
 
 Failures fall back to colocated serving on D, exactly (the same Generate; D computes what it
@@ -43,6 +44,12 @@ PULL_TIMEOUT_S = 10.0  # D's pull from P, request to answer
 FRAME_BLOCKS = 32  # blocks per export frame (as edge_proxy.handoff)
 
 
+def usable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The full blocks of a prompt a replica's cache can serve: its last token is always computed (it
+    samples the first token), so a prompt of whole blocks reuses all but its last (block_manager.match_prefix)."""
+    return (prompt_tokens - 1) // block_size
+
+
 class Disagg:
     def __init__(self, proxy, min_blocks: int = MIN_BLOCKS, transport: httpx.AsyncBaseTransport | None = None):
         self.proxy = proxy  # core.Proxy: its pool (roles, the secret, TLS) and `prefilled`
@@ -56,7 +63,7 @@ class Disagg:
         """The prefill replica for stream `s` routed to `conn` (`d`), or None to serve it colocated."""
         if conn.role != "decode" or s.gen.sampling.prompt_logprobs is not None:
             return None
-        full = len(s.gen.prompt_ids) // self.proxy.pool.block_size
+        full = usable_blocks(len(s.gen.prompt_ids), self.proxy.pool.block_size)
         if full - d.cached_blocks < self.min_blocks:
             return None
         prefills = self.proxy.pool.prefill_ready()
@@ -99,7 +106,7 @@ class Disagg:
 
     async def _run(self, s, p, conn, d: Decision, deadline_ms: float) -> None:
         bs = self.proxy.pool.block_size
-        ids = s.gen.prompt_ids[: len(s.gen.prompt_ids) // bs * bs]  # its full blocks: D computes the rest
+        ids = s.gen.prompt_ids[: usable_blocks(len(s.gen.prompt_ids), bs) * bs]  # D computes the rest
         body = {"token_ids": ids, "cache_salt": s.gen.cache_salt}
         http, cached, why = self._client(), d.cached_blocks, ""
         t0 = perf_counter()
