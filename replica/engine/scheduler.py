@@ -4,7 +4,9 @@ Each step (budget: max_num_batched_tokens while sequences decode, stretched so t
 prefill keeps half of it beside many decodes; the larger prefill_only_tokens while
 none decodes, when no stream's next token waits on the step):
   1. running decodes first (one token each), so streams never stall behind a prompt;
-  2. running prefills continue in chunks with what is left of the budget;
+  2. running prefills continue in chunks with what is left of the budget, but first the waiting
+     streams moved here (resumed, or preempted) whose KV is cached but the last block or two are
+     admitted: one short prefill and they stream again, never queued behind a prompt;
   3. waiting requests are admitted (priority class, then arrival), reusing cached
      prefix blocks, their prompts chunked to fit the budget.
 When the pool runs dry the scheduler preempts by recompute: the running sequence
@@ -124,9 +126,56 @@ class Scheduler:
                 tokens += extra
             return tokens
 
+        def admit(q: deque, seq: Sequence) -> bool:
+            """Admit waiting `seq` (in `q`) with what is left of the budget; False when it does not fit."""
+            nonlocal budget
+            if seq.num_computed == 0 and not seq.block_table:
+                self.blocks.match_prefix(seq)
+            if seq.num_cached_prompt < 0:  # a resume's input is its prompt and the tokens resumed
+                seq.num_cached_prompt = min(seq.num_computed, len(seq.token_ids))
+            n = min(seq.num_uncomputed, budget)
+            while not self.blocks.allocate(seq, n):
+                # Interactive work may take blocks from running batch work, never the reverse.
+                victim = self._victim() if self.running else None
+                if victim is None or victim.priority <= seq.priority:
+                    break
+                self._preempt(victim)
+                budget += unschedule(victim)
+            if self.blocks.blocks_needed(seq, n):
+                self.blocks.free(seq)  # give back the prefix blocks until it fits
+                return False
+            q.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled[seq] = n
+            budget -= n
+            return True
+
+        def admit_moved() -> None:
+            """Admit, ahead of every prompt's chunk, the waiting streams moved here (a resume: tokens
+            generated elsewhere, a drain's hand-off: edge_proxy.handoff) or preempted whose KV is
+            cached but the last block or two: one short prefill each and they stream again, instead
+            of waiting behind the prompts queued before them."""
+            short = 2 * self.blocks.block_size
+            for prio in sorted(self.waiting):
+                q = self.waiting[prio]
+                for seq in [w for w in q if w.num_completion_tokens and not w.num_unresolved]:
+                    if budget < short or len(self.running) >= self.max_num_seqs:
+                        return
+                    if seq.num_computed == 0 and not seq.block_table:
+                        self.blocks.match_prefix(seq)
+                    if seq.num_uncomputed > short:
+                        self.blocks.free(seq)  # much to recompute: it waits its turn, as a prompt does
+                    elif not admit(q, seq):
+                        return
+
         # 1 + 2: running decodes, then running prefill chunks; each class by importance.
         # Decodes always fit: budget >= max_num_seqs >= len(running).
+        moved_admitted = False
         for seq in sorted(self.running, key=lambda s: (not s.is_decode, s.priority, s.arrival)):
+            if not moved_admitted and not seq.is_decode:
+                moved_admitted = True
+                admit_moved()
             if seq.status != Status.RUNNING:
                 continue  # preempted earlier in this loop
             if seq.num_unresolved and self._ends_by_length(seq):
@@ -151,6 +200,9 @@ class Scheduler:
                 scheduled[seq] = n
                 budget -= n
 
+        if not moved_admitted:
+            admit_moved()
+
         # 3: admit waiting sequences while budget, seats and blocks last.
         for q in self._waiting_in_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
@@ -158,26 +210,8 @@ class Scheduler:
             seq = q[0]
             if seq.num_unresolved:
                 break  # preempted with a token still in flight: admit once it is read back
-            if seq.num_computed == 0 and not seq.block_table:
-                hit = self.blocks.match_prefix(seq)
-                if seq.num_cached_prompt < 0:  # a resume's input is its prompt and the tokens resumed
-                    seq.num_cached_prompt = min(hit, len(seq.token_ids))
-            n = min(seq.num_uncomputed, budget)
-            while not self.blocks.allocate(seq, n):
-                # Interactive work may take blocks from running batch work, never the reverse.
-                victim = self._victim() if self.running else None
-                if victim is None or victim.priority <= seq.priority:
-                    break
-                self._preempt(victim)
-                budget += unschedule(victim)
-            if self.blocks.blocks_needed(seq, n):
-                self.blocks.free(seq)  # give back the prefix blocks until it fits
+            if not admit(q, seq):
                 break
-            q.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            scheduled[seq] = n
-            budget -= n
 
         # Decodes first (speculating ones leading): the runner sends them to the decode
         # kernel (or the tree-verify forward), the rest to extend.

@@ -35,9 +35,9 @@ class Sim:
         self.batches: list[tuple[list[str], list[int]]] = []
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4, priority: int = P.INTERACTIVE,
-            cache_salt: str = "") -> Sequence:
+            cache_salt: str = "", resume: list[int] = ()) -> Sequence:
         seq = Sequence(rid, prompt, P.SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0,
-                       eos_ids=frozenset(), priority=priority, cache_salt=cache_salt)
+                       eos_ids=frozenset(), priority=priority, cache_salt=cache_salt, resume_ids=resume)
         seq.arrival = len(self.seqs)  # arrival order made explicit (time.monotonic() may tie)
         self.seqs[rid] = seq
         self.generated[rid] = []
@@ -268,6 +268,28 @@ def test_prefix_cache_hit_reduces_the_tokens_to_prefill():
     assert seqs["b"].block_table[:4] == seqs["c"].block_table[:4] == seqs["f"].block_table[:4] == cached
     assert all(sim.blocks.ref_count[blk] == 3 for blk in cached)
     sim.run()
+
+
+def test_a_moved_stream_whose_kv_is_cached_goes_before_a_prompts_chunk_one_to_recompute_does_not():
+    """A resume (a drained replica's stream handed on with its KV) whose blocks are cached but the
+    last partial one is admitted ahead of the running prompt's chunk and of the prompts queued
+    before it: one short prefill and it streams again. One with its KV not here waits its turn."""
+    sim = Sim(max_num_batched_tokens=16)
+    moved = ids(20, 70)
+    sim.add("a", moved, max_tokens=2)
+    sim.run()  # its 5 full blocks are cached (as a pull leaves them)
+    sim.add("p", ids(40, 71), max_tokens=2)  # a long prompt, in chunks
+    sim.step()
+    sim.add("q", ids(6, 72), max_tokens=2)  # a prompt queued before the moved streams
+    sim.add("x", ids(20, 73), resume=[5, 6])  # moved with nothing cached: 22 tokens to recompute
+    r = sim.add("r", moved[:18], max_tokens=8, resume=moved[18:] + sim.generated["a"])  # 22 tokens, 20 cached
+    sim.step()
+    assert sim.batches[-1] == (["r", "p"], [2, 14])  # r first (its last 2 tokens), then p's chunk
+    assert r.num_cached_prompt == 20 and sim.seqs["x"].status == Status.WAITING
+    sim.step()
+    assert sim.batches[-1][0][:1] == ["r"]  # decoding now, ahead of every prefill
+    sim.run()
+    assert set(sim.finished) == {"a", "p", "q", "x", "r"}
 
 
 def test_an_abort_at_any_point_frees_its_blocks():
