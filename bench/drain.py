@@ -92,6 +92,10 @@ async def variant(name: str, args) -> list:
         moved = [(o, b) for o, b in zip(out, base) if o[1].failovers]
         longest = max((max(b - a for a, b in zip(t, t[1:]) if b > t_sig) for (_, _, t), _ in moved), default=0.0)
         cached = [o[1].usage.cached_tokens for o, _ in moved]
+        for (_, d, t), _ in moved:  # where each moved stream's longest gap lies (monotonic, as the proxy logs)
+            i = max((k for k in range(1, len(t)) if t[k] > t_sig), key=lambda k: t[k] - t[k - 1])
+            print(f"trace {name}: signal t={t_sig:.3f}; gap {1e3 * (t[i] - t[i - 1]):.0f} ms from t={t[i - 1]:.3f} "
+                  f"(delta {i - 1}) to t={t[i]:.3f}; cached {d.usage.cached_tokens}", file=sys.stderr)
         return [name, len(moved), f"{sum(o[0] == b[0] for o, b in zip(out, base))}/{len(out)}",
                 f"{longest * 1e3:.0f}", f"{statistics.median(gaps) * 1e3:.0f}",
                 f"{min(cached, default=0)}..{max(cached, default=0)}",

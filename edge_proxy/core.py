@@ -398,6 +398,8 @@ class Proxy:
             m.ttft.observe(now - s.t0)
         m.generation_tokens.inc(len(msg.ids))
         s.add_tokens(msg, now)
+        if self.handoff.awaiting:  # a draining replica's stream moves right after its next token
+            self.handoff.on_tokens(s)
 
     def on_finished(self, s: ProxiedRequest, msg: P.Finished, now: float) -> None:
         if msg.finish_reason == P.FINISH_ABORT:
@@ -485,6 +487,7 @@ class Proxy:
             return
         s.failovers += 1
         self.metrics.failovers.inc("drain")
+        self.metrics.handoff_tokens.inc(by=len(s.gen.prompt_ids) + len(s.ids))
         s.span.add_event("failover", {"cause": "drain", "resume_tokens": len(s.ids), "cached_blocks": d.cached_blocks})
         self._attach(s, conn, d, 0.0)
 

@@ -1,4 +1,5 @@
-"""Hand-off: a draining replica's streams move to successors with their KV, nothing recomputed.
+"""Hand-off: a draining replica's streams move to successors with their KV, nothing recomputed
+but the last partial block.
 
 When a replica says it drains (`Load.draining`: replica.api.drain; `pool` hands its streams here
 once), for each of its running streams:
@@ -8,16 +9,23 @@ once), for each of its running streams:
      successor/v1/kv/pull`, the replica secret, at the WebSocket's host and port): the prompt ids
      and the ids generated so far but the last (sampled, never computed). It fetches every full
      block of them it lacks, checked whole, into its prefix cache. Meanwhile the stream goes on
-     streaming from the draining replica, so the client sees no gap for it;
-  3. the stream moves exactly as failover moves one (`Proxy.hand_off`: a resume with the ids so
-     far, aborted on the draining replica): the successor's prefix cache serves every full block
-     it pulled, so it computes only the last partial block and the tokens that came during the
-     pull, and its usage counts the rest as cached tokens.
-A pull that fails (a refused layout, a source gone) or takes longer than `PULL_TIMEOUT_S` moves
-the stream all the same: the successor recomputes what it lacks (today's exact resume). A stream
-that finishes, fails or loses its replica during the pull is not moved (failover had it).
-n > 1 requests move without a pull (their samples' KV is not one chain). With no other replica
-ready a stream stays where it is: it finishes there, or fails over when the replica exits.
+     streaming from the draining replica, so the pull's duration is no gap: it is bounded only by
+     the drain's budget (`budget_s` from the moment the proxy sees the drain; the replica exits
+     about a second after its last stream left, inside its 5 s goal);
+  3. the pull is repeated for the blocks that filled meanwhile (the tokens generated while it
+     ran: a short, incremental pull), until every full block of the stream's ids is there;
+  4. the stream moves right after its next token arrives (`on_tokens`: the longest a client can
+     wait is then the successor's time to its first token, not a draining replica's step on top),
+     exactly as failover moves one (`Proxy.hand_off`: a resume with the ids so far, aborted on the
+     draining replica): the successor's prefix cache serves every full block, so it computes only
+     the last partial block, and its usage counts the rest as cached tokens.
+A pull that fails (a refused layout, a source gone) or is still running at the budget's end moves
+the stream all the same with what arrived: the successor recomputes what it lacks (exact resume).
+The successor bounds its own pull by the same time (`KvPull.timeout_ms`), so a pull given up on
+stops there too and frees the source's export. A stream that finishes, fails or loses its replica
+during the pull is not moved (failover had it). n > 1 requests move without a pull (their samples'
+KV is not one chain). With no other replica ready a stream stays where it is: it finishes there,
+or fails over when the replica exits.
 """
 
 from __future__ import annotations
@@ -32,17 +40,25 @@ from edge_proxy.routing import Decision
 
 log = logging.getLogger("edge_proxy.handoff")
 
-PULL_TIMEOUT_S = 2.0  # a pull's whole time, request to answer; past it the stream is resumed by recompute
+BUDGET_S = 3.0  # from the drain seen to the last stream moved; a pull still running then is given up
 FRAME_BLOCKS = 32  # blocks per export frame (the source caps a frame at 16 MiB)
+MAX_ROUNDS = 4  # pulls per stream: the first, then the blocks that filled while the one before ran
 
 
 class Handoff:
-    def __init__(self, proxy, timeout_s: float = PULL_TIMEOUT_S, frame_blocks: int = FRAME_BLOCKS,
+    def __init__(self, proxy, budget_s: float = BUDGET_S, frame_blocks: int = FRAME_BLOCKS,
                  transport: httpx.AsyncBaseTransport | None = None):
         self.proxy = proxy  # core.Proxy: `successor`, `hand_off`, its pool (the secret, TLS)
-        self.timeout_s, self.frame_blocks = timeout_s, frame_blocks
+        self.budget_s, self.frame_blocks = budget_s, frame_blocks
         self.transport = transport  # None: the network (tests hand in an httpx.MockTransport)
         self.tasks: set[asyncio.Task] = set()
+        self.awaiting: dict[int, asyncio.Future] = {}  # id(stream) -> what its next token resolves (Proxy.on_tokens)
+
+    def on_tokens(self, s) -> None:
+        """`s` got tokens (the proxy calls this while `awaiting` is not empty)."""
+        fut = self.awaiting.pop(id(s), None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def drain(self, conn, streams: list) -> None:
         """`conn` drains: hand each of its `streams` on (in the background)."""
@@ -54,12 +70,13 @@ class Handoff:
 
     async def _drain(self, conn, streams: list) -> None:
         pool = self.proxy.pool
+        deadline = perf_counter() + self.budget_s
         headers = {"Authorization": f"Bearer {pool.cfg.secret}"} if pool.cfg.secret else None
         async with httpx.AsyncClient(trust_env=False, headers=headers, verify=pool.ssl or True,
-                                     timeout=self.timeout_s, transport=self.transport) as http:
-            await asyncio.gather(*(self._one(http, conn, s) for s in streams))
+                                     timeout=self.budget_s + 1.0, transport=self.transport) as http:
+            await asyncio.gather(*(self._one(http, conn, s, deadline) for s in streams))
 
-    async def _one(self, http: httpx.AsyncClient, conn, s) -> None:
+    async def _one(self, http: httpx.AsyncClient, conn, s, deadline: float) -> None:
         d = self.proxy.successor(s)
         if d is None:
             log.warning("replica %s drains: no other replica ready for %s; it stays", conn.id, s.cid)
@@ -67,20 +84,49 @@ class Handoff:
         to = next(c for c in self.proxy.pool.conns if c.id == d.replica)
         cached = 0
         if s.samples is None:
+            bs = self.proxy.pool.block_size or 1
             t0 = perf_counter()
-            body = {"source": conn.base_url, "token_ids": s.gen.prompt_ids + s.ids[:-1],
-                    "cache_salt": s.gen.cache_salt, "frame_blocks": self.frame_blocks}
-            try:
-                r = await asyncio.wait_for(http.post(to.base_url + "/v1/kv/pull", json=body), self.timeout_s)
-                res = r.json()
+            for rounds in range(1, MAX_ROUNDS + 1):
+                res = await self._pull(http, conn, to, s, deadline)
+                if res is None:
+                    break
                 cached = res.get("cached", 0) + res.get("imported", 0)
-                if r.status_code != 200:
-                    log.warning("hand-off of %s to %s: pull answered %d (%s); %d blocks there, the rest recomputed",
-                                s.cid, to.id, r.status_code, res.get("error", ""), cached)
-                else:
-                    log.info("hand-off of %s to %s: %d of %d blocks there (%d pulled) in %.3f s", s.cid, to.id,
-                             cached, res.get("blocks", 0), res.get("imported", 0), perf_counter() - t0)
-            except (TimeoutError, httpx.HTTPError, ValueError) as e:
-                log.warning("hand-off of %s to %s: pull failed (%s); resumed by recompute", s.cid, to.id,
-                            type(e).__name__ if isinstance(e, TimeoutError) else e)
+                if not res.get("complete") or perf_counter() >= deadline:
+                    break
+                await self._next_token(s, deadline)  # switch right after one (the wait is no gap: it streams)
+                if s.done or s.conn is not conn:
+                    return  # finished, failed or failed over meanwhile
+                if (len(s.gen.prompt_ids) + len(s.ids) - 1) // bs <= cached:
+                    break  # every full block of the ids so far is there
+            log.info("hand-off of %s to %s: %d blocks there after %d pulls in %.3f s", s.cid, to.id, cached,
+                     rounds, perf_counter() - t0)
         self.proxy.hand_off(s, conn, Decision(d.replica, d.reason, cached))
+
+    async def _pull(self, http: httpx.AsyncClient, conn, to, s, deadline: float) -> dict | None:
+        """One pull of the stream's full blocks so far, bounded by the deadline: its answer, None when it failed."""
+        left = deadline - perf_counter()
+        if left <= 0:
+            return None
+        body = {"source": conn.base_url, "token_ids": s.gen.prompt_ids + s.ids[:-1],
+                "cache_salt": s.gen.cache_salt, "frame_blocks": self.frame_blocks, "timeout_ms": int(left * 1e3)}
+        try:
+            # the successor answers at its own bound (what arrived by then); this one is for a successor that does not
+            r = await asyncio.wait_for(http.post(to.base_url + "/v1/kv/pull", json=body), left + 0.5)
+            res = r.json()
+        except (TimeoutError, httpx.HTTPError, ValueError) as e:
+            log.warning("hand-off of %s to %s: pull failed (%s); resumed by recompute", s.cid, to.id,
+                        type(e).__name__ if isinstance(e, TimeoutError) else e)
+            return None
+        if r.status_code != 200:
+            log.warning("hand-off of %s to %s: pull answered %d (%s); %d blocks there, the rest recomputed", s.cid,
+                        to.id, r.status_code, res.get("error", ""), res.get("cached", 0) + res.get("imported", 0))
+        return res
+
+    async def _next_token(self, s, deadline: float) -> None:
+        fut = self.awaiting[id(s)] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(fut, max(0.0, deadline - perf_counter()))
+        except TimeoutError:
+            pass  # no token within the budget (a stalled stream): move it as it is
+        finally:
+            self.awaiting.pop(id(s), None)

@@ -51,6 +51,9 @@ class ProxyMetrics:
                                    "generated: the next turn's cache match ends where they part.")
         self.failovers = Counter(r, P + "failovers_total", "Streams resumed on another replica, by cause.",
                                  ("cause",))
+        self.handoff_tokens = Counter(r, P + "handoff_tokens_total",
+                                      "Tokens (prompt and generated) of the streams a drain moved, when they moved: "
+                                      "beside the successors' cached tokens, what the hand-off left to recompute.")
         self.dns_refreshes = Counter(r, P + "dns_refreshes_total",
                                      "Replica discovery refreshes (--replicas-dns) by outcome: ok, outage.",
                                      ("outcome",))

@@ -2,7 +2,7 @@
 
 A receiver pulls a prefix's blocks from a source (`replica.api.kv_routes`):
 
-    POST /v1/kv/pull    {source, token_ids, cache_salt, frame_blocks}  (JSON, to the receiver)
+    POST /v1/kv/pull    {source, token_ids, cache_salt, frame_blocks, timeout_ms}  (JSON, to the receiver)
     POST /v1/kv/export  KvExport                                        (msgpack, receiver -> source)
         200, application/x-edgechat-kv: length-prefixed msgpack messages
         KvSpec, KvFrame*, KvEnd
@@ -53,6 +53,9 @@ class KvPull(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: TokenIds
     cache_salt: str = ""
     frame_blocks: FrameBlocks = 8
+    # the pull's bound (ms, 0: none): past it the receiver stops fetching and answers 504 with the blocks
+    # cached so far (a hand-off that moves the stream then: edge_proxy.handoff), freeing the source's export
+    timeout_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class KvFrame(msgspec.Struct, tag="kv_frame", array_like=True):

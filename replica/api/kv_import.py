@@ -18,6 +18,8 @@ engine caches each frame all or nothing (replica.engine.kv_transfer), so no bloc
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import asdict, dataclass
 
 from wire import protocol as P
@@ -72,44 +74,66 @@ async def pull(client, transport, req: KvPull) -> PullResult:
     if have == len(hashes):
         res.complete = True
         return res
-    at, spec, end = have, None, None
 
     def fail(status: int, error: str) -> PullResult:
         res.status, res.error = status, error
         return res
 
     try:
-        async for msg in transport.fetch(req.source, KvExport(token_ids=req.token_ids, cache_salt=req.cache_salt,
-                                                              start=have, frame_blocks=req.frame_blocks)):
-            if spec is None:
-                if not isinstance(msg, P.KvSpec):
-                    return fail(502, f"the export stream from {req.source} did not open with its KvSpec")
-                problem = mine.mismatch(msg)
-                if problem is not None:
-                    return fail(409, f"{problem} (here: this replica; there: {req.source}): refused, nothing imported")
-                spec = msg
-            elif isinstance(msg, KvFrame):
-                problem = check_frame(msg, hashes, at, mine.block_bytes)
-                if problem is not None:
-                    return fail(502, f"{req.source} sent a bad frame: {problem}")
-                written = await client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data))
-                if written.error:
-                    return fail(503, f"this replica's engine cached none of blocks {at}..: {written.error}")
-                res.imported += written.stored
-                res.cached += written.present
-                at += len(msg.hashes)
-            elif isinstance(msg, KvEnd):
-                end = msg
-                break
-            else:
-                return fail(502, f"{req.source} sent a second KvSpec")
+        async with asyncio.timeout(req.timeout_ms / 1e3 if req.timeout_ms else None):
+            end = await _fetch(client, transport, req, mine, hashes, have, res)
+    except _Refused as e:
+        return fail(e.status, e.error)
+    except TimeoutError:
+        return fail(504, f"the pull's {req.timeout_ms} ms ran out after {res.cached + res.imported - have} of "
+                         f"{len(hashes) - have} blocks; those are cached")
     except KvTransportError as e:
-        return fail(502, f"{e} (after {at - have} of {len(hashes) - have} blocks)")
+        return fail(502, f"{e} (after {res.cached + res.imported - have} of {len(hashes) - have} blocks)")
     except EngineUnavailable as e:
         return fail(503, str(e))
+    at = res.cached + res.imported
     if end is None:
         return fail(502, f"the export stream from {req.source} ended without its KvEnd "
                          f"(after {at - have} of {len(hashes) - have} blocks)")
     res.complete = at == len(hashes)
     res.error = "" if res.complete else f"the source sent blocks up to {at}: {end.reason}"
     return res
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, error: str):
+        self.status, self.error = status, error
+
+
+async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[int], have: int,
+                 res: PullResult) -> KvEnd | None:
+    """Fetch blocks `have`.. of `hashes` into the engine, counted in `res` as each frame is cached;
+    the source's KvEnd (None: the stream ended without it). _Refused on a spec or frame that fails."""
+    at, spec = have, None
+    stream = transport.fetch(req.source, KvExport(token_ids=req.token_ids, cache_salt=req.cache_salt, start=have,
+                                                  frame_blocks=req.frame_blocks))
+    async with contextlib.aclosing(stream):  # closed at once when the pull ends early: the source's export stops
+        async for msg in stream:
+            if spec is None:
+                if not isinstance(msg, P.KvSpec):
+                    raise _Refused(502, f"the export stream from {req.source} did not open with its KvSpec")
+                problem = mine.mismatch(msg)
+                if problem is not None:
+                    raise _Refused(409, f"{problem} (here: this replica; there: {req.source}): refused, "
+                                        "nothing imported")
+                spec = msg
+            elif isinstance(msg, KvFrame):
+                problem = check_frame(msg, hashes, at, mine.block_bytes)
+                if problem is not None:
+                    raise _Refused(502, f"{req.source} sent a bad frame: {problem}")
+                written = await client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data))
+                if written.error:
+                    raise _Refused(503, f"this replica's engine cached none of blocks {at}..: {written.error}")
+                res.imported += written.stored
+                res.cached += written.present
+                at += len(msg.hashes)
+            elif isinstance(msg, KvEnd):
+                return msg
+            else:
+                raise _Refused(502, f"{req.source} sent a second KvSpec")
+    return None

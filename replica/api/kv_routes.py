@@ -6,7 +6,8 @@
   POST /v1/kv/pull    (receiver) JSON KvPull -> JSON PullResult (replica.api.kv_import): 200 when
                       every full block of the prompt is cached here (or as many as the source
                       had: `complete` says), 400 a bad body, 409 a layout mismatch, 502 the source
-                      refused, broke off or sent a bad frame, 503 this engine is restarting or full
+                      refused, broke off or sent a bad frame, 503 this engine is restarting or full,
+                      504 its `timeout_ms` ran out (the blocks cached by then stay, counted)
 
 An export reads `frame_blocks` blocks at a time from the engine (one KvRead between two of its
 steps, cut to MAX_FRAME_BYTES) and writes each frame before it reads the next, so a slow receiver

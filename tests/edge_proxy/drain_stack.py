@@ -82,6 +82,15 @@ def prefix_hit_tokens(url: str) -> float:
     raise LookupError(f"{url}/metrics has no edgechat_replica_prefix_hit_tokens_total")
 
 
+def handoff_tokens(ws_url: str) -> float:
+    """The tokens (prompt and generated) a proxy's drained streams had when they moved (its /metrics)."""
+    url = ws_url.replace("ws://", "http://").rsplit("/v1/", 1)[0] + "/metrics"
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith("edgechat_proxy_handoff_tokens_total "):
+            return float(line.split()[1])
+    raise LookupError(f"{url} has no edgechat_proxy_handoff_tokens_total")
+
+
 def both_ready(proxy: str, timeout: float = 60.0) -> None:
     """Poll the proxy's /healthz until it counts both replicas ready (it answers 200 from the first)."""
     deadline = time.monotonic() + timeout

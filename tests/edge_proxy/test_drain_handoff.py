@@ -1,7 +1,8 @@
 """A replica drained mid-stream (SIGTERM) behind a proxy, on two real default-model replicas:
 the proxy hands the stream on with its KV (edge_proxy.handoff: the successor pulls every full
-block from the draining replica, then the stream resumes there), the text equals an undisturbed
-run's, the successor's usage counts the moved blocks as cached, and the drained replica exits.
+block from the draining replica, again for the blocks that filled meanwhile, then the stream
+resumes there), the text equals an undisturbed run's, the successor's usage counts as cached every
+token it had when it moved but the last partial block, and the drained replica exits.
 A pull that fails (the source's export cut: drain_stack.ExportCutter) falls back to exact resume
 by recompute: the same text, nothing cached."""
 
@@ -15,7 +16,7 @@ from time import perf_counter
 import pytest
 
 from edge_proxy.client import EdgeClient
-from tests.edge_proxy.drain_stack import prefix_hit_tokens, stack
+from tests.edge_proxy.drain_stack import handoff_tokens, prefix_hit_tokens, stack
 
 pytestmark = pytest.mark.timeout(400)
 BLOCK = 16
@@ -50,26 +51,29 @@ async def drained(url: str, reps):
         code, t_exit = await exited
         exit_s = t_exit - t_sig
         hits = await asyncio.to_thread(prefix_hit_tokens, successor) - hits  # what the successor's cache served
-        return whole, done, req.text, req.done, at, hits, exit_s, code
+        moved = await asyncio.to_thread(handoff_tokens, url)  # the stream's tokens when it moved
+        return whole, done, req.text, req.done, at, hits, exit_s, code, moved
 
 
 def test_a_drained_replica_hands_its_stream_on_with_its_kv():
     with stack() as (url, reps, _):
-        whole, done, text, after, at, hits, exit_s, code = asyncio.run(drained(url, reps))
+        whole, done, text, after, at, hits, exit_s, code, moved = asyncio.run(drained(url, reps))
         assert done.usage.completion_tokens == MAX_TOKENS, "the story ended before the drain could move it"
         assert after.failovers == 1 and after.replica != done.replica
         assert text == whole
         # The successor never saw this prompt: whatever its cache served was pulled, every full block of
         # the prompt and of the tokens computed before the drain at least (more than the prompt's blocks).
-        moved = (done.usage.prompt_tokens + at - 1) // BLOCK * BLOCK
-        assert moved > done.usage.prompt_tokens // BLOCK * BLOCK
-        assert hits >= moved and after.usage.cached_tokens == hits, (hits, after.usage.cached_tokens, moved)
+        before = (done.usage.prompt_tokens + at - 1) // BLOCK * BLOCK
+        assert before > done.usage.prompt_tokens // BLOCK * BLOCK
+        assert hits >= before and after.usage.cached_tokens == hits, (hits, after.usage.cached_tokens, before)
+        # and the blocks that filled during the pull: the successor recomputed at most the last partial block
+        assert moved > done.usage.prompt_tokens + at and hits >= moved - BLOCK, (hits, moved)
         assert code == -signal.SIGTERM and exit_s < EXIT_BOUND_S, (code, exit_s)
 
 
 def test_a_failed_pull_falls_back_to_exact_resume():
     with stack(cut_exports=True) as (url, reps, relays):
-        whole, done, text, after, _, hits, exit_s, code = asyncio.run(drained(url, reps))
+        whole, done, text, after, _, hits, exit_s, code, _ = asyncio.run(drained(url, reps))
         assert after.failovers == 1 and after.replica != done.replica
         assert relays[done.replica].cut == 1, "the successor never tried to pull from the draining replica"
         assert text == whole

@@ -1,6 +1,8 @@
 """edge_proxy.handoff without sockets: what a drain asks each successor to pull, and that every
 stream moves (`Proxy.hand_off`) whatever the pull answers: cached blocks counted on success, none
-on a refusal, a pull that outlasts its bound given up at the bound. The real thing, on real
+on a refusal, a pull that outlasts the drain's budget given up at the budget; a second pull for
+the blocks that filled while the first ran, the move right after a token. The streams are
+simulated (`feed`: a token every 5 ms, what a replica would send); the real thing, on real
 replicas: test_drain_handoff.py."""
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class StubProxy:
     """What Handoff uses of core.Proxy: its pool (secret, TLS, replicas), successor, hand_off."""
 
     def __init__(self, successor: str | None = "B"):
-        self.pool = SimpleNamespace(cfg=PoolConfig(secret="s3cret"), ssl=None,
+        self.pool = SimpleNamespace(cfg=PoolConfig(secret="s3cret"), ssl=None, block_size=BLOCK,
                                     conns=[SimpleNamespace(id="B", base_url="http://b:8000")])
         self.to = successor
         self.moved: list[tuple] = []
@@ -40,20 +42,41 @@ class StubProxy:
             self.all_moved.set()
 
 
+DRAINING = SimpleNamespace(id="A", base_url="http://a:8000")
+BLOCK = 16
+
+
 def stream(cid: str, n: int = 1):
     return SimpleNamespace(cid=cid, gen=SimpleNamespace(prompt_ids=list(range(40)), cache_salt="salt"),
-                           ids=[7, 8, 9], samples=None if n == 1 else [[7], [8]])
+                           ids=[7, 8, 9], samples=None if n == 1 else [[7], [8]], done=False, conn=DRAINING)
 
 
-DRAINING = SimpleNamespace(id="A", base_url="http://a:8000")
+def answer(request: httpx.Request, **fields) -> httpx.Response:
+    """A successful pull of every full block asked for."""
+    blocks = len(json.loads(request.content)["token_ids"]) // BLOCK
+    return httpx.Response(200, json={"status": 200, "blocks": blocks, "cached": 0, "imported": blocks,
+                                     "complete": True, **fields})
 
 
-async def drain(proxy: StubProxy, handler, streams, timeout_s: float = 2.0) -> None:
+async def feed(h: Handoff, streams, proxy: StubProxy, seen=None) -> None:
+    """The draining replica streaming: a token every 5 ms to each stream until every one moved
+    (`seen(stream)` after each)."""
+    while not proxy.all_moved.is_set():
+        await asyncio.sleep(0.005)  # the simulated replica's decode step
+        for s in streams:
+            s.ids.append(len(s.ids))
+            h.on_tokens(s)
+            if seen is not None:
+                seen(s)
+
+
+async def drain(proxy: StubProxy, handler, streams, budget_s: float = 2.0, seen=None) -> None:
     proxy.expect = len(streams)
-    h = Handoff(proxy, timeout_s=timeout_s, transport=httpx.MockTransport(handler))
+    h = Handoff(proxy, budget_s=budget_s, transport=httpx.MockTransport(handler))
     h.drain(DRAINING, streams)
+    tokens = asyncio.ensure_future(feed(h, streams, proxy, seen))
     await asyncio.wait_for(proxy.all_moved.wait(), 10)
-    await asyncio.gather(*h.tasks)
+    await asyncio.gather(*h.tasks, tokens)
 
 
 async def test_each_stream_is_pulled_from_the_draining_replica_then_moved_with_its_blocks():
@@ -61,7 +84,7 @@ async def test_each_stream_is_pulled_from_the_draining_replica_then_moved_with_i
 
     def handler(request: httpx.Request) -> httpx.Response:
         asked.append((str(request.url), request.headers["authorization"], json.loads(request.content)))
-        return httpx.Response(200, json={"status": 200, "blocks": 2, "cached": 1, "imported": 1, "complete": True})
+        return answer(request)
 
     p = StubProxy()
     await drain(p, handler, [stream("r1"), stream("r2")])
@@ -71,7 +94,33 @@ async def test_each_stream_is_pulled_from_the_draining_replica_then_moved_with_i
     assert url == "http://b:8000/v1/kv/pull" and auth == "Bearer s3cret"
     # the prompt and the ids generated but the last (sampled, never computed), from the draining replica
     assert body["source"] == "http://a:8000" and body["token_ids"] == list(range(40)) + [7, 8]
-    assert body["cache_salt"] == "salt" and len(asked) == 2
+    assert body["cache_salt"] == "salt" and 0 < body["timeout_ms"] <= 2000
+    assert len(asked) == 2  # one pull each: the tokens that came meanwhile filled no block
+
+
+async def test_the_blocks_that_filled_during_the_pull_are_pulled_too_then_the_stream_moves_after_a_token():
+    asked, s = [], stream("r1")
+    crossed = asyncio.Event()  # the stream's ids reached a third full block while the first pull ran
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(len(json.loads(request.content)["token_ids"]))
+        if len(asked) == 1:
+            await crossed.wait()  # a long pull: the stream goes on meanwhile (feed)
+        return answer(request)
+
+    def seen(st) -> None:
+        if len(st.gen.prompt_ids) + len(st.ids) > 3 * BLOCK + 2:
+            crossed.set()
+
+    p = StubProxy()
+    moved_at = []
+    p.hand_off = lambda st, conn, d: (moved_at.append(len(st.ids)), StubProxy.hand_off(p, st, conn, d))
+    await drain(p, handler, [s], seen=seen)
+    assert asked[0] == 42 and asked[1] > 3 * BLOCK  # the second pull asked for the ids of the third block too
+    (_, _, d), = p.moved
+    assert d.cached_blocks == asked[-1] // BLOCK  # every full block of the last pull counted
+    # moved right after a token, every full block of its ids there: only the last partial block to compute
+    assert (len(s.gen.prompt_ids) + moved_at[0] - 1) // BLOCK <= d.cached_blocks
 
 
 async def test_a_refused_or_broken_pull_still_moves_the_stream_with_what_arrived():
@@ -84,7 +133,7 @@ async def test_a_refused_or_broken_pull_still_moves_the_stream_with_what_arrived
     assert p.moved == [("r1", "A", Decision("B", "failover", 1))]  # the block that arrived is whole: it counts
 
 
-async def test_a_pull_past_its_bound_is_given_up_and_the_stream_moves_by_recompute():
+async def test_a_pull_past_the_budget_is_given_up_and_the_stream_moves_by_recompute():
     never = asyncio.Event()
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -93,7 +142,7 @@ async def test_a_pull_past_its_bound_is_given_up_and_the_stream_moves_by_recompu
 
     p = StubProxy()
     t0 = asyncio.get_running_loop().time()
-    await drain(p, handler, [stream("r1")], timeout_s=0.2)
+    await drain(p, handler, [stream("r1")], budget_s=0.2)
     assert p.moved == [("r1", "A", Decision("B", "failover", 0))]
     assert 0.2 <= asyncio.get_running_loop().time() - t0 < 5
 

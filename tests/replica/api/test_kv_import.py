@@ -98,6 +98,29 @@ def test_a_source_that_had_fewer_blocks_says_why():
     assert res.status == 200 and not res.complete and "block 1 is not cached" in res.error
 
 
+class StalledTransport:
+    """A source that sends its spec and one frame, then nothing (a source too slow for the pull's bound)."""
+
+    def __init__(self):
+        self.closed = False
+
+    async def fetch(self, source, req):
+        try:
+            yield SPEC
+            yield frame(0, 2)
+            await asyncio.Event().wait()  # never set: the source sends nothing more
+        finally:
+            self.closed = True
+
+
+def test_a_pull_past_its_timeout_answers_504_with_the_blocks_cached_and_stops_fetching():
+    e, t = Engine(), StalledTransport()
+    res = pull(e, t, timeout_ms=50)
+    assert res.status == 504 and "50 ms ran out after 2 of 4 blocks" in res.error
+    assert (res.imported, res.complete, e.written) == (2, False, [HASHES[:2]])
+    assert t.closed  # the export stream was closed at the bound (the source's export ends), not left to the GC
+
+
 def test_the_stream_codec_returns_only_whole_messages():
     codec = StreamCodec()
     wire = codec.pack(SPEC) + codec.pack(frame(0, 2)) + codec.pack(KvEnd(blocks=2))
