@@ -77,14 +77,16 @@ HELPER_DIRS = ("/usr/libexec/podman", "/usr/lib/podman", "/usr/local/libexec/pod
 
 def missing_tools(base_needed: bool = True) -> list[str]:
     """What this machine lacks to build and run the images and to play the manifests (Debian:
-    apt-get install podman runc netavark aardvark-dns mmdebstrap): podman, runc, netavark and
-    aardvark-dns (a podman network whose DNS answers the replicas' alias), and mmdebstrap."""
-    tools = ["podman", "runc"] + (["mmdebstrap"] if base_needed else [])
+    apt-get install podman runc netavark aardvark-dns iptables mmdebstrap): podman, runc, netavark
+    and aardvark-dns (a podman network whose DNS answers the replicas' alias), iptables (netavark
+    sets up the bridge with it; without it a container on a network fails to start with
+    "netavark: No such file or directory"), and mmdebstrap."""
+    tools = ["podman", "runc", "iptables"] + (["mmdebstrap"] if base_needed else [])
     missing = [t for t in tools if shutil.which(t) is None and not Path("/usr/sbin", t).exists()]
     return missing + [h for h in ("netavark", "aardvark-dns") if not any(Path(d, h).exists() for d in HELPER_DIRS)]
 
 
-APT = "apt-get install podman runc netavark aardvark-dns mmdebstrap"
+APT = "apt-get install podman runc netavark aardvark-dns iptables mmdebstrap"
 
 
 # -- the base ----------------------------------------------------------------------------------
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"missing: {' '.join(missing)} (Debian: {APT})", file=sys.stderr)
         return 1
     if a.check:
-        print("podman, runc, netavark, aardvark-dns and mmdebstrap found")
+        print("podman, runc, netavark, aardvark-dns, iptables and mmdebstrap found")
         return 0
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.monotonic()

@@ -4,7 +4,7 @@
 # played (a proxy, two CPU replicas found by DNS), the official openai SDK streaming through the
 # proxy, each replica replaced under continuous streaming load (every stream token-exact), and
 # nothing left behind: tests/deploy/test_podman.py, which `make test` leaves out (-m podman).
-# Needs (Debian): apt-get install podman runc netavark aardvark-dns mmdebstrap; kubectl.
+# Needs (Debian): apt-get install podman runc netavark aardvark-dns iptables mmdebstrap; kubectl.
 set -eu
 cd "$(dirname "$0")/.."
 make install

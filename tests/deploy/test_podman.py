@@ -8,7 +8,7 @@ changed, and nothing left behind.
 
 Minutes, so marked `podman` and left out of a plain run (tests/deploy/conftest.py):
     .venv/bin/python -m pytest -q -s -m podman tests/deploy/test_podman.py     (or deploy/podman-e2e.sh)
-Skipped, saying why, where podman, runc, netavark, aardvark-dns, mmdebstrap or kubectl is
+Skipped, saying why, where podman, runc, netavark, aardvark-dns, iptables, mmdebstrap or kubectl is
 missing, or podman cannot start a container. A region deploy/podman_kube.py has up is taken
 down first (the same names).
 """
