@@ -9,13 +9,17 @@
                       refused, broke off or sent a bad frame, 503 this engine is restarting or full,
                       504 its `timeout_ms` ran out (the blocks cached by then stay, counted)
 
-An export reads `frame_blocks` blocks at a time from the engine (one KvRead between two of its
-steps, cut to MAX_FRAME_BYTES) and writes each frame before it reads the next, so a slow receiver
-holds back the source's reads, not its memory. A block evicted meanwhile ends the export there
+An export reads `frame_blocks` blocks at a time from the engine (a KvRead, answered between two
+of its steps, cut to MAX_FRAME_BYTES), READ_AHEAD reads asked at once: the engine reads the next
+frame while one is sent (two frames per step boundary), and no more, so a slow receiver holds
+back the source's reads, not its memory. A block evicted meanwhile ends the export there
 (KvEnd says why): a running sequence holds its blocks, so a drain's streams never lose theirs.
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections import deque
 
 import msgspec
 from starlette.requests import Request
@@ -29,6 +33,7 @@ from replica.api.engine_supervisor import EngineUnavailable
 from replica.api import kv_import
 
 MAX_BODY_BYTES = 8 << 20  # a KvExport or KvPull of MAX_PROMPT_TOKENS ids fits
+READ_AHEAD = 2  # KvReads an export has asked of its engine at once: the next frame is read while one is sent
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -78,26 +83,44 @@ class KvRoutes:
     async def _stream(client, spec: P.KvSpec, hashes: list[int], start: int, per_frame: int):
         codec, sent, reason, per = StreamCodec(), 0, "", spec.block_bytes
         yield memoryview(codec.pack(spec))  # Starlette sends bytes or memoryviews
-        for i in range(0, len(hashes), per_frame):
-            want = hashes[i: i + per_frame]
-            try:
-                got = await client.kv_call(P.KvRead(id="", hashes=want))
-            except EngineUnavailable as e:
-                reason = str(e)
-                break
-            if got.error:
-                reason = got.error
-                break
-            if got.hashes:
-                view = memoryview(got.data)
-                digests = [block_digest(view[k * per: (k + 1) * per]) for k in range(len(got.hashes))]
-                yield memoryview(codec.pack(KvFrame(start=start + i, hashes=got.hashes, digests=digests,
-                                                    data=got.data)))
-                sent += len(got.hashes)
-            if len(got.hashes) < len(want):
-                reason = f"block {start + i + len(got.hashes)} is not cached here (never computed, or evicted)"
-                break
-        yield memoryview(codec.pack(KvEnd(blocks=sent, reason=reason)))
+        reads: deque = deque()  # (index, the KvRead's answer to come), READ_AHEAD at most
+        ahead = iter(range(0, len(hashes), per_frame))
+
+        def read_next() -> None:
+            i = next(ahead, None)
+            if i is not None:
+                read = client.kv_call(P.KvRead(id="", hashes=hashes[i: i + per_frame]))
+                reads.append((i, asyncio.ensure_future(read)))
+
+        try:
+            for _ in range(READ_AHEAD):
+                read_next()
+            while reads:
+                i, fut = reads.popleft()
+                want = hashes[i: i + per_frame]
+                try:
+                    got = await fut
+                except EngineUnavailable as e:
+                    reason = str(e)
+                    break
+                if got.error:
+                    reason = got.error
+                    break
+                read_next()  # the engine reads the next frame while this one is sent
+                if got.hashes:
+                    view = memoryview(got.data)
+                    digests = [block_digest(view[k * per: (k + 1) * per]) for k in range(len(got.hashes))]
+                    yield memoryview(codec.pack(KvFrame(start=start + i, hashes=got.hashes, digests=digests,
+                                                        data=got.data)))
+                    sent += len(got.hashes)
+                if len(got.hashes) < len(want):
+                    reason = f"block {start + i + len(got.hashes)} is not cached here (never computed, or evicted)"
+                    break
+            yield memoryview(codec.pack(KvEnd(blocks=sent, reason=reason)))
+        finally:  # ended early (a short read, the receiver gone): the reads still asked are not awaited
+            for _, fut in reads:
+                if not fut.cancel() and not fut.cancelled():
+                    fut.exception()  # retrieved (the engine lost meanwhile), so none is logged as never seen
 
     async def pull(self, request: Request):
         try:
