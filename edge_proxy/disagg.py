@@ -13,9 +13,10 @@ For a new request placed (router, then admission) on a decode-role replica D (`t
     disaggregation"), is of the order of computing those tokens.
   * else a prefill replica P is chosen, the least work away: the prompt tokens P lacks (its KV
     events, as routing reads them) plus the prefills this proxy has in flight there and P's
-    reported queue. The prompt's full blocks are POSTed to P's /v1/prefill (replica.api.prefill:
-    computed into its prefix cache), then D is asked to pull them (`POST D/v1/kv/pull`, the
-    replica secret, source P: replica.api.kv_import), and the stream starts on D
+    reported queue. The prompt is POSTed to P's /v1/prefill (replica.api.prefill:
+    computed into its prefix cache; P is sent the whole prompt, so each row is computed as D would
+    compute it: the same bytes), then D is asked to pull the full blocks it can use (`POST
+    D/v1/kv/pull`, the replica secret, source P: replica.api.kv_import), and the stream starts on D
     (`Proxy.prefilled`) with the blocks D now holds: D computes only the last block (partial, or the
     whole last one when the prompt ends on a block boundary: its last token must be computed).
 The client sees one ordinary stream: its TTFT counts from the request, hand-off included.
@@ -106,14 +107,18 @@ class Disagg:
 
     async def _run(self, s, p, conn, d: Decision, deadline_ms: float) -> None:
         bs = self.proxy.pool.block_size
-        ids = s.gen.prompt_ids[: usable_blocks(len(s.gen.prompt_ids), bs) * bs]  # D computes the rest
+        # P computes the whole prompt, as D would itself: a row's numerics depend on what the row is (prompt
+        # rows that only leave KV run on int8 activations from INT8_PROMPT_TOKENS on, the last row samples:
+        # replica.config), so blocks computed from a shorter prompt would not be D's own bytes.
+        ids = s.gen.prompt_ids[: usable_blocks(len(s.gen.prompt_ids), bs) * bs]  # what D pulls: it computes the rest
         body = {"token_ids": ids, "cache_salt": s.gen.cache_salt}
         http, cached, why = self._client(), d.cached_blocks, ""
         t0 = perf_counter()
         t1 = t0
         self.pending[p.id] = self.pending.get(p.id, 0) + len(ids)
         try:
-            r = await asyncio.wait_for(http.post(p.base_url + "/v1/prefill", json=body), PREFILL_TIMEOUT_S)
+            r = await asyncio.wait_for(http.post(p.base_url + "/v1/prefill", json={
+                "token_ids": s.gen.prompt_ids, "cache_salt": s.gen.cache_salt}), PREFILL_TIMEOUT_S)
             t1 = perf_counter()
             if r.status_code != 200:
                 why = f"prefill on {p.id} answered {r.status_code}: {r.text[:200]}"

@@ -4,7 +4,7 @@ The prefill half of prefill/decode disaggregation (edge_proxy.disagg): a proxy s
 prompt's full blocks here (a replica of role prefill), then asks the decode replica it chose to
 pull them (`POST /v1/kv/pull`, replica.api.kv_routes), where the stream starts.
 
-    body    JSON {"token_ids": [...], "cache_salt": "..."}  (the proxy's Generate's ids and salt)
+    body    JSON {"token_ids": [...], "cache_salt": "..."}  (the proxy's Generate's prompt and salt)
     200     {"blocks": full blocks of the prompt, "cached_tokens": of its tokens this replica's cache
             already served, "ms": arrival to answer}: every full block is now in the prefix cache
             (committed as it was computed; an eviction before the pull ends that pull early)
@@ -13,6 +13,10 @@ pull them (`POST /v1/kv/pull`, replica.api.kv_routes), where the stream starts.
 It runs one engine request like any other (same scheduler, same chunked prefill, the same
 checks as a Generate) with max_tokens 1 at temperature 0: the engine has no prefill-only
 request, and the one token it samples (one row of the lm_head) is dropped here; nothing streams.
+Send it the whole prompt, not its full blocks only: each row's numerics follow from what the row
+is (prompt rows that only leave KV run on int8 activations from INT8_PROMPT_TOKENS on, the last
+row samples: replica.config), so the KV of the whole prompt's blocks is byte for byte what the
+decode replica computes itself for that prompt, and a shorter prompt's would not be.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A prefill replica and a decode replica (default model) behind one proxy, for test_disagg.py:
 P (`--role prefill`) reached through a drain_stack.ExportCutter, disarmed (arm it: P's exports are
-cut, so a pull from it fails), D (`--role decode`); `export_blocks` counts the blocks a replica's
-pool holds for a prompt (its own /v1/kv/export, read to the end)."""
+cut, so a pull from it fails), D (`--role decode`); `export` reads the blocks a replica's pool holds
+for a prompt (its own /v1/kv/export, to the end)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from edge_proxy.auth import cache_salt
 from tests.edge_proxy.drain_stack import ExportCutter
 from tests.edge_proxy.live import proxy
 from tests.replica.server import AUTH, SECRET, replica_server
-from wire.kv_frames import KvEnd, KvExport, StreamCodec
+from wire.kv_frames import KvEnd, KvExport, KvFrame, StreamCodec
 
 
 def anonymous_salt() -> str:
@@ -23,17 +23,22 @@ def anonymous_salt() -> str:
     return cache_salt("anonymous", SECRET)
 
 
-def export_blocks(url: str, ids: list[int], salt: str) -> int:
-    """How many leading full blocks of `ids` (under `salt`) the replica at `url` holds, as its export says."""
-    codec, end = StreamCodec(), None
+def export(url: str, ids: list[int], salt: str) -> bytes:
+    """The bytes of the leading full blocks of `ids` (under `salt`) the replica at `url` holds, as its
+    own export sends them (every layer's K and V a block, wire.kv_frames)."""
+    codec, data, end = StreamCodec(), bytearray(), None
     body = msgspec.msgpack.encode(KvExport(token_ids=ids, cache_salt=salt))
     with httpx.stream("POST", url + "/v1/kv/export", content=body, timeout=30,
                       headers={**AUTH, "Content-Type": "application/msgpack"}) as r:
         assert r.status_code == 200, r.read()
         for chunk in r.iter_raw():
-            end = next((m for m in codec.feed(chunk) if isinstance(m, KvEnd)), end)
+            for m in codec.feed(chunk):
+                if isinstance(m, KvFrame):
+                    data += m.data
+                elif isinstance(m, KvEnd):
+                    end = m
     assert end is not None, f"{url}'s export ended without its KvEnd"
-    return end.blocks
+    return bytes(data)
 
 
 def roles_ready(proxy_url: str, timeout: float = 60.0) -> None:

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation (edge_proxy.disagg) on real default-model replicas: a prefill
 replica P and a decode replica D behind one proxy (disagg_stack). A cold prompt is computed on P,
 pulled by D and streamed from D: greedy output token for token that of colocated serving (D alone,
-under another salt), D's usage counts the prompt's full blocks as cached, P's pool holds them and
-P sampled nothing but its one prefill token. A pull that fails (P's exports cut) and a stopped P
+under another salt), D's usage counts the prompt's usable full blocks as cached, P's pool holds
+them, byte for byte the KV D computes itself for that prompt, and P sampled nothing but its one
+prefill token. A pull that fails (P's exports cut) and a stopped P
 fall back to colocated serving on D, exactly, nothing cached."""
 
 from __future__ import annotations
@@ -11,12 +12,18 @@ import httpx
 import pytest
 
 from replica.tokenizer import Tokenizer
-from tests.edge_proxy.disagg_stack import anonymous_salt, export_blocks, stack
+from tests.edge_proxy.disagg_stack import anonymous_salt, export, stack
 from tests.replica.server import AUTH, scrape, stop_group
+
+
+def export_block_bytes(url: str) -> int:
+    return httpx.get(url + "/v1/kv/spec", headers=AUTH, timeout=10).json()["block_bytes"]
 
 pytestmark = pytest.mark.timeout(400)
 BLOCK = 16
 MAX_TOKENS = 16
+PROMPT = 160  # tokens: whole blocks (the last one recomputed on D), over INT8_PROMPT_TOKENS (int8 prompt rows)
+USABLE = (PROMPT - 1) // BLOCK * BLOCK  # the tokens D's cache can serve
 TEXT = (" lighthouse keeper kept a logbook of every ship that passed the rocky point, the weather each "
         "morning, the colour of the sea at dusk, and the names of the gulls that nested on the lamp room roof. "
         "Every spring the keeper painted the iron railings white again and counted the cracked panes of glass "
@@ -50,8 +57,8 @@ def colocated(d_url: str, ids: list[int]) -> str:
 
 
 def prompt(tokenizer, opening: str) -> list[int]:
-    ids = tokenizer.encode(opening + TEXT)
-    assert len(ids) // BLOCK >= 4 and len(ids) % BLOCK, len(ids)  # over disagg.MIN_BLOCKS, a partial last block
+    ids = tokenizer.encode(opening + TEXT + TEXT)[:PROMPT]
+    assert len(ids) == PROMPT
     return ids
 
 
@@ -59,12 +66,14 @@ def test_a_cold_prompt_is_prefilled_on_the_prefill_replica_and_streamed_from_the
     url, reps, _ = disagg
     (p_url, _), (d_url, _) = reps["P"], reps["D"]
     ids = prompt(tokenizer, "The old")
-    full = len(ids) // BLOCK
     p_generated = scrape(p_url).get("edgechat_replica_generation_tokens_total", 0.0)
     out = complete(url, ids)
     assert out["choices"][0]["text"] == colocated(d_url, ids)
-    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == full * BLOCK  # every full block pulled from P
-    assert export_blocks(p_url, ids, anonymous_salt()) == full  # P's pool holds them
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == USABLE  # every usable block pulled from P
+    pulled = export(p_url, ids[:USABLE], anonymous_salt())  # P's pool holds them ...
+    assert len(pulled) == USABLE // BLOCK * export_block_bytes(d_url)
+    assert export(d_url, ids[:USABLE], anonymous_salt()) == pulled  # ... D the same bytes ...
+    assert export(d_url, ids[:USABLE], "colocated") == pulled  # ... those D computed itself for the prompt
     assert scrape(p_url).get("edgechat_replica_generation_tokens_total", 0.0) - p_generated == 1  # its prefill's only
 
 

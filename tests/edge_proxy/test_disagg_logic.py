@@ -100,9 +100,9 @@ async def test_the_prompt_is_prefilled_pulled_then_started_with_the_pulled_block
     assert proxy.started == [("r1", "D", Decision("D", "load", 6))]
     (u1, a1, b1), (u2, a2, b2) = asked
     assert u1 == "http://p:8000/v1/prefill" and a1 == a2 == "Bearer s3cret"
-    assert b1 == {"token_ids": s.gen.prompt_ids[: 6 * BS], "cache_salt": "salt"}
+    assert b1 == {"token_ids": s.gen.prompt_ids, "cache_salt": "salt"}  # all of it: its rows computed as D would
     assert u2 == "http://d:8000/v1/kv/pull" and b2["source"] == "http://p:8000"
-    assert b2["token_ids"] == b1["token_ids"] and b2["cache_salt"] == "salt"
+    assert b2["token_ids"] == s.gen.prompt_ids[: 6 * BS] and b2["cache_salt"] == "salt"  # the blocks D can use
     assert dis.pending == {}
 
 
