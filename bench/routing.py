@@ -36,6 +36,8 @@ Runs (ROUTER:POLICY[:session][:pP[wW]][:random]):
                     worker URL is a small pass-through (this file, `--role passthrough`)
                     that keeps only the fields of the OpenAI schema
   pinned            the oracle: the client sends conversation k straight to replica k mod N
+  edgechat:...@DIR  the proxies run from the checkout DIR (`git archive REV | tar -x -C DIR`): a commit
+                    beside this tree's in one run (`--repeat` alternates them)
 
 Columns: "cached" = cached prompt tokens / prompt tokens (replica usage) over turns
 2-4 (multi-turn, interleaved) or all requests (shared-prefix); "oracle" = the same if
@@ -97,8 +99,15 @@ REGION_RUNS = ["sglang:cache_aware", "edgechat:auto:session", "edgechat:auto",  
                "edgechat:auto:session:p2:random", "edgechat:auto:p2:random"]
 
 
+def proxy_tree(run: str) -> Path:
+    """Where an edgechat run's proxies run from: "RUN@DIR" names another checkout (a commit to
+    compare, e.g. `git archive`d), the replicas and this script staying this tree's."""
+    return Path(run.partition("@")[2] or ROOT)
+
+
 def run_shape(run: str) -> tuple[str, str, bool, int, int, bool]:
-    """ROUTER:POLICY[:session][:pP[wW]][:random] -> (router, policy, session, proxies, workers, random)."""
+    """ROUTER:POLICY[:session][:pP[wW]][:random][@DIR] -> (router, policy, session, proxies, workers, random)."""
+    run = run.partition("@")[0]
     router, policy, *mods = run.split(":") + ([""] if ":" not in run else [])
     session, proxies, workers, spread = False, 1, 1, False
     for m in mods:
@@ -117,10 +126,10 @@ def run_shape(run: str) -> tuple[str, str, bool, int, int, bool]:
 # -- processes ---------------------------------------------------------------------------------
 
 
-def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+def spawn(cmd: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT) -> subprocess.Popen:
     f = open(log, "ab")
     return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            start_new_session=True, cwd=ROOT)
+                            start_new_session=True, cwd=cwd)
 
 
 def wait_http(url: str, procs: list[subprocess.Popen], timeout: float, what: str) -> None:
@@ -187,7 +196,8 @@ class Stack:
                     cmd += ["--replica", url.replace("http://", "ws://") + "/v1/replica"]
                 env = {"EDGECHAT_REPLICA_SECRET": SECRET,
                        "EDGECHAT_API_KEYS": f"{API_KEY}=bench:interactive:1e9:1e9"}
-                self.procs.append(p := spawn(cmd, logs / f"edgechat{'' if i == 0 else i}.log", env))
+                self.procs.append(p := spawn(cmd, logs / f"edgechat{'' if i == 0 else i}.log", env,
+                                             proxy_tree(self.run)))
                 wait_http(f"http://127.0.0.1:{port}/healthz", [p], 120, "edge_proxy")
                 self.base_urls.append(f"http://127.0.0.1:{port}/v1")
             self.base_url = self.base_urls[0]
@@ -510,6 +520,8 @@ def label(run: str) -> tuple[str, str]:
         return "pinned: conversation k on replica k mod N (oracle)", "-"
     router, policy, session, proxies, workers, spread = run_shape(run)
     name = f"SGLang router 0.3.2 `{policy}`" if router == "sglang" else f"edgechat `--routing {policy}`"
+    if "@" in run:
+        name += f" ({run.partition('@')[2]})"
     if proxies > 1 or workers > 1:
         name += (f", {proxies} proxies" + (f" x {workers} workers" if workers > 1 else "")
                  + (", turns at random" if spread else ", turns alternating"))
