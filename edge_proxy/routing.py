@@ -50,8 +50,9 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    within a conversation's progress, so a difference under one prompt says
    nothing about which holds fewer; and the band is what lets simultaneous
    placements through several processes spread: each sees the same reports (none
-   shows the others' new prompts until the replica's next step), and their keys
-   draw different replicas of the band, where the one smallest took them all.
+   shows the others' new prompts until the replica's next step), and where the
+   band's loads tie their keys draw different replicas of it, where the one
+   smallest took them all.
    A replica holding a prompt's worth fewer than every other still takes it.
 4. Spill, when every such replica is at its bound: the replica with the least
    `cost = (prefill + queued prefill + load_cost_tokens * decoding) / speed`, where
