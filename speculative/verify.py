@@ -27,6 +27,13 @@ final draw, so with nothing rejected it is the token plain sampling would pick),
 ACCEPT_STREAM + r the accept test of the r-th child tried, DRAFT_STREAM the
 drafter's own draws. Each position is decided in exactly one round, so no
 uniform is used twice: a speculative run is reproducible and batch-independent.
+
+On the device (`accept_greedy_rows`, `accept_sampling_chains`): the same rules for a
+batch of trees of n nodes each (speculative.drafting.Drafts), as tensor ops in a fixed
+number of steps (the depth), so nothing reads the host; each returns (accepted (B,),
+path (B, depth + 1), tokens (B, depth + 1)): path[:, k] the node accepted at depth k and
+tokens[:, k] the token emitted after it, for k <= accepted (past it, path repeats its last
+node). Verdict-for-verdict the functions below (tests/speculative/test_verify.py).
 """
 
 from __future__ import annotations
@@ -44,7 +51,6 @@ DRAFT_STREAM = 1 << 30
 def hashed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, streams, n: int) -> torch.Tensor:
     """(B, n) uniforms in (0, 1), a pure function of (seed, position, stream, index);
     streams: an int or a (B,) tensor, each in [0, 2^31)."""
-    streams = torch.as_tensor(streams, device=positions.device)
     return uniforms_ref(seeds.long(), positions.long() | (streams << 32), torch.arange(n, device=positions.device))
 
 
@@ -121,3 +127,48 @@ def accept_sampling(tree, p: torch.Tensor, seed: int, root_pos: int) -> Verdict:
         path.append(accepted)
         tokens.append(tree.tokens[accepted])
         node = accepted
+
+
+def accept_greedy_rows(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor, depth: int):
+    """`accept_greedy` for B trees at once: tokens, parents, target (B, n) on the device."""
+    B, n = tokens.shape
+    nodes = torch.arange(n, device=tokens.device)
+    node = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    alive = torch.ones(B, dtype=torch.bool, device=tokens.device)
+    path = [node]
+    for _ in range(depth):  # the first child (in node order) whose token is the target's
+        match = (parents == node[:, None]) & (tokens == target.gather(1, node[:, None]))
+        first = torch.where(match, nodes, n).amin(1)
+        alive = alive & (first < n)
+        node = torch.where(alive, first, node)
+        path.append(node)
+    path = torch.stack(path, 1)  # (B, depth + 1)
+    accepted = (path[:, 1:] != path[:, :-1]).sum(1)
+    return accepted, path, target.gather(1, path)
+
+
+def accept_sampling_chains(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, seeds: torch.Tensor,
+                           root_pos: torch.Tensor):
+    """`accept_sampling` for B chains at once: tokens (B, d + 1) (the root first), q (B, d + 1, V)
+    the laws the drafts were drawn from, p (B, d + 1, V) the target's at each node, seeds and
+    root_pos (B,). Node k's child x_{k+1} is kept with probability min(1, p_k(x) / q_{k+1}(x))
+    (uniform u(seed, root_pos + k + 1, ACCEPT_STREAM)); at the first rejection the bonus token is
+    drawn from (p_k - q_{k+1})+ normalised (p_k where that is zero), past the last node from p_d."""
+    B, n = tokens.shape
+    d, dev = n - 1, tokens.device
+    x = tokens[:, 1:]  # (B, d)
+    pos = root_pos[:, None] + 1 + torch.arange(n, device=dev)  # (B, n): the position decided at node k
+    u = hashed_uniforms(seeds[:, None].expand(B, d).flatten(), pos[:, :d].flatten(), ACCEPT_STREAM, 1).view(B, d)
+    qx = q[:, 1:].gather(2, x[..., None])[..., 0]
+    px = p[:, :d].float().gather(2, x[..., None])[..., 0]
+    keep = u.double() * qx.double() < px.double()  # as accept_sampling compares them (Python floats)
+    accepted = keep.long().cumprod(1).sum(1)  # (B,): up to the first rejection
+    m = accepted[:, None, None].expand(B, 1, p.shape[-1])
+    dist = p.float().gather(1, m)[:, 0]  # (B, V): p at the last accepted node
+    resid = (dist - q.float().gather(1, (m + 1).clamp_max(d))[:, 0]).clamp_min(0.0)  # (p - q)+
+    mass = resid.sum(-1, keepdim=True)
+    dist = torch.where((accepted < d)[:, None] & (mass > 0), resid / mass, dist)
+    bonus = gumbel_draw(dist, seeds, pos.gather(1, accepted[:, None])[:, 0])
+    nodes = torch.arange(n, device=dev)
+    out = torch.where(nodes == accepted[:, None], bonus[:, None], torch.cat([x, x[:, :1]], 1))
+    return accepted, nodes.expand(B, n), out

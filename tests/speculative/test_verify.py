@@ -151,3 +151,51 @@ def test_sampling_is_reproducible_and_uses_the_plain_samplers_stream_when_nothin
         ref = sample_ref(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([seed]),
                          torch.tensor([8]))
         assert v.tokens == [int(ref[0])]
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return DraftTree([rng.randrange(vocab) for _ in range(n)], parents)
+
+
+def test_greedy_on_the_device_is_the_host_walk():
+    """accept_greedy_rows: the verdict of accept_greedy for every tree of a batch (small vocab:
+    long paths, branches taken off the first child), in (accepted, path, tokens) form."""
+    from speculative.verify import accept_greedy_rows
+
+    rng = random.Random(3)
+    for n in (1, 2, 5, 11):
+        trees = [random_tree(rng, n, 3) for _ in range(40)]
+        target = [[rng.randrange(3) for _ in range(n)] for _ in trees]
+        depth = max(max(t.depths) for t in trees)
+        acc, path, toks = accept_greedy_rows(torch.tensor([t.tokens for t in trees]),
+                                             torch.tensor([t.parents for t in trees]), torch.tensor(target), depth)
+        for b, tree in enumerate(trees):
+            v = accept_greedy(tree, target[b])
+            a = int(acc[b])
+            assert a == v.num_accepted and path[b, : a + 1].tolist() == v.path and toks[b, : a + 1].tolist() == v.tokens
+        assert acc.max() >= 2 or n < 5
+
+
+def test_rejection_sampling_on_the_device_is_the_host_rule():
+    """accept_sampling_chains: accept_sampling's verdict on sampled chains of each depth, seeds
+    and roots apart, the bonus draws included (from the residual and past the last node)."""
+    from speculative.verify import accept_sampling_chains
+
+    g = torch.Generator().manual_seed(0)
+    V, B = 6, 64
+    for d in (1, 3):
+        p = torch.softmax(torch.randn(B, d + 1, V, generator=g) * 1.5, -1)
+        q = torch.softmax(torch.randn(B, d + 1, V, generator=g) * 1.5, -1)
+        q[:, 0] = 0
+        tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), torch.multinomial(q[:, 1:].flatten(0, 1), 1,
+                                                                                   generator=g).view(B, d)], 1)
+        seeds, roots = torch.arange(B) * 7 + 1, torch.arange(B) % 5 + 3
+        acc, path, toks = accept_sampling_chains(tokens, q, p, seeds, roots)
+        seen = set()
+        for b in range(B):
+            v = accept_sampling(chain(0, tokens[b, 1:].tolist(), q=q[b]), p[b], int(seeds[b]), int(roots[b]))
+            a = int(acc[b])
+            assert a == v.num_accepted and path[b, : a + 1].tolist() == v.path and toks[b, : a + 1].tolist() == v.tokens
+            seen.add(a)
+        assert seen == set(range(d + 1))  # every outcome, the bonus past the last node too
