@@ -77,6 +77,39 @@ def chain(root: int, drafts: list[int], q: torch.Tensor | None = None) -> DraftT
 
 
 @dataclass
+class Drafts:
+    """A batch's draft trees on the device, n nodes per row, node 0 the root (the row's
+    newest token); the host reads none of it (`trees()` does, for host-side users)."""
+
+    tokens: torch.Tensor  # (B, n) int64 target ids
+    parents: torch.Tensor  # (B, n) int64: -1 for the root, parents[:, i] < i
+    depths: torch.Tensor  # (B, n) int64
+    depth: int  # the longest path a row may have (spec.depth)
+    block_tables: torch.Tensor  # (B, W) int32: the rows' block tables, as drafting used them
+    lens: torch.Tensor  # (B,) int64: the rows' lengths (the root sits at lens - 1)
+    q: torch.Tensor | None = None  # (B, n, V): the law node i was drawn from; None: picked deterministically
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def trees(self) -> list[DraftTree]:
+        """The host's copy (one read): for grammar masks and tensor-parallel plans."""
+        tokens, parents = torch.stack([self.tokens, self.parents]).tolist()
+        q = [None] * len(self) if self.q is None else list(self.q)
+        return [DraftTree(t, p, q=qb) for t, p, qb in zip(tokens, parents, q)]
+
+
+def upload(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host data (lists, ints) on the device without the host waiting: an asynchronous copy,
+    from pinned memory on CUDA."""
+    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
+@dataclass
 class HeadState:
     """The head's view of one sequence: KV entries [0, length) are committed and
     feats holds the target features for the next entries (entry p reads the
@@ -136,12 +169,12 @@ class Drafter:
             feats += st.feats
             cu.append(len(ids))
         dev = self.k_cache.device
-        ids, pos, rows = (torch.tensor(x, device=dev) for x in (ids, pos, rows))
+        ids, pos, rows = (upload(x, torch.int64, dev) for x in (ids, pos, rows))
         slots = self._slots(block_tables, rows, pos)
-        cu = torch.tensor(cu, dtype=torch.int32, device=dev)
-        lens = torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=dev)
+        cu = upload(cu, torch.int32, dev)
+        lens = upload([len(t) for t in tokens], torch.int32, dev)
         last = cu[1:].long() - 1  # each sequence's newest entry
-        feats = torch.cat(feats).to(dev)
+        feats = torch.cat(feats)
         if self.cpp is not None:
             o, logp = self.cpp(ids, feats, pos, slots, block_tables, cu, lens, self.kv, last)  # (B, h), (B, V)
         else:
@@ -155,7 +188,7 @@ class Drafter:
             logp = self.head.logits(o).float().log_softmax(-1)
         for st, toks in zip(states, tokens):
             st.length, st.feats = len(toks), []
-        return o, logp
+        return o, logp, ids[last], lens.long()
 
     # -- one draft level ----------------------------------------------------------------------
     def _step(self, tok, g, lens, level: int, e0: int, anc, block_tables):
@@ -191,18 +224,22 @@ class Drafter:
 
     # -- public -------------------------------------------------------------------------------
     @torch.inference_mode()
+    def draft(self, tokens: list[list[int]], states: list[HeadState], block_tables: torch.Tensor, spec: TreeSpec,
+              temperatures=None, seeds=None) -> Drafts:
+        """One draft tree per sequence, on the device. block_tables (B, W) int32 must cover
+        positions [0, len + spec.lookahead). temperatures/seeds: for spec.sample only."""
+        o, logp, roots, lens = self._commit(tokens, states, block_tables)
+        if spec.sample:
+            return self._sample_chain(roots, o, logp, lens, block_tables, spec, temperatures, seeds)
+        return self._tree(roots, o, logp, lens, block_tables, spec)
+
     def propose(self, tokens: list[list[int]], states: list[HeadState], block_tables: torch.Tensor, spec: TreeSpec,
                 temperatures=None, seeds=None) -> list[DraftTree]:
-        """One draft tree per sequence. block_tables (B, W) int32 must cover positions
-        [0, len + spec.lookahead). temperatures/seeds: for spec.sample only."""
-        o, logp = self._commit(tokens, states, block_tables)
-        lens = torch.tensor([len(t) for t in tokens], device=o.device)
-        if spec.sample:
-            return self._sample_chain(tokens, o, logp, lens, block_tables, spec, temperatures, seeds)
-        return self._tree(tokens, o, logp, lens, block_tables, spec)
+        """`draft`, read back as host trees."""
+        return self.draft(tokens, states, block_tables, spec, temperatures, seeds).trees()
 
-    def _tree(self, tokens, o, logp, lens, block_tables, spec: TreeSpec) -> list[DraftTree]:
-        B, K, d2t = len(tokens), spec.top_k, self.head.d2t
+    def _tree(self, roots, o, logp, lens, block_tables, spec: TreeSpec) -> Drafts:
+        B, K, d2t = roots.shape[0], spec.top_k, self.head.d2t
         E = K * (spec.depth - 1)
         anc = torch.zeros(B, E, E, dtype=torch.bool, device=o.device)
         top = logp.topk(K, dim=-1)
@@ -220,8 +257,9 @@ class Drafter:
             e0 = (level - 1) * K
             f_tok, f_score = tok_all.gather(1, frontier), score_all.gather(1, frontier)
             f_pe = pe_all.gather(1, frontier)
+            batch_rows = torch.arange(B, device=o.device)
             for r in range(K):  # scratch entry e0 + r sees its parent's ancestors and itself
-                parent_rows = anc[torch.arange(B), f_pe[:, r].clamp_min(0)] & (f_pe[:, r] >= 0)[:, None]
+                parent_rows = anc[batch_rows, f_pe[:, r].clamp_min(0)] & (f_pe[:, r] >= 0)[:, None]
                 anc[:, e0 + r] = parent_rows
                 anc[:, e0 + r, e0 + r] = True
             o_f, logp_f = self._step(d2t[f_tok], g, lens, level, e0, anc, block_tables)  # (B, K, h), (B, K, V)
@@ -234,29 +272,32 @@ class Drafter:
             best = new_score.topk(K, dim=-1).indices  # next frontier, best first
             frontier = n_prev + best
             g = o_f.gather(1, (best // K)[..., None].expand(B, K, o_f.shape[-1]))
-        return self._rerank(tokens, torch.cat(c_tok, 1), torch.cat(c_score, 1), torch.cat(c_parent, 1), spec)
+        drafts = self._rerank(roots, torch.cat(c_tok, 1), torch.cat(c_score, 1), torch.cat(c_parent, 1), spec)
+        return Drafts(*drafts, depth=spec.depth, block_tables=block_tables, lens=lens)
 
-    def _rerank(self, tokens, tok, score, parent, spec: TreeSpec) -> list[DraftTree]:
-        """Keep the `budget` best candidates, ordered by depth then score."""
-        K = spec.top_k
-        level_of = [1] * K + [lv for lv in range(2, spec.depth + 1) for _ in range(K * K)]
-        order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, : spec.budget].tolist()
-        tok_t = self.head.d2t[tok].tolist()
-        parent_l = parent.tolist()
-        trees = []
-        for b, keep in enumerate(order):
-            keep = sorted(keep, key=lambda c: level_of[c])  # stable: score order within a level
-            node_of = {c: i + 1 for i, c in enumerate(keep)}
-            parents = [-1] + [0 if parent_l[b][c] < 0 else node_of[parent_l[b][c]] for c in keep]
-            trees.append(DraftTree([tokens[b][-1]] + [tok_t[b][c] for c in keep], parents))
-        return trees
+    def _rerank(self, roots, tok, score, parent, spec: TreeSpec):
+        """Keep the `budget` best candidates, ordered by depth then score: (tokens, parents,
+        depths), each (B, budget + 1), the root first."""
+        K, N, dev = spec.top_k, spec.budget, tok.device
+        B, C = tok.shape
+        c = torch.arange(C, device=dev)
+        level = torch.where(c < K, 1, 2 + (c - K).clamp_min(0) // (K * K))  # (C,): a candidate's depth
+        keep = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :N]  # (B, N)
+        keep = keep.gather(1, torch.sort(level[keep], dim=-1, stable=True).indices)  # by level; score order within
+        node_of = torch.zeros(B, C, dtype=torch.long, device=dev).scatter_(
+            1, keep, torch.arange(1, N + 1, device=dev).expand(B, N))  # candidate -> its node
+        up = parent.gather(1, keep)  # (B, N): the parent candidate, -1 the root
+        parents = torch.where(up < 0, 0, node_of.gather(1, up.clamp_min(0)))
+        minus = torch.full((B, 1), -1, dtype=torch.long, device=dev)
+        return (torch.cat([roots[:, None], self.head.d2t[tok.gather(1, keep)]], 1), torch.cat([minus, parents], 1),
+                torch.cat([torch.zeros_like(minus), level[keep]], 1))
 
-    def _sample_chain(self, tokens, o, logp, lens, block_tables, spec, temperatures, seeds) -> list[DraftTree]:
+    def _sample_chain(self, roots, o, logp, lens, block_tables, spec, temperatures, seeds) -> Drafts:
         """Chain drafts x_k ~ q_k = softmax(head logits / T) = softmax(log q / T), recorded for verification."""
-        B, dev, d2t = len(tokens), o.device, self.head.d2t
+        B, dev, d2t = roots.shape[0], o.device, self.head.d2t
         V = self.head.cfg.target_vocab_size
-        temps = torch.as_tensor(temperatures, dtype=torch.float32, device=dev)
-        seeds = torch.as_tensor(seeds, dtype=torch.int64, device=dev)
+        temps = upload(temperatures, torch.float32, dev)
+        seeds = upload(seeds, torch.int64, dev)
         anc = torch.ones(B, spec.depth, spec.depth, device=dev, dtype=torch.bool).tril()
         qs, drafts, g = [torch.zeros(B, V, device=dev)], [], o[:, None]
         for level in range(1, spec.depth + 1):
@@ -271,5 +312,6 @@ class Drafter:
                 g, logp_f = self._step(d2t[x][:, None], g, lens, level, level - 1, anc, block_tables)
                 logp = logp_f[:, 0]
         q_all = torch.stack(qs, 1)  # (B, depth + 1, V)
-        drafts = torch.stack(drafts, 1).tolist()
-        return [chain(tokens[b][-1], drafts[b], q=q_all[b]) for b in range(B)]
+        tokens = torch.stack([roots] + drafts, 1)  # (B, depth + 1)
+        nodes = torch.arange(spec.depth + 1, device=dev).expand(B, -1)
+        return Drafts(tokens, nodes - 1, nodes, spec.depth, block_tables, lens, q=q_all)

@@ -325,14 +325,24 @@ class LLMEngine:
     def _step_speculative(self, batch) -> list:
         """Draft, verify and append: rows [0, batch.num_spec) may emit several tokens."""
         t0 = time.perf_counter()
-        # A constrained sequence's drafts are cut to what its grammar accepts, and every
-        # node is verified against the mask of its state (replica.engine.grammar).
-        trees = [self.grammars.prune(s, t) for s, t in zip(batch.seqs, self.speculator.draft(batch))]
-        plan = plan_step(batch, trees)
+        drafts = self.speculator.draft(batch)  # a list of host trees, or the head's Drafts on the device
+        if not isinstance(drafts, list) and (self.runner.tp.world > 1 or any(
+                s.grammar is not None for s in batch.seqs[: batch.num_spec])):
+            drafts = drafts.trees()  # the host's: a broadcast plan, grammar masks (a second read)
+        on_device = not isinstance(drafts, list)
+        if on_device:  # the step reads the host once (Speculator.accept)
+            trees, plan = drafts, plan_step(batch, drafts=drafts)
+        else:
+            # A constrained sequence's drafts are cut to what its grammar accepts, and every
+            # node is verified against the mask of its state (replica.engine.grammar).
+            trees = [self.grammars.prune(s, t) for s, t in zip(batch.seqs, drafts)]
+            plan = plan_step(batch, trees)
+        num_trees = len(plan.trees) + plan.draft_rows
         seqs = [batch.seqs[i] for i in plan.sample_rows]
-        masks = self.grammars.begin(self.grammars.tree_rows(trees, batch.seqs)
-                                    + self.grammars.rows(seqs, first_row=sum(map(len, trees))))
-        out = self.runner.execute(plan, seqs=seqs, constrain=self.grammars.constrain(masks))
+        masks = self.grammars.begin(self.grammars.tree_rows([] if on_device else trees, batch.seqs)
+                                    + self.grammars.rows(seqs, first_row=sum(plan.num_tokens[:num_trees])))
+        out = self.runner.execute(plan, seqs=seqs, constrain=self.grammars.constrain(masks),
+                                  drafts=trees if on_device else None)
         sampler.keep_logprobs([batch.seqs[i] for i in plan.sample_rows], out.logprobs)  # plain rows only
         results, src, dst = self.speculator.accept(batch, trees, plan, out)
         self.runner.move_kv(src, dst)
@@ -345,9 +355,9 @@ class LLMEngine:
         self._settle(batch.seqs, [seq for seq, (tokens, _) in zip(batch.seqs, results) if tokens], t0)
         st = self.stats
         st.decode_rows += batch.num_decodes
-        st.decode_tokens += batch.num_decodes - len(trees) + sum(len(r[0]) for r in results[: len(trees)])
-        st.drafted += sum(len(t) - 1 for t in trees)
-        st.accepted += sum(r[1] for r in results[: len(trees)])
+        st.decode_tokens += batch.num_decodes - num_trees + sum(len(r[0]) for r in results[:num_trees])
+        st.drafted += sum(plan.num_tokens[:num_trees]) - num_trees
+        st.accepted += sum(r[1] for r in results[:num_trees])
         return msgs
 
     def _emit(self, seq: Sequence, tokens: list[int], now: float, *, at: int | None = None,

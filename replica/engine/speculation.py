@@ -3,15 +3,24 @@
 The Speculator drafts and accepts; the Runner runs every forward. A speculating step:
 
   1. `draft(batch)`: a tree per speculating decode (rows [0, batch.num_spec)) rooted at
-     its newest token x_{n-1} (EAGLE-3 chains or EAGLE-2 trees, or n-gram lookup);
-  2. the engine plans the step with the trees (replica.model.plan) and the Runner verifies
-     them in one forward with every other row (prefill chunks, plain decodes), sampling
-     after every node the token plain decoding would emit there;
+     its newest token x_{n-1} (EAGLE-3 chains or EAGLE-2 trees, on the device as
+     speculative.drafting.Drafts; n-gram lookup as host trees);
+  2. the engine plans the step with the trees (replica.model.plan: device trees by
+     placeholders, `draft_rows`) and the Runner verifies them in one forward with every
+     other row (prefill chunks, plain decodes), sampling after every node the token plain
+     decoding would emit there;
   3. `accept(batch, trees, plan, out)`: per sequence the longest accepted path plus a
      bonus token, and the KV moves that make the accepted nodes contiguous (slot n-1+k
      for depth k). The engine has the Runner move them, appends the tokens (stop checks
      per token) and truncates the blocks past the new length, so rejected drafts' slots
      go back to the pool.
+
+One host read per step. With device drafts, acceptance, the KV moves and the head's
+features are tensor work (`_accept_drafts`), and a single copy brings back what the host
+needs: the accepted counts, the tokens to emit and the plain rows' tokens; host data
+(block tables, token ids, lengths) goes up with non-blocking copies. Host trees (n-gram)
+read the sampled tokens once. Grammar-constrained rows and tensor parallelism read the
+device drafts first (masks and the broadcast plan are host data), a second read.
 
 EAGLE-3 keeps a HeadState per sequence fed with the target's features (residual
 streams after head.cfg.aux_layers) of every token the target computes -- prefill
@@ -56,12 +65,12 @@ from kernels.sampling import probs_ref
 from replica.config import EngineConfig, ModelConfig
 from replica.model.plan import StepPlan, slot
 from speculative.cache import head_dir
-from speculative.drafting import DraftTree, Drafter
+from speculative.drafting import DraftTree, Drafter, Drafts, upload
 from speculative.tree_spec import TreeSpec
 from speculative.loading import load_head
 from speculative.ngram import NgramDrafter
 from speculative.policy import SpecPolicy
-from speculative.verify import Verdict, accept_greedy, accept_sampling
+from speculative.verify import Verdict, accept_greedy, accept_greedy_rows, accept_sampling, accept_sampling_chains
 
 log = logging.getLogger("replica.engine.speculation")
 
@@ -203,24 +212,28 @@ class Speculator:
             off += n
 
     # -- the speculating step -----------------------------------------------------------------
-    def draft(self, batch) -> list[DraftTree]:
-        """A draft tree for each speculating row, rows [0, batch.num_spec)."""
+    def draft(self, batch) -> Drafts | list[DraftTree]:
+        """Draft trees for the speculating rows, rows [0, batch.num_spec): the head's on the
+        device (Drafts), a host drafter's (n-gram, an oracle) as host trees."""
         seqs, spec = batch.seqs[: batch.num_spec], batch.spec
         if not isinstance(spec, TreeSpec):
             return [spec.propose(s.token_ids) for s in seqs]
         states = [self._sync(s, s.num_computed) for s in seqs]
         width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32,
-                              device=self.drafter.k_cache.device)
-        return self.drafter.propose([s.token_ids for s in seqs], states, tables, spec,
-                                    [s.sampling.temperature for s in seqs], [s.seed for s in seqs])
+        tables = upload([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32,
+                        self.drafter.k_cache.device)
+        return self.drafter.draft([s.token_ids for s in seqs], states, tables, spec,
+                                  [s.sampling.temperature for s in seqs], [s.seed for s in seqs])
 
-    def accept(self, batch, trees: list[DraftTree], plan: StepPlan, out) -> tuple[list, list[int], list[int]]:
+    def accept(self, batch, trees: Drafts | list[DraftTree], plan: StepPlan, out) -> tuple[list, object, object]:
         """After the verify forward: per row (tokens to append, accepted draft tokens
         among them) -- a speculating row its accepted drafts + the bonus token, a plain
         row its sampled token, or [] when its chunk stops short of the sequence's end --
-        and the KV moves (source slots, destination slots) the Runner must make.
+        and the KV moves (source slots, destination slots) the Runner must make: lists of
+        slots for host trees, tensors on the device for Drafts (`_accept_drafts`).
         num_computed, token ids and blocks are left to the engine."""
+        if isinstance(trees, Drafts):
+            return self._accept_drafts(batch, trees, plan, out)
         S, seqs = len(trees), batch.seqs
         cu = [0]
         for n in plan.num_tokens:
@@ -258,13 +271,57 @@ class Speculator:
             results[i] = ([tok], 0)
         return results, src, dst
 
+    def _accept_drafts(self, batch, drafts: Drafts, plan: StepPlan, out) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """`accept` for device trees, reading the host once: acceptance, the accepted nodes'
+        KV moves and the head's features stay on the device; one copy brings back the
+        accepted counts, the tokens they emit and the plain rows' tokens."""
+        S, n, d, seqs, dev = len(drafts), drafts.nodes, drafts.depth, batch.seqs, out.tokens.device
+        target = out.tokens[: S * n].view(S, n).long()  # the token plain decoding would emit after each node
+        accepted, path, emitted = accept_greedy_rows(drafts.tokens, drafts.parents, target, d)
+        hot = [i for i in range(S) if seqs[i].sampling.temperature > 0] if drafts.q is not None else []
+        if hot:  # sampled drafts: rejection sampling against the target's law at each node
+            idx = upload(hot, torch.int64, dev)
+            p = self._target_probs(out.logits, plan, [i * n + j for i in hot for j in range(n)]).view(len(hot), n, -1)
+            verdict = accept_sampling_chains(drafts.tokens[idx], drafts.q[idx], p,
+                                             upload([seqs[i].seed for i in hot], torch.int64, dev),
+                                             drafts.lens[idx] - 1)
+            accepted, path, emitted = (x.index_copy(0, idx, v) for x, v in zip((accepted, path, emitted), verdict))
+        # Accepted node path[k] was written at the slot of position root + path[k]; it belongs at
+        # root + k. Past the accepted ones every slot moves onto itself (a fixed number of moves).
+        k = torch.arange(d + 1, device=dev)
+        root = (drafts.lens - 1)[:, None]
+        src = self._slots(drafts.block_tables, root + torch.where(k <= accepted[:, None], path, k))
+        dst = self._slots(drafts.block_tables, root + k)
+        host = torch.cat([accepted, emitted.flatten().long(), out.tokens[S * n :].long()]).tolist()  # the one read
+        counts, emitted, plain = host[:S], host[S : S * (d + 2)], host[S * (d + 2) :]
+
+        results = [(emitted[i * (d + 1) : i * (d + 1) + a + 1], a) for i, a in enumerate(counts)]
+        results += [([], 0)] * (len(seqs) - S)
+        for i, tok in zip(plan.sample_rows, plain):
+            results[i] = ([tok], 0)
+        if out.aux is not None:  # the accepted path's features, root first (entries n .. n + accepted)
+            aux = out.aux[: S * n].view(S, n, -1)
+            kept = aux.gather(1, path[..., None].expand(S, d + 1, aux.shape[-1]))
+            for i, a in enumerate(counts):
+                seqs[i].draft_state.add_features(kept[i, : a + 1])
+            off = S * n
+            for seq, m in zip(seqs[S:], plan.num_tokens[S:]):
+                self._sync(seq, seq.num_computed).add_features(out.aux[off : off + m])
+                off += m
+        return results, src.flatten(), dst.flatten()
+
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, k) pool slots of each row's positions (B, k), its block table a row of tables."""
+        bs = self.block_size
+        return tables.gather(1, positions // bs).long() * bs + positions % bs
+
     @staticmethod
     def _target_probs(logits: torch.Tensor, plan: StepPlan, rows: list[int]) -> torch.Tensor | None:
         """(len(rows), V): the distributions the sampler draws logits rows `rows` from."""
         if not rows:
             return None
         ps, dev = [plan.sampling[r] for r in rows], logits.device
-        temp = torch.tensor([p.temperature for p in ps], device=dev)
-        top_k = torch.tensor([p.top_k for p in ps], device=dev)
-        top_p = torch.tensor([p.top_p for p in ps], device=dev)
-        return probs_ref(logits[torch.tensor(rows, device=dev)], temp, top_k, top_p)
+        temp = upload([p.temperature for p in ps], torch.float32, dev)
+        top_k = upload([p.top_k for p in ps], torch.int64, dev)
+        top_p = upload([p.top_p for p in ps], torch.float32, dev)
+        return probs_ref(logits[upload(rows, torch.int64, dev)], temp, top_k, top_p)

@@ -23,6 +23,8 @@ plan's input_ids) as `placeholder(j)`, a negative id: that step's j-th sampled
 token, tokens[j] of its output (a step left in flight has no draft trees). The
 device resolves it from its own copy of those tokens
 (replica.model.graphs.resolve_placeholders), the engine once it reads them back.
+A verify plan's device drafts (`draft_rows`) stand in its input ids the same way, as
+placeholders of the drafts' tokens (Runner.execute's `drafts`).
 `is_placeholder` and `placeholder_index` take ints or integer tensors alike.
 """
 
@@ -66,6 +68,10 @@ class StepPlan(msgspec.Struct, array_like=True):
     num_decodes: int  # rows [0, num_decodes) compute one token each (tree rows excepted)
     sampling: list[Sampling] = []  # per logits row
     trees: list[list[int]] = []  # parents of the nodes of each tree row
+    # rows [0, draft_rows): trees on the device instead (speculative.drafting.Drafts, handed to
+    # Runner.execute): num_tokens[i] nodes each, their ids placeholders of the drafts' tokens, their
+    # parents and depths never on the host (sampling positions: start + 1, the depth added there)
+    draft_rows: int = 0
     extra_logits: list[int] = []  # flat token indices whose logits follow the sampled rows' (prompt logprobs)
     prompt_lens: list[int] = []  # per row: its sequence's prompt tokens (positions past them are generated)
     # (src, dst) KV slot pairs, flattened: the accepted drafts' moves of the speculative step before
@@ -79,29 +85,36 @@ def sampling_of(seq, position: int) -> Sampling:
     return Sampling(sp.temperature, sp.top_k, sp.top_p, seq.seed, position)
 
 
-def plan_step(batch, trees=()) -> StepPlan:
+def plan_step(batch, trees=(), drafts=None) -> StepPlan:
     """The plan of a scheduled batch. trees[i] (a speculative.drafting.DraftTree) replaces
-    row i's one decode token by a draft tree rooted at that token."""
+    row i's one decode token by a draft tree rooted at that token; so does row i of `drafts`
+    (speculative.drafting.Drafts, on the device: its node j of row i is placeholder(i * n + j))."""
     ids, starts, tables, sample_rows, sampling = [], [], [], [], []
     num_tokens = list(batch.num_tokens)
     prompt_lens = [seq.num_prompt_tokens for seq in batch.seqs]
-    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+    nd, n = (len(drafts), drafts.nodes) if drafts is not None else (0, 0)
+    for i, (seq, m) in enumerate(zip(batch.seqs, batch.num_tokens)):
         start = seq.num_computed
         starts.append(start)
         tables.append(seq.block_table)
+        if i < nd:
+            ids.extend(placeholder(i * n + j) for j in range(n))
+            num_tokens[i] = n
+            sampling.extend([sampling_of(seq, start + 1)] * n)
+            continue
         if i < len(trees):
             tree = trees[i]
             ids.extend(tree.tokens)
             num_tokens[i] = len(tree)
             sampling.extend(sampling_of(seq, start + 1 + d) for d in tree.depths)
             continue
-        ids.extend(seq.token_ids[start : start + n])
-        if start + n == len(seq):
+        ids.extend(seq.token_ids[start : start + m])
+        if start + m == len(seq):
             sample_rows.append(i)
     sampling.extend(sampling_of(batch.seqs[i], len(batch.seqs[i])) for i in sample_rows)
     return StepPlan(input_ids=ids, starts=starts, num_tokens=num_tokens, block_tables=tables, sample_rows=sample_rows,
                     num_decodes=batch.num_decodes, sampling=sampling, trees=[list(t.parents) for t in trees],
-                    prompt_lens=prompt_lens)
+                    prompt_lens=prompt_lens, draft_rows=nd)
 
 
 def slot(table: list[int], position: int, block_size: int) -> int:

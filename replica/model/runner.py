@@ -110,6 +110,19 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
     return m
 
 
+def ancestor_masks(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """(B, n, n) bool on the device: `ancestor_mask` of each row of parents (B, n), whose paths
+    are at most `depth` long: the parent relation closed by squaring, ceil(log2(depth)) products."""
+    B, n = parents.shape
+    eye = torch.eye(n, dtype=torch.float32, device=parents.device).expand(B, n, n)
+    up = torch.zeros(B, n, n + 1, dtype=torch.float32, device=parents.device)
+    up.scatter_(2, torch.where(parents < 0, n, parents)[..., None], 1.0)  # [i, parent(i)]; the root's in column n
+    reach, steps = eye + up[..., :n], 1  # paths of at most `steps` edges
+    while steps < depth:
+        reach, steps = (reach @ reach).clamp_max(1.0), 2 * steps
+    return reach > 0
+
+
 def tree_depths(parents: list[int]) -> list[int]:
     depths = [0] * len(parents)
     for i, p in enumerate(parents[1:], 1):
@@ -264,16 +277,21 @@ class Runner:
         return True
 
     @torch.inference_mode()
-    def move_kv(self, src: list[int], dst: list[int]) -> None:
+    def move_kv(self, src, dst) -> None:
         """Copy the KV of slot src[i] to slot dst[i] in every layer (accepted drafts
         moving down to their final positions). The sources are gathered before any
-        destination is written, so overlapping moves are safe."""
-        if not src:
+        destination is written, so overlapping moves are safe. src, dst: lists of slots, or
+        int64 tensors on the device (one rank only: moves ride in the next plan as host data)."""
+        if isinstance(src, torch.Tensor):
+            assert self.tp.world == 1, "a tensor-parallel group moves KV by the plan's host lists"
+        elif not src:
             return
-        if self.tp.world > 1 and self.tp.rank == 0:
-            self._kv_moves += [x for pair in zip(src, dst) for x in pair]  # sent with the next plan
+        else:
+            if self.tp.world > 1 and self.tp.rank == 0:
+                self._kv_moves += [x for pair in zip(src, dst) for x in pair]  # sent with the next plan
+            src, dst = self._tensor(src, torch.int64), self._tensor(dst, torch.int64)
         flat = self.kv_cache.flatten(2, 3)  # (L, 2, slots, Hkv, D), a view (int8: D + 4, the scale moves too)
-        flat[:, :, self._tensor(dst, torch.int64)] = flat[:, :, self._tensor(src, torch.int64)]
+        flat[:, :, dst] = flat[:, :, src]
 
     # -- the step --------------------------------------------------------------------------
     def _tensor(self, data, dtype):
@@ -284,13 +302,17 @@ class Runner:
         width = max(len(t) for t in tables)
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
-    def prepare(self, plan: StepPlan):
-        """Input ids, positions, the attention Context, and the logits rows (token indices)."""
-        bs, nt = self.block_size, len(plan.trees)
+    def prepare(self, plan: StepPlan, drafts=None):
+        """Input ids, positions, the attention Context, and the logits rows (token indices).
+        drafts: the device trees of rows [0, plan.draft_rows) (speculative.drafting.Drafts):
+        their positions and tree mask are made on the device from its parents and depths."""
+        bs, nt = self.block_size, len(plan.trees) + plan.draft_rows
         pos, slots, last = [], [], []
         for i, (start, n, table) in enumerate(zip(plan.starts, plan.num_tokens, plan.block_tables)):
-            tree = i < nt
-            pos.extend([start + d for d in tree_depths(plan.trees[i])] if tree else range(start, start + n))
+            if i < len(plan.trees):
+                pos.extend(start + d for d in tree_depths(plan.trees[i]))
+            else:  # (a device tree's nodes: start, their depths added below)
+                pos.extend([start] * n if i < nt else range(start, start + n))
             slots.extend(slot(table, p, bs) for p in range(start, start + n))  # node j: the slot of start + j
             last.append(len(pos) - 1)
         cu = [0]
@@ -298,18 +320,27 @@ class Runner:
             cu.append(cu[-1] + n)
         rows = list(range(cu[nt])) + [last[i] for i in plan.sample_rows] + list(plan.extra_logits)
         slot_mapping = self._tensor(slots, torch.int64)
+        positions = self._tensor(pos, torch.int64)
+        if plan.draft_rows:
+            positions[: cu[nt]] += drafts.depths.flatten()
         if nt:  # every row through tree attention: a plain row is a chain (the causal mask)
-            masks = [ancestor_mask(p) for p in plan.trees] + [torch.ones(n, n, dtype=torch.bool).tril()
-                                                              for n in plan.num_tokens[nt:]]
-            mask = torch.zeros(cu[-1], max(plan.num_tokens), dtype=torch.bool)
-            for i, m in enumerate(masks):
-                mask[cu[i] : cu[i + 1], : m.shape[0]] = m
+            if plan.draft_rows:  # causal everywhere, then the trees' ancestors
+                local = self._tensor([j for n in plan.num_tokens for j in range(n)], torch.int64)
+                mask = torch.arange(max(plan.num_tokens), device=self.device) <= local[:, None]
+                mask[: cu[nt], : drafts.nodes] = ancestor_masks(drafts.parents, drafts.depth).flatten(0, 1)
+            else:
+                masks = [ancestor_mask(p) for p in plan.trees] + [torch.ones(n, n, dtype=torch.bool).tril()
+                                                                  for n in plan.num_tokens[nt:]]
+                mask = torch.zeros(cu[-1], max(plan.num_tokens), dtype=torch.bool)
+                for i, m in enumerate(masks):
+                    mask[cu[i] : cu[i + 1], : m.shape[0]] = m
+                mask = mask.to(self.device, non_blocking=True)
             prefix = self._tensor(plan.starts, torch.int32)
             cu_t = self._tensor(cu, torch.int32)
             ctx = Context(slot_mapping=slot_mapping, num_decode_tokens=0, decode_block_tables=None,
                           decode_seq_lens=None, extend_block_tables=self.block_tables(plan.block_tables),
                           extend_cu_seqlens_q=cu_t, extend_seq_lens=prefix + (cu_t[1:] - cu_t[:-1]),
-                          tree_mask=mask.to(self.device), tree_prefix_lens=prefix)
+                          tree_mask=mask, tree_prefix_lens=prefix)
         else:
             nd = plan.num_decodes
             ext_n = plan.num_tokens[nd:]
@@ -331,35 +362,39 @@ class Runner:
         rows = self._tensor(rows, torch.int64)
         if pruned:  # only the logits rows' states are read
             ctx.logits_rows = rows
-        return self._tensor(plan.input_ids, torch.int64), self._tensor(pos, torch.int64), ctx, rows
+        return self._tensor(plan.input_ids, torch.int64), positions, ctx, rows
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, seqs=None,
-                constrain=None) -> StepOutput:
+                constrain=None, drafts=None) -> StepOutput:
         """Run one step and sample each logits row. With overlap, input id placeholder(j)
         (replica.model.plan) stands for prev_tokens[j], the previous step's j-th sampled token,
         still on the device: it is resolved there, without waiting for the host. seqs (rank 0):
         the sequences of plan.sample_rows, whose params beyond temperature/top-k/top-p
         (penalties, logit bias, logprobs: replica.model.sampler) apply to their rows.
         constrain(x, first_row) (rank 0): grammar masks, applied to the logits rows
-        before sampling, once the forward is queued (replica.engine.grammar)."""
+        before sampling, once the forward is queued (replica.engine.grammar). drafts (one
+        rank): the device trees of plan.draft_rows (speculative.drafting.Drafts), whose tokens
+        the placeholders of those rows stand for."""
+        assert bool(plan.draft_rows) == (drafts is not None) and not (drafts is not None and self.tp.world > 1)
         if self.tp.world > 1 and self.tp.rank == 0:
             if self._kv_moves:
                 plan, self._kv_moves = msgspec.structs.replace(plan, kv_moves=self._kv_moves), []
             self.tp.broadcast_bytes(self._encoder.encode(plan))
-        if (self.graphs is not None and not plan.trees and not plan.extra_logits
+        if (self.graphs is not None and not plan.trees and not plan.draft_rows and not plan.extra_logits
                 and plan.num_decodes == len(plan.starts) and self.graphs.bucket_for(plan.num_decodes) is not None):
             logits, aux = self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
             hidden = None
         else:
-            input_ids, positions, ctx, rows = self.prepare(plan)
-            input_ids = resolve_placeholders(input_ids, prev_tokens)
+            input_ids, positions, ctx, rows = self.prepare(plan, drafts)
+            input_ids = resolve_placeholders(input_ids, drafts.tokens.flatten() if drafts is not None else prev_tokens)
             out = self.model(input_ids, positions, ctx, self.kv_cache, self.aux_layers)
             hidden, aux = (out[0], torch.cat(out[1], -1)) if self.aux_layers else (out, None)
             logits = self.model.compute_logits(hidden[rows]).float()
         n = len(plan.sampling)
         logits, prompt_logits = logits[:n], (logits[n:] if plan.extra_logits else None)
-        tokens, logprobs = self.sampler(logits, plan, prev_tokens, seqs, constrain)
+        depths = drafts.depths.flatten() if drafts is not None else None  # the nodes' sampling positions past start + 1
+        tokens, logprobs = self.sampler(logits, plan, prev_tokens, seqs, constrain, depths)
         return StepOutput(logits, tokens, aux, hidden if self.keep_hidden else None, logprobs, prompt_logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -448,10 +483,11 @@ def narrow_rows(plan: StepPlan, cu: list[int], prompts_from: int | None = 0, dec
     decode rows are narrow too, and so are the generated tokens a resume computes again, the
     one that samples too: each was, or would have been, a decode row."""
     narrow = [False] * cu[-1]
-    decodes = decodes and not plan.trees
+    decodes = decodes and not plan.trees and not plan.draft_rows
     if decodes:
         narrow[: cu[plan.num_decodes]] = [True] * cu[plan.num_decodes]
-    for i in range(len(plan.trees) + plan.num_decodes, len(plan.num_tokens) if plan.prompt_lens else 0):
+    first_extend = len(plan.trees) + plan.draft_rows + plan.num_decodes
+    for i in range(first_extend, len(plan.num_tokens) if plan.prompt_lens else 0):
         start, n, prompt = plan.starts[i], plan.num_tokens[i], plan.prompt_lens[i]
         if prompts_from is not None and prompt >= prompts_from:
             end = min(start + n, prompt - 1)  # positions [start, end) are narrow

@@ -190,13 +190,14 @@ class Sampler:
         self.ops, self.device = ops, device
 
     def __call__(self, logits: torch.Tensor, plan: StepPlan, prev_tokens: torch.Tensor | None = None, seqs=None,
-                 constrain=None) -> tuple[torch.Tensor, StepLogprobs | None]:
+                 constrain=None, depths: torch.Tensor | None = None) -> tuple[torch.Tensor, StepLogprobs | None]:
         """The tokens of logits rows (R, V) and the sample rows' logprobs. Tree nodes are drawn
         plainly (speculating sequences are `Sequence.plain`; constrained nodes are masked in
         place, so the acceptance reads the masked logits). Sample rows go through `process`
         when their sequences `seqs` are known (rank 0), plainly on the other ranks.
         prev_tokens: the in-flight step's tokens (placeholders in the histories);
-        constrain(x, first_row) (rank 0): grammar masks (replica.engine.grammar); logprobs stay raw."""
+        constrain(x, first_row) (rank 0): grammar masks (replica.engine.grammar); logprobs stay raw.
+        depths: device trees' (plan.draft_rows) node depths, added to their rows' positions."""
         nt = len(plan.sampling) - len(plan.sample_rows)
         if seqs is None:
             return self.draw(logits, plan.sampling), None
@@ -209,14 +210,15 @@ class Sampler:
         tokens = self.draw(x, plan.sampling[nt:])
         lp = logprobs(rows, tokens, seqs)
         if nt:
-            tokens = torch.cat([self.draw(logits[:nt], plan.sampling[:nt]), tokens])
+            tokens = torch.cat([self.draw(logits[:nt], plan.sampling[:nt], depths), tokens])
         return tokens, lp
 
     @torch.inference_mode()
-    def draw(self, logits: torch.Tensor, params: list[Sampling]) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, params: list[Sampling], offsets: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row as params[row] says; randomness depends on (seed, position) only.
         Greedy rows take a plain argmax; only rows that sample pay for filtering
-        and hashed noise (which rows is known on the host: no device sync)."""
+        and hashed noise (which rows is known on the host: no device sync).
+        offsets (R,), on the device: added to the rows' positions."""
         hot = [i for i, p in enumerate(params) if p.temperature > 0]
         tokens = logits.argmax(-1)
         if hot:
@@ -230,12 +232,16 @@ class Sampler:
                 _tensor([p.top_k for p in ps], torch.int32, dev),
                 _tensor([p.top_p for p in ps], torch.float32, dev),
                 _tensor([p.seed for p in ps], torch.int64, dev),
-                _tensor([p.position for p in ps], torch.int64, dev))
+                self._positions(ps, offsets if every or offsets is None else offsets[idx]))
             if every:
                 tokens = sampled
             else:
                 tokens[idx] = sampled
         return tokens
+
+    def _positions(self, ps: list[Sampling], offsets: torch.Tensor | None) -> torch.Tensor:
+        pos = _tensor([p.position for p in ps], torch.int64, self.device)
+        return pos if offsets is None else pos + offsets
 
 
 def keep_logprobs(seqs, lp: StepLogprobs | None) -> None:

@@ -76,7 +76,7 @@ def commit_both(cpp, ref, prompts, chunks, seed=0):
             aux = torch.randn(n, 3 * h, generator=g)
             for st in states:
                 st[i].add_features(aux)
-        outs.append([d._commit(toks, st, tables) for d, st in zip((cpp, ref), states)])
+        outs.append([d._commit(toks, st, tables)[:2] for d, st in zip((cpp, ref), states)])  # (o, log q)
     return tables, outs
 
 
@@ -130,7 +130,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(target):
         for st, p in zip(states, batch):
             st.add_features(aux[: len(p) - 1] if p is prompt else torch.randn(len(p) - 1, aux.shape[1]))
         tables = torch.arange(len(batch) * 20, dtype=torch.int32).view(len(batch), 20)
-        o, logits = d._commit(batch, states, tables)
+        o, logits = d._commit(batch, states, tables)[:2]
         results.append((o[-1], logits[-1]))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 

@@ -15,7 +15,6 @@ from replica.engine.llm_engine import LLMEngine
 from speculative.tree_spec import TreeSpec
 from speculative.head import save_head
 from speculative.policy import SpecPolicy
-from speculative.verify import Verdict
 from tests.replica.reference import reference_logits
 from tests.replica.tiny import tiny_config, tiny_weights
 from tests.speculative.util import chi_square_rejects, random_head, tiny_target
@@ -87,10 +86,10 @@ def test_sampled_drafts_emit_the_target_law(sampled_engine):
 
 
 def test_a_biased_acceptance_rule_is_caught(sampled_engine, monkeypatch):
-    def accept_every_draft(tree, p, seed, root_pos):
-        path = list(range(len(tree)))  # a chain: keep it all, then draw the bonus from the last node
-        bonus = int(torch.multinomial(p[-1], 1, generator=torch.Generator().manual_seed(seed)))
-        return Verdict(path, tree.tokens[1:] + [bonus])
+    def accept_every_draft(tokens, q, p, seeds, root_pos):
+        B, n = tokens.shape  # chains: keep them all, then draw the bonus from the last node
+        bonus = torch.multinomial(p[:, -1], 1, generator=torch.Generator().manual_seed(int(seeds[0])))
+        return torch.full((B,), n - 1), torch.arange(n).expand(B, n), torch.cat([tokens[:, 1:], bonus], 1)
 
-    monkeypatch.setattr(speculation, "accept_sampling", accept_every_draft)
+    monkeypatch.setattr(speculation, "accept_sampling_chains", accept_every_draft)
     assert chi_square_rejects(emitted(sampled_engine(), range(300)), target_law())

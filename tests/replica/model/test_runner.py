@@ -72,3 +72,22 @@ def test_the_cpu_kv_pool_is_resident_once_allocated():
     r.allocate_kv()
     assert r.kv_cache.numel() * r.kv_cache.element_size() > 32 << 20
     assert resident_fraction(r.kv_cache) == 1.0
+
+
+def test_device_tree_masks_are_the_host_ancestor_masks():
+    """ancestor_masks (a verify plan's device trees) equals ancestor_mask row by row, for random
+    trees of every shape up to 33 nodes, the depth bound exact (squaring must reach the deepest)."""
+    import random
+
+    import torch
+
+    from replica.model.runner import ancestor_mask, ancestor_masks, tree_depths
+
+    rng = random.Random(0)
+    for n in (1, 2, 3, 9, 17, 33):
+        trees = [[-1] + [rng.randrange(max(0, i - rng.choice((1, i))), i) for i in range(1, n)] for _ in range(12)]
+        depth = max(max(tree_depths(p)) for p in trees)
+        got = ancestor_masks(torch.tensor(trees), depth)
+        assert all(torch.equal(got[b], ancestor_mask(p)) for b, p in enumerate(trees))
+    chain = list(range(-1, 32))  # depth 32: five squarings
+    assert torch.equal(ancestor_masks(torch.tensor([chain]), 32)[0], ancestor_mask(chain))

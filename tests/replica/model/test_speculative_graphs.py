@@ -75,7 +75,8 @@ def run_recording(eng: LLMEngine, reqs: dict[str, tuple[list[int], int]]) -> dic
 
     def recorded_draft(batch):
         trees = draft(batch)
-        drafts.append([(s.id, t.tokens, t.parents) for s, t in zip(batch.seqs, trees)])
+        host = trees if isinstance(trees, list) else trees.trees()  # the head's are on the device
+        drafts.append([(s.id, t.tokens, t.parents) for s, t in zip(batch.seqs, host)])
         return trees
 
     eng.speculator.draft = recorded_draft
