@@ -126,12 +126,14 @@ def main() -> None:
                 exact += texts["colocated"] == texts["disaggregated"]
             rows.append((size, ttft, exact, moved))
             ids = prompt(size, size * 1000 + 999)  # the phases, one prompt called directly
-            usable = usable_blocks(size, spec["block_size"]) * spec["block_size"]  # what the proxy sends P
-            body = {"token_ids": ids[:usable], "cache_salt": f"phase-{size}"}
+            usable = usable_blocks(size, spec["block_size"]) * spec["block_size"]  # what the proxy has D pull
+            salt = f"phase-{size}"
             t0 = perf_counter()
-            pre = httpx.post(p_url + "/v1/prefill", json=body, headers=AUTH, timeout=300).json()
+            pre = httpx.post(p_url + "/v1/prefill", json={"token_ids": ids, "cache_salt": salt}, headers=AUTH,
+                             timeout=300).json()
             t1 = perf_counter()
-            pull = httpx.post(d_url + "/v1/kv/pull", json={"source": p_url, **body}, headers=AUTH, timeout=300).json()
+            pull = httpx.post(d_url + "/v1/kv/pull", headers=AUTH, timeout=300,
+                              json={"source": p_url, "token_ids": ids[:usable], "cache_salt": salt}).json()
             t2 = perf_counter()
             phases.append((size, pre["ms"], (t1 - t0) * 1e3, (t2 - t1) * 1e3, pull["imported"] * spec["block_bytes"]))
     load1 = os.getloadavg()
