@@ -41,8 +41,8 @@ from edge_proxy.routing import Decision
 log = logging.getLogger("edge_proxy.handoff")
 
 BUDGET_S = 3.0  # from the drain seen to the last stream moved; a pull still running then is given up
-FRAME_BLOCKS = 8  # blocks per export frame (6 MB of the default model's fp32 KV: an idle 75-block pull took
-#                   0.24-0.37 s at 8, 0.41-0.42 s at 22, the 16 MiB cap: docs/perf.md)
+FRAME_BLOCKS = 8  # blocks per export frame: 3 MB of the default model's fp16 KV, as fast as larger frames and
+#                   a shorter stall of the draining engine per read (bench/kv_pull.py, docs/perf.md)
 MAX_ROUNDS = 4  # pulls per stream: the first, then the blocks that filled while the one before ran
 
 
