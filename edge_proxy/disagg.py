@@ -20,6 +20,7 @@ For a new request placed (router, then admission) on a decode-role replica D (`t
     (`Proxy.prefilled`) with the blocks D now holds: D computes only the last block (partial, or the
     whole last one when the prompt ends on a block boundary: its last token must be computed).
 The client sees one ordinary stream: its TTFT counts from the request, hand-off included.
+Counted in edgechat_proxy_disagg_total{outcome} and edgechat_proxy_disagg_blocks_total.
 
 Failures fall back to colocated serving on D, exactly (the same Generate; D computes what it
 lacks): P refusing or unreachable, past PREFILL_TIMEOUT_S, a pull answering an error or past
@@ -53,7 +54,7 @@ def usable_blocks(prompt_tokens: int, block_size: int) -> int:
 
 class Disagg:
     def __init__(self, proxy, min_blocks: int = MIN_BLOCKS, transport: httpx.AsyncBaseTransport | None = None):
-        self.proxy = proxy  # core.Proxy: its pool (roles, the secret, TLS) and `prefilled`
+        self.proxy = proxy  # core.Proxy: its pool (roles, the secret, TLS), metrics and `prefilled`
         self.min_blocks = min_blocks
         self.transport = transport
         self.pending: dict[str, int] = {}  # prefill replica id -> prompt tokens this proxy awaits there
@@ -127,6 +128,7 @@ class Disagg:
                     "source": p.base_url, "frame_blocks": FRAME_BLOCKS, **body}), PULL_TIMEOUT_S)
                 res = r.json()
                 cached = max(cached, res.get("cached", 0) + res.get("imported", 0))
+                self.proxy.metrics.disagg_blocks.inc(by=res.get("imported", 0))
                 if r.status_code != 200 or not res.get("complete"):
                     why = f"pull from {p.id} answered {r.status_code} ({res.get('error', '')})"
         except TimeoutError:
@@ -140,6 +142,7 @@ class Disagg:
             else:
                 del self.pending[p.id]
         t2 = perf_counter()
+        self.proxy.metrics.disagg.inc("fallback" if why else "pulled")
         if why:
             log.warning("disaggregated prefill of %s: %s; %d of %d blocks on %s, the rest computed there", s.cid, why,
                         cached, len(ids) // bs, conn.id)

@@ -54,6 +54,12 @@ class ProxyMetrics:
         self.handoff_tokens = Counter(r, P + "handoff_tokens_total",
                                       "Tokens (prompt and generated) of the streams a drain moved, when they moved: "
                                       "beside the successors' cached tokens, what the hand-off left to recompute.")
+        self.disagg = Counter(r, P + "disagg_total", "Cold prompts of decode replicas prefilled on a prefill "
+                              "replica (edge_proxy.disagg), by outcome: pulled (every usable block), fallback "
+                              "(computed on the decode replica, all or in part).", ("outcome",))
+        self.disagg_blocks = Counter(r, P + "disagg_blocks_total",
+                                     "Prompt blocks decode replicas pulled from prefill replicas (times "
+                                     "KvSpec.block_bytes: the KV moved).")
         self.dns_refreshes = Counter(r, P + "dns_refreshes_total",
                                      "Replica discovery refreshes (--replicas-dns) by outcome: ok, outage.",
                                      ("outcome",))

@@ -16,6 +16,12 @@ from tests.edge_proxy.disagg_stack import anonymous_salt, export, stack
 from tests.replica.server import AUTH, scrape, stop_group
 
 
+def proxy_metrics(url: str) -> dict[str, float]:
+    """The proxy's /metrics values by name and labels."""
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))}
+
+
 def export_block_bytes(url: str) -> int:
     return httpx.get(url + "/v1/kv/spec", headers=AUTH, timeout=10).json()["block_bytes"]
 
@@ -75,6 +81,9 @@ def test_a_cold_prompt_is_prefilled_on_the_prefill_replica_and_streamed_from_the
     assert export(d_url, ids[:USABLE], anonymous_salt()) == pulled  # ... D the same bytes ...
     assert export(d_url, ids[:USABLE], "colocated") == pulled  # ... those D computed itself for the prompt
     assert scrape(p_url).get("edgechat_replica_generation_tokens_total", 0.0) - p_generated == 1  # its prefill's only
+    m = proxy_metrics(url)
+    assert m['edgechat_proxy_disagg_total{outcome="pulled"}'] == 1
+    assert m["edgechat_proxy_disagg_blocks_total"] == USABLE // BLOCK
 
 
 def test_a_failed_pull_falls_back_to_colocated_serving(disagg, tokenizer):
@@ -86,6 +95,7 @@ def test_a_failed_pull_falls_back_to_colocated_serving(disagg, tokenizer):
     finally:
         relay.armed = False
     assert relay.cut == 1, "D never tried to pull from P"
+    assert proxy_metrics(url)['edgechat_proxy_disagg_total{outcome="fallback"}'] == 1
     assert out["choices"][0]["text"] == colocated(reps["D"][0], ids)
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # D computed it all
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from edge_proxy.disagg import MIN_BLOCKS, Disagg
+from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.pool import PoolConfig, ReplicaPool
 from edge_proxy.routing import Decision
 from wire import protocol as P
@@ -24,7 +25,7 @@ BS = 16
 
 
 class StubProxy:
-    """What Disagg uses of core.Proxy: its pool and `prefilled`."""
+    """What Disagg uses of core.Proxy: its pool, metrics and `prefilled`."""
 
     def __init__(self, roles: dict[str, str]):
         self.pool = ReplicaPool([f"ws://{rid.lower()}:8000/v1/replica" for rid in roles], PoolConfig(secret="s3cret"),
@@ -32,6 +33,7 @@ class StubProxy:
         self.pool.block_size = BS
         for conn, (rid, role) in zip(self.pool.conns, roles.items()):
             conn.connected, conn.hello, conn.id = True, P.Hello(rid, "m", BS, 4096, role=role), rid
+        self.metrics = ProxyMetrics()
         self.started: list[tuple] = []
         self.done = asyncio.Event()
 
@@ -104,6 +106,8 @@ async def test_the_prompt_is_prefilled_pulled_then_started_with_the_pulled_block
     assert u2 == "http://d:8000/v1/kv/pull" and b2["source"] == "http://p:8000"
     assert b2["token_ids"] == s.gen.prompt_ids[: 6 * BS] and b2["cache_salt"] == "salt"  # the blocks D can use
     assert dis.pending == {}
+    m = proxy.metrics
+    assert m.disagg.get("pulled") == 1 and m.disagg.get("fallback") == 0 and m.disagg_blocks.get() == 6
 
 
 async def test_a_failed_prefill_starts_the_stream_colocated_without_a_pull():
@@ -119,3 +123,4 @@ async def test_a_failed_prefill_starts_the_stream_colocated_without_a_pull():
     await asyncio.wait_for(proxy.done.wait(), 10)
     await dis.close()
     assert asked == ["/v1/prefill"] and proxy.started == [("r1", "D", Decision("D", "prefix", 1))]
+    assert proxy.metrics.disagg.get("fallback") == 1 and proxy.metrics.disagg_blocks.get() == 0
