@@ -115,7 +115,7 @@ class Handoff:
             r = await asyncio.wait_for(http.post(to.base_url + "/v1/kv/pull", json=body), left + 0.5)
             res = r.json()
         except (TimeoutError, httpx.HTTPError, ValueError) as e:
-            log.warning("hand-off of %s to %s: pull failed (%s); resumed by recompute", s.cid, to.id,
+            log.warning("hand-off of %s to %s: pull failed (%s); what it lacks is recomputed", s.cid, to.id,
                         type(e).__name__ if isinstance(e, TimeoutError) else e)
             return None
         if r.status_code != 200:
