@@ -7,7 +7,8 @@ replica never takes a stream (`pool.ready()` leaves it out); a "both" replica se
 
 For a new request placed (router, then admission) on a decode-role replica D (`take`):
   * D's cache already holds all but fewer than `min_blocks` of the prompt's usable full blocks, or
-    no prefill replica is ready, or the request asks for prompt logprobs: served on D as today
+    no prefill replica is ready, or the request asks for prompt logprobs or resumes a client's
+    tokens (`SubmitRequest.resume`: D computes them with the prompt): served on D as today
     (colocated). MIN_BLOCKS is 4 (64 tokens at the default block size): below it the hand-off's
     fixed cost, three HTTP round trips and an export stream (docs/perf.md, "Prefill/decode
     disaggregation"), is of the order of computing those tokens.
@@ -63,8 +64,8 @@ class Disagg:
 
     def prefill_replica(self, s, conn, d: Decision):
         """The prefill replica for stream `s` routed to `conn` (`d`), or None to serve it colocated."""
-        if conn.role != "decode" or s.gen.sampling.prompt_logprobs is not None:
-            return None
+        if conn.role != "decode" or s.gen.sampling.prompt_logprobs is not None or s.ids:
+            return None  # (s.ids: a client's resume; its ids are computed as prompt rows on D, not on P)
         full = usable_blocks(len(s.gen.prompt_ids), self.proxy.pool.block_size)
         if full - d.cached_blocks < self.min_blocks:
             return None

@@ -48,7 +48,7 @@ class StubProxy:
 def stream(cid: str, tokens: int):
     ids = list(range(100, 100 + tokens))
     return SimpleNamespace(cid=cid, gen=P.Generate("", ids, P.SamplingParams(), "salt"),
-                           hashes=block_hashes(ids, BS, "salt"), done=False,
+                           hashes=block_hashes(ids, BS, "salt"), ids=[], done=False,
                            span=SimpleNamespace(add_event=lambda name, attrs: None))
 
 
@@ -70,6 +70,9 @@ async def test_only_a_cold_prompt_on_a_decode_replica_is_prefilled_elsewhere():
     assert dis.prefill_replica(cold, proxy.conn("D"), Decision("D", "prefix", 1)) is None  # warm enough there
     assert dis.prefill_replica(cold, proxy.conn("B"), Decision("B", "load", 0)) is None  # "both" serves it itself
     assert dis.prefill_replica(stream("r2", MIN_BLOCKS * BS), proxy.conn("D"), Decision("D", "load", 0)) is None
+    resumed = stream("r3", (MIN_BLOCKS + 1) * BS)
+    resumed.ids = [7, 8]  # a client's resume: computed with the prompt on D
+    assert dis.prefill_replica(resumed, proxy.conn("D"), Decision("D", "load", 0)) is None
     proxy.conn("P").connected = False
     assert dis.prefill_replica(cold, proxy.conn("D"), Decision("D", "load", 0)) is None  # none ready
 
