@@ -10,8 +10,8 @@ For a new request placed (router, then admission) on a decode-role replica D (`t
     no prefill replica is ready, or the request asks for prompt logprobs or resumes a client's
     tokens (`SubmitRequest.resume`: D computes them with the prompt): served on D as today
     (colocated). MIN_BLOCKS is 4 (64 tokens at the default block size): below it the hand-off's
-    fixed cost, three HTTP round trips and an export stream (docs/perf.md, "Prefill/decode
-    disaggregation"), is of the order of computing those tokens.
+    fixed cost, two HTTP calls (prefill, pull) and the pull's export stream (docs/perf.md,
+    "Prefill/decode disaggregation"), is of the order of computing those tokens on a CPU.
   * else a prefill replica P is chosen, the least work away: the prompt tokens P lacks (its KV
     events, as routing reads them) plus the prefills this proxy has in flight there and P's
     reported queue. The prompt is POSTed to P's /v1/prefill (replica.api.prefill:
@@ -42,8 +42,10 @@ from edge_proxy.routing import Decision
 log = logging.getLogger("edge_proxy.disagg")
 
 MIN_BLOCKS = 4  # uncached full blocks on the decode replica from which a prompt is prefilled elsewhere
-PREFILL_TIMEOUT_S = 30.0  # P's /v1/prefill, request to answer (a 4k prompt takes ~2-4 s on this CPU)
-PULL_TIMEOUT_S = 10.0  # D's pull from P, request to answer
+# P's /v1/prefill, request to answer: a 4k prompt took 17-20 s on one thread of this CPU (docs/perf.md); a P
+# that dies or restarts its engine answers at once (a broken connection, a 503), so this bounds a stuck one only
+PREFILL_TIMEOUT_S = 120.0
+PULL_TIMEOUT_S = 10.0  # D's pull from P, request to answer (a 4k prompt's 94 MB took 0.6-0.9 s here)
 FRAME_BLOCKS = 32  # blocks per export frame (as edge_proxy.handoff)
 
 
