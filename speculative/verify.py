@@ -48,6 +48,29 @@ ACCEPT_STREAM = 1
 DRAFT_STREAM = 1 << 30
 
 
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """(B, V) fp32: the law the sampler draws each row from (kernels.sampling.probs_ref's: top-k,
+    then top-p, of softmax(logits / T); one-hot argmax at T == 0), over the whole vocabulary
+    sorted, so no step depends on the data: nothing reads the host. (probs_ref looks at the
+    largest 1,024 logits first and picks its rows on the host; the same law, rounded alike
+    where the vocabulary is at most that wide.)"""
+    x = logits.float()
+    v = x.shape[1]
+    t = torch.where(temperature > 0, temperature, 1.0).float()[:, None]
+    k = top_k.long()[:, None]
+    k_on, p_on = (k > 0) & (k < v), top_p.float()[:, None] < 1
+    sx = torch.sort(x, dim=-1, descending=True).values
+    kth = torch.where(k_on, sx.gather(1, (k - 1).clamp(0, v - 1)), float("-inf"))
+    e = torch.where(sx >= kth, torch.exp(sx / t - x.max(-1, keepdim=True).values / t), 0.0)  # unnormalised
+    mass_gt = torch.cat([torch.zeros_like(e[:, :1]), torch.cumsum(e, dim=-1)[:, :-1]], dim=-1)  # strictly larger
+    n_p = ((mass_gt < top_p.float()[:, None] * e.sum(-1, keepdim=True)) & (sx >= kth)).sum(-1, keepdim=True)
+    thr = torch.where(p_on, sx.gather(1, (n_p - 1).clamp_min(0)), kth)
+    thr = torch.where(k_on | p_on, thr, float("-inf"))
+    p = torch.softmax(torch.where(x >= thr, x / t, float("-inf")), dim=-1)
+    greedy = torch.nn.functional.one_hot(x.argmax(-1), v).float()
+    return torch.where((temperature > 0)[:, None], p, greedy)
+
+
 def hashed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, streams, n: int) -> torch.Tensor:
     """(B, n) uniforms in (0, 1), a pure function of (seed, position, stream, index);
     streams: an int or a (B,) tensor, each in [0, 2^31)."""

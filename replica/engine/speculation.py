@@ -61,7 +61,6 @@ import math
 
 import torch
 
-from kernels.sampling import probs_ref
 from replica.config import EngineConfig, ModelConfig
 from replica.model.plan import StepPlan, slot
 from speculative.cache import head_dir
@@ -70,7 +69,8 @@ from speculative.tree_spec import TreeSpec
 from speculative.loading import load_head
 from speculative.ngram import NgramDrafter
 from speculative.policy import SpecPolicy
-from speculative.verify import Verdict, accept_greedy, accept_greedy_rows, accept_sampling, accept_sampling_chains
+from speculative.verify import (Verdict, accept_greedy, accept_greedy_rows, accept_sampling, accept_sampling_chains,
+                                target_probs)
 
 log = logging.getLogger("replica.engine.speculation")
 
@@ -240,7 +240,7 @@ class Speculator:
             cu.append(cu[-1] + n)
         tokens = out.tokens.tolist()
         # Sampled drafts: rejection sampling against the target's sampling distribution p
-        # at each node (one probs_ref call for all of them); the others: the sampler's token.
+        # at each node (one target_probs call for all of them); the others: the sampler's token.
         sampled = [i for i, t in enumerate(trees) if t.q is not None and seqs[i].sampling.temperature > 0]
         p = self._target_probs(out.logits, plan, [r for i in sampled for r in range(cu[i], cu[i + 1])])
         verdicts: list[Verdict] = []
@@ -324,4 +324,4 @@ class Speculator:
         temp = upload([p.temperature for p in ps], torch.float32, dev)
         top_k = upload([p.top_k for p in ps], torch.int64, dev)
         top_p = upload([p.top_p for p in ps], torch.float32, dev)
-        return probs_ref(logits[upload(rows, torch.int64, dev)], temp, top_k, top_p)
+        return target_probs(logits[upload(rows, torch.int64, dev)], temp, top_k, top_p)

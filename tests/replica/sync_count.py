@@ -62,12 +62,12 @@ def _python_index(x) -> bool:
 
 class SyncCounter(TorchFunctionMode):
     """`with SyncCounter(exempt) as c:` ... then c.reads, c.syncs (lists of "what at file:line"),
-    c.uploads. exempt: folders whose calls are not looked at (a kernel set's CPU references,
-    which stand for device kernels: their reads are the reference's, not the caller's)."""
+    c.uploads. exempt: functions whose calls, and everything under them, are not looked at (a
+    kernel set's CPU references, which stand for device kernels that never read the host)."""
 
-    def __init__(self, exempt: tuple[str, ...] = ()):
+    def __init__(self, exempt=()):
         super().__init__()
-        self.exempt = tuple(os.path.abspath(f) + os.sep for f in exempt)
+        self.exempt = {f.__code__ for f in exempt if hasattr(f, "__code__")}
         self.reads: list[str] = []
         self.syncs: list[str] = []
         self.uploads = 0
@@ -86,23 +86,25 @@ class SyncCounter(TorchFunctionMode):
             if isinstance(t, torch.Tensor):
                 self._host[id(t)] = t
 
-    @staticmethod
-    def _caller():
-        """The innermost frame outside torch and this file."""
-        f = sys._getframe(2)
-        while f is not None and (f.f_code.co_filename == __file__ or f"{os.sep}torch{os.sep}" in f.f_code.co_filename):
+    def _caller(self):
+        """The innermost frame outside torch and this file, or None inside an exempt function."""
+        f, caller = sys._getframe(2), None
+        while f is not None:
+            if f.f_code in self.exempt:
+                return None
+            if caller is None and f.f_code.co_filename != __file__ and f"{os.sep}torch{os.sep}" not in f.f_code.co_filename:
+                caller = f
             f = f.f_back
-        return f
+        return caller
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         caller = self._caller()
-        where = "?" if caller is None else caller.f_code.co_filename
-        if where.startswith(self.exempt):
+        if caller is None:
             return out
         name = getattr(func, "__name__", str(func))
-        self._where = lambda what: f"{what} at {os.path.relpath(where)}:{caller.f_lineno}"
+        self._where = lambda what: f"{what} at {os.path.relpath(caller.f_code.co_filename)}:{caller.f_lineno}"
         if func in READS:
             self.reads.append(self._where(name))
             return out

@@ -199,3 +199,21 @@ def test_rejection_sampling_on_the_device_is_the_host_rule():
             assert a == v.num_accepted and path[b, : a + 1].tolist() == v.path and toks[b, : a + 1].tolist() == v.tokens
             seen.add(a)
         assert seen == set(range(d + 1))  # every outcome, the bonus past the last node too
+
+
+def test_target_probs_is_the_samplers_law_without_host_reads():
+    """target_probs (rejection sampling's p on the device) equals kernels.sampling.probs_ref:
+    exactly where the vocabulary is at most 1,024 wide (the same sort), to rounding beyond it;
+    greedy, top-k, top-p, both and neither, rows side by side."""
+    from kernels.sampling import probs_ref
+    from speculative.verify import target_probs
+
+    g = torch.Generator().manual_seed(1)
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9, 1.0])
+    top_k = torch.tensor([0, 0, 5, 0, 40, 1])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.8, 1.0])
+    for v, exact in ((97, True), (1024, True), (5000, False)):
+        logits = torch.randn(6, v, generator=g) * 3
+        got, ref = target_probs(logits, temp, top_k, top_p), probs_ref(logits, temp, top_k, top_p)
+        assert torch.equal(got, ref) if exact else torch.allclose(got, ref, atol=1e-6)
+        assert torch.equal(got > 0, ref > 0)  # the same kept set
