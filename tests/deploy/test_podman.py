@@ -158,6 +158,7 @@ def test_the_region_plays_with_probes_secret_resources_and_dns_discovery(e2e):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(urllib.request.Request(
                     target.replace("/metrics", path), headers=headers if code == 403 else {}), timeout=5)
+            refused.value.close()  # an HTTPError holds its response's socket: closed, not left to the GC
             assert refused.value.code == code, (p.name, path)
     # the proxy found both replicas by resolving the headless Service's name (the network alias)
     m = _metrics(url)
