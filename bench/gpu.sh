@@ -23,6 +23,9 @@
 #            itself), batch 1 and 8, same shape
 # Named only (a second call while the machine is warm):
 #   service  replica + proxy on the GPU, the openai SDK at 1 and 16 streams (bench/gpu_service.py)
+#   load     a replica of the 8B shape started from safetensors on disk (a Hugging Face folder of
+#            random bf16 shards written first): start to ready, its stages, the engine's peak host
+#            memory, one completion served                  (bench/gpu_load.py)
 #   kernels  Triton kernels' GB/s against the copy bandwidth (bench/kernels.py --quick)
 #   host     engine host time per step, graph step preparation (bench/engine.py --host)
 #   train    an EAGLE-3 head for the default model trained on the GPU, packed into
@@ -33,7 +36,7 @@
 # The lease's calls (each brings back at most 8 files of $OUT; the next within the 30 s the
 # machine stays warm):
 #   run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=540)
-#   run(command="bash bench/gpu.sh service kernels host", carry=[".whl"], timeout_s=540)
+#   run(command="bash bench/gpu.sh service load kernels host", carry=[".whl"], timeout_s=540)
 #   with .gguf/part-aa carried by one of them: run(command="bash bench/gpu.sh train", carry=[".whl", ".gguf/part-ab"])
 # Measured on an H200 (2026-11-26): decode 26 s, spec 39 s (batch 1 only then), tests 24 s, host 5 s,
 # machine start about 90 s; the peer compiled for over 100 s; the service 257 s while its replica drew
@@ -59,7 +62,7 @@ else
 fi
 $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 
-declare -A TIMEOUT=([decode]=130 [spec]=150 [tests]=60 [profile]=60 [peer]=100 [service]=150 [kernels]=100 [host]=20 [train]=400)
+declare -A TIMEOUT=([decode]=130 [spec]=150 [tests]=60 [profile]=60 [peer]=100 [service]=150 [load]=200 [kernels]=100 [host]=20 [train]=400)
 # The dry run checks that each stage runs, on a CPU that may be shared with a build or a
 # test suite: its stages get three times the device's budget (a decode stage took over
 # 130 s on two cores at load 6).
@@ -79,6 +82,8 @@ stage_cmd() {  # the command of a stage; the dry run's on tiny shapes
     service:1) echo "$PY bench/gpu_service.py --model smollm2-135m --device cpu --max-tokens 8 --streams 1,4" ;;
     spec:0) echo "$PY bench/spec_gpu.py" ;;
     spec:1) echo "$PY bench/spec_gpu.py --model smollm2-135m --layers 4 --device cpu --dtype float32 --steps 2 --context 32 --batches 1,4" ;;
+    load:0) echo "$PY bench/gpu_load.py" ;;
+    load:1) echo "$PY bench/gpu_load.py --preset smollm2-135m --device cpu --dtype float32 --file-gb 0.2" ;;
     kernels:0) echo "$PY bench/kernels.py --quick" ;;
     kernels:1) echo "$PY bench/kernels.py --help" ;;
     host:0) echo "$PY bench/engine.py --graph-prepare --device cuda" ;;

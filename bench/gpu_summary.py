@@ -17,6 +17,8 @@ bench/spec_gpu.py) and writes summary.json:
   spec_step_over_plain     {"chain3": {"1": r, "4": r, "16": r}, "tree16": ..., "tree32": ...}:
                            a speculative step's time over a plain step's at that batch size
   spec_implied_speedup     {"best": x, "at": ..., "tau_source": ...}: tau x t_plain / t_spec
+  start_from_disk          a replica of the 8B shape from safetensors on disk: model,
+                           checkpoint_gb, start_to_ready_s, stages, engine_peak_rss_gb, served
   stages                   each stage's exit status and seconds (gpu.sh's summary lines)
 
 A figure a stage did not produce is null (its stage failed, timed out or was not run).
@@ -71,6 +73,16 @@ def peer_figure(text: str) -> float | None:
     return None
 
 
+def load_figures(text: str) -> dict:
+    """load.md (bench/gpu_load.py): a replica's start to ready from safetensors on disk."""
+    for r in rows(text):
+        if len(r) >= 9 and "safetensors" in r[0]:
+            return {"model": r[0].split(" (")[0], "checkpoint_gb": number(r[2].removesuffix(" GB")),
+                    "start_to_ready_s": number(r[5].removesuffix(" s")), "stages": r[6],
+                    "engine_peak_rss_gb": number(r[7].removesuffix(" GB")), "served": r[8]}
+    return {}
+
+
 def spec_figures(text: str) -> dict:
     """spec.md: per configuration and batch size, t_spec / t_plain and the implied speed-up;
     the host syncs a step made."""
@@ -106,6 +118,7 @@ def summarize(out: Path, stages: list[str] = ()) -> dict:
         if s["decode_ms_b1"] and s["roofline_ms_b1"] else None
     s["peer_ms_b1"] = peer_figure(read("peer.md"))
     s |= spec_figures(read("spec.md"))
+    s["start_from_disk"] = load_figures(read("load.md")) or None
     s["stages"] = list(stages)
     return s
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The lease's calls, as bench/gpu.sh's header lays them out (each call's $OUT comes back on its
 # own, at most 8 files); service: tests/bench/test_gpu_service.py runs its dry run (and checks
 # that it leaves nothing behind).
-CALLS = [[], ["kernels", "host"], ["train"]]  # []: the default, the lease's one call
+CALLS = [[], ["load", "kernels", "host"], ["train"]]  # []: the default, the lease's one call
 MAX_FILES_BACK = 8  # the device tool returns at most 8 files from $OUT, 16 MiB each
 MAX_TREE = 64 << 20  # working tree + carried paths, per call
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 DEFAULT = ["decode", "spec", "tests", "profile", "peer"]
 SUMMARY_KEYS = {"card", "decode_ms_b1", "roofline_ms_b1", "decode_over_roofline_b1", "graphs_vs_eager", "peer_ms_b1",
-                "host_syncs_per_spec_step", "spec_step_over_plain", "spec_implied_speedup", "stages"}
+                "host_syncs_per_spec_step", "spec_step_over_plain", "spec_implied_speedup", "start_from_disk", "stages"}
 
 
 @pytest.mark.parametrize("call", CALLS, ids=lambda c: "+".join(c) or "default")
@@ -61,6 +61,9 @@ def test_every_stage_of_the_call_runs_on_cpu(tmp_path, call):
         for mode in ("eager", "CUDA graphs", "graphs + overlap"):
             assert re.search(rf"^\| tiny \| 1 \| {re.escape(mode)} \| \d+\.\d+ \|", decode, re.M), decode
         assert "FAILED" not in decode
+    if "load" in stages:  # a replica from the folder the stage wrote: ready, and it served a completion
+        load = summary["start_from_disk"]
+        assert load["start_to_ready_s"] > 0 and load["served"] == "200, 8 tokens", summary
     if "tests" in stages:
         tests = (out / "tests.md").read_text()
         assert re.search(r"\d+ skipped", tests) and "error" not in tests.lower(), tests  # collected, skipped, no build
