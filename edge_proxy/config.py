@@ -42,6 +42,7 @@ class ProxyConfig:
     failover_attempts: int = 3
     failover_wait_s: float = 5.0  # how long a stream waits for any replica to come back
     drain_timeout_s: float = 60.0
+    handoff_budget_s: float = 3.0  # a draining replica's streams: from its drain seen to the last moved (handoff)
     otel_console: bool = False
     otel_otlp: bool = False  # export spans to OTEL_EXPORTER_OTLP_ENDPOINT (set when that variable is)
     log_level: str = "info"
@@ -64,6 +65,8 @@ class ProxyConfig:
             raise ValueError(f"region_proxies must be >= 1, got {self.region_proxies}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.handoff_budget_s <= 0:
+            raise ValueError(f"--handoff-budget must be > 0 seconds, got {self.handoff_budget_s}")
         if self.workers > 1 and self.port == 0:
             raise ValueError("several workers need a fixed --port to share")
         if len({p.region for p in self.peers} | {self.region}) != len(self.peers) + 1:

@@ -100,9 +100,11 @@ def both_ready(proxy: str, timeout: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def stack(cut_exports: bool = False, replica_args: tuple[str, ...] = ("--kv-memory-gb", "0.25")):
-    """Replicas A and B and a proxy over them; yields the proxy's public WebSocket URL,
-    {id: (url, process)} and the relays ({} unless `cut_exports`). bench/drain.py starts its own so."""
+def stack(cut_exports: bool = False, replica_args: tuple[str, ...] = ("--kv-memory-gb", "0.25"),
+          handoff_budget: float | None = None):
+    """Replicas A and B and a proxy over them (`handoff_budget`: its --handoff-budget, else the
+    default); yields the proxy's public WebSocket URL, {id: (url, process)} and the relays ({}
+    unless `cut_exports`). bench/drain.py starts its own so."""
     with contextlib.ExitStack() as es:
         reps, relays = {}, {}
         for rid in ("A", "B"):
@@ -110,7 +112,7 @@ def stack(cut_exports: bool = False, replica_args: tuple[str, ...] = ("--kv-memo
             reps[rid] = (url, proc)
         port = free_port()
         cmd = [sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous", "--region", "test",
-               "--stall-timeout", "3"]
+               "--stall-timeout", "3"] + (["--handoff-budget", str(handoff_budget)] if handoff_budget else [])
         for rid, (url, _) in reps.items():
             if cut_exports:
                 relay = relays[rid] = ExportCutter(int(url.rsplit(":", 1)[1]))

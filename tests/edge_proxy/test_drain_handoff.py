@@ -25,7 +25,11 @@ STORY = [{"role": "user", "content": "Here is the setting of a story. " + "A sma
           + "Now write a long story about a brave little dragon who lives in that town."}]
 MAX_TOKENS = 64
 SIGTERM_AT = 24  # deltas seen when the replica gets SIGTERM: the stream's own blocks beyond the prompt's
-EXIT_BOUND_S = 10.0  # the test's bound on signal -> exit (docs/perf.md has the measured figure)
+# The proxy's hand-off budget here: every pull finishes within it on a busy machine too (a ~20-block pull
+# takes 0.1-0.5 s at load 4; the default 3 s is what docs/perf.md measures), so what the test asserts (the
+# successor recomputes at most the last partial block) is the design's, not this machine's load.
+HANDOFF_BUDGET_S = 8.0
+EXIT_BOUND_S = HANDOFF_BUDGET_S + 7.0  # signal -> exit: the budget, then the replica's shutdown (measured ~1-2 s)
 
 
 def exit_time(proc) -> tuple[int, float]:
@@ -56,7 +60,7 @@ async def drained(url: str, reps):
 
 
 def test_a_drained_replica_hands_its_stream_on_with_its_kv():
-    with stack() as (url, reps, _):
+    with stack(handoff_budget=HANDOFF_BUDGET_S) as (url, reps, _):
         whole, done, text, after, at, hits, exit_s, code, moved = asyncio.run(drained(url, reps))
         assert done.usage.completion_tokens == MAX_TOKENS, "the story ended before the drain could move it"
         assert after.failovers == 1 and after.replica != done.replica

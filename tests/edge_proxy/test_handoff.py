@@ -14,8 +14,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from edge_proxy.__main__ import parse_args
+from edge_proxy.auth import KeyStore
+from edge_proxy.core import Proxy
 from edge_proxy.handoff import Handoff
 from edge_proxy.pool import PoolConfig, ReplicaPool
+from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.routing import Decision
 from wire import protocol as P
 
@@ -175,3 +179,14 @@ async def test_a_replica_whose_load_says_draining_is_not_ready_and_its_streams_a
     assert not conn.ready and pool.ready() == []
     assert told == [("A", ["stream 1", "stream 2"])]  # once, still registered there (they stream on meanwhile)
     assert conn.streams and conn.base_url == "http://127.0.0.1:9"
+
+
+async def test_the_budget_is_the_proxys_flag_and_must_be_positive():
+
+    base = ["--replica", "ws://127.0.0.1:9/v1/replica"]
+    assert parse_args(base).handoff_budget_s == 3.0
+    cfg = parse_args(base + ["--handoff-budget", "8"])
+    assert cfg.handoff_budget_s == 8.0
+    assert Proxy(cfg, ByteTokenizer(), KeyStore([], anonymous=True)).handoff.budget_s == 8.0
+    with pytest.raises(ValueError, match="--handoff-budget must be > 0"):
+        parse_args(base + ["--handoff-budget", "0"])
