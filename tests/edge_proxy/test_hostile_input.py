@@ -17,6 +17,7 @@ from stub_replica.server import expected_tokens
 from wire import protocol as P
 
 from conftest import KEYS, proxy_for, stubs, want
+from attacker import attack_frames
 from rawclient import RawClient, generate
 
 pytestmark = pytest.mark.anyio
@@ -217,6 +218,12 @@ async def _bystanders(url: str, n: int, tokens: int) -> list[float]:
         return _gaps_ms(c, rids)
 
 
+def _timed_ms(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def p99(xs: list[float]) -> float:
     return sorted(xs)[int(0.99 * (len(xs) - 1))]
 
@@ -231,12 +238,19 @@ def model_tokenizer():
 async def test_bystanders_keep_their_pace_while_attackers_send_1mb_prompts(model_tokenizer):
     """Item 5 with the model's own tokenizer: three attackers (another process) send 1 MB
     prompts, 1 MB roles, 30,000 messages and 200 KB prompts (tokenized, then too long for
-    the context) in a loop; bystanders' inter-token gaps stay within 2x their baseline p99."""
+    the context) in a loop; bystanders' inter-token gaps stay within 2x their baseline p99, or,
+    where this machine is busy enough that the attackers' own tokenizing (in the proxy's pool
+    threads, on the same cores) stretches them further, within half of one such prompt's
+    tokenizing time of it: one prompt tokenized on the event loop would stretch a gap by all of
+    it (~220 ms here), so either bound still fails a proxy that blocks its loop."""
     fp = model_tokenizer.fingerprint
+    long_prompt = next(json.loads(f)["prompt"] for f in attack_frames() if json.loads(f)["id"] == "long")
     async with stubs("a", step_s=0.02, tokenizer=fp) as reps, \
             proxy_for(reps, tokenizer=model_tokenizer, max_frame_bytes=2 << 20, keys=LOAD_KEYS) as p:
         await _bystanders(p.ws_url, 4, 10)  # warm up
         base = await _bystanders(p.ws_url, 8, 100)
+        model_tokenizer.encode(long_prompt)  # warm; then what one attack prompt costs a core, at this load
+        tokenize_ms = min(_timed_ms(model_tokenizer.encode, long_prompt) for _ in range(2))
         proc = await asyncio.create_subprocess_exec(
             sys.executable, str(Path(__file__).with_name("attacker.py")), p.ws_url, "sk-load", "3",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -251,8 +265,9 @@ async def test_bystanders_keep_their_pace_while_attackers_send_1mb_prompts(model
                 proc.kill()
             await proc.wait()
         print(f"bystander gap p99: baseline {p99(base):.1f} ms, under attack {p99(under):.1f} ms "
-              f"({summary['rounds']} attack rounds of 4 frames: {summary['codes']})")
+              f"({summary['rounds']} attack rounds of 4 frames: {summary['codes']}; one 200 KB prompt "
+              f"tokenized in {tokenize_ms:.0f} ms)")
         n = summary["rounds"]
         assert summary["codes"] == {pp.PROMPT_TOO_LONG: 3 * n, pp.BAD_REQUEST: n}
-        assert p99(under) <= 2 * p99(base), (p99(base), p99(under))
+        assert p99(under) <= max(2 * p99(base), p99(base) + tokenize_ms / 2), (p99(base), p99(under), tokenize_ms)
         assert p.proxy.tokenizers.jobs == 0 and len(reps[0].generates) == 20  # only the bystanders reached it
