@@ -35,6 +35,14 @@ ready from then on (nothing new goes there) and its streams are handed to
 `events.on_draining(conn, streams)` once, still registered on it and streaming
 (`edge_proxy.handoff` moves them); a new Hello (a restarted replica) clears it.
 
+A replica's Load counts a request from the loop turn its API process accepts it
+(`replica.api.queued_load`), before the engine's next step: every proxy sees a placement one
+hop after it was sent. `effective_load` adds this proxy's requests sent since the last Load
+(own_inflight - own_at_report), which stays exact for the proxy that placed it: the Load
+answering its Generate counts it, and own_at_report then counts it too. (A request this proxy
+sent after that one is uncounted by the Load that answers the first, until its own Load, one
+hop later; `max(own, ...)` keeps the floor at this proxy's own.)
+
 The reader is the per-token hot path: decode a frame, look each message's id up
 in one dict, hand the message and its request to the pool's `events` (the
 `RequestEvents` of the proxy that owns the requests). Nothing on it awaits a client.

@@ -246,6 +246,9 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     # the replica drains (SIGTERM, POST /v1/drain): it admits nothing new and serves its running streams and
     # its KV export until the proxy has handed them on (edge_proxy.handoff); set by its API process
     draining: bool = False
+    # Generates the engine process has taken off its socket since it started (the API process adds those
+    # sent and not yet taken to waiting, replica.api.queued_load); proxies read waiting, not this
+    taken: int = 0
 
 
 class KvEvents(msgspec.Struct, tag="kv", array_like=True, omit_defaults=True):

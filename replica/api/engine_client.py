@@ -18,6 +18,11 @@ proxy resumes it on another replica) and new requests get `Error(overloaded)`
 until the restarted engine says Hello. Imports no torch: the engine runs in its
 own process.
 
+Load: what the engine reports, plus the requests sent to it and not yet taken
+(`replica.api.queued_load`), published to every subscriber (each connected proxy) the loop
+turn a request is accepted, so every proxy sees a placement one network hop later, not
+after the engine's next step.
+
 KV transfer (`kv_call`): a KvRead or KvBlocks goes to the engine and its answer comes back
 to the awaiting caller (replica.api.kv_routes); `kv_spec` is the engine's pool as blocks travel.
 """
@@ -34,6 +39,8 @@ import msgspec
 
 from wire import protocol as P
 from replica.config import EngineConfig
+from wire.hashing import chain_hash, salt_seed
+from replica.api.queued_load import QueuedLoad
 from replica.api.engine_supervisor import EngineSupervisor, EngineUnavailable
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 from replica.validation import check_generate
@@ -76,7 +83,9 @@ class EngineClient:
         self.streams: dict[str, EngineStream] = {}
         self.aborting: set[str] = set()  # aborted, their engine Finished (usage, for /metrics) still to come
         self.groups: dict[str, SampleGroup] = {}
-        self.load: P.Load | None = None
+        self.load: P.Load | None = None  # the Load published last (the engine's, with the requests it has not taken)
+        self.queued = QueuedLoad()
+        self._load_due = False  # a publish of the Load is scheduled for the end of this loop turn
         self.cached_blocks: set[int] = set()  # mirror of the engine's prefix cache, for new routers
         self.subscribers: set[Sink] = set()  # receive Load and KvEvents
         self.lost_listeners: set[Callable[[], None]] = set()  # called once the streams got their errors
@@ -120,6 +129,7 @@ class EngineClient:
         if req.sampling.n == 1 and not req.sample_ids:
             self._open(req, sink)
             self._send([req])
+            self._queued([self._uncached(req)])
             return
         group = self.groups[req.id] = SampleGroup(req.id, sink)
         sp, subs = req.sampling, []
@@ -133,6 +143,35 @@ class EngineClient:
             self._open(sub, self._sample_sink(group, i))
             subs.append(sub)
         self._send(subs)
+        self._queued([self._uncached(req)] + [0] * (len(subs) - 1))  # the forks share the first's prompt
+
+    def _uncached(self, req: P.Generate) -> int:
+        """The prompt tokens the engine will compute for `req`, by the mirror of its prefix cache."""
+        ids = req.prompt_ids + req.resume_ids if req.resume_ids else req.prompt_ids
+        bs = self.engine.hello.block_size
+        h, hit = salt_seed(req.cache_salt), 0
+        while hit + bs <= len(ids):
+            h = chain_hash(h, ids[hit:hit + bs])
+            if h not in self.cached_blocks:
+                break
+            hit += bs
+        return len(ids) - hit
+
+    def _queued(self, uncached: list[int]) -> None:
+        """Generates sent to the engine: publish the Load with them at the end of this loop turn
+        (once for every request accepted in it)."""
+        for u in uncached:
+            self.queued.sent_one(u)
+        if not self._load_due:
+            self._load_due = True
+            asyncio.get_running_loop().call_soon(self._publish_load)
+
+    def _publish_load(self) -> None:
+        self._load_due = False
+        ld = self.queued.current(self.draining)
+        if ld is not None:
+            self.load = ld
+            self._publish(ld)
 
     def _open(self, req: P.Generate, sink: Sink) -> None:
         sp = req.sampling
@@ -179,7 +218,7 @@ class EngineClient:
     def drain(self) -> None:
         """Admit nothing new from now on, and say so in every Load (this one re-sent at once)."""
         self.draining = True
-        self.load = msgspec.structs.replace(self.load or P.Load(0, 0, 0, 0), draining=True)
+        self.load = self.queued.current(True) or P.Load(0, 0, 0, 0, draining=True)
         self._publish(self.load)
         self._check_idle()
 
@@ -208,6 +247,7 @@ class EngineClient:
         """The engine died: every stream in flight gets a typed error (the proxy moves it to
         another replica), and the prefix cache is gone."""
         self.load = None
+        self.queued.reset()
         self.kv_spec = None
         for fut in self._kv_calls.values():
             if not fut.done():
@@ -262,9 +302,9 @@ class EngineClient:
             if stream is not None:
                 self._finish(stream, msg)
         elif isinstance(msg, P.Load):
-            msg.draining = self.draining
-            self.load = msg
-            self._publish(msg)
+            self.queued.from_engine(msg)
+            self.load = self.queued.current(self.draining)
+            self._publish(self.load)
         elif isinstance(msg, P.KvEvents):
             self.cached_blocks.difference_update(msg.removed)
             self.cached_blocks.update(msg.stored)

@@ -8,7 +8,8 @@ msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
      fails alone, the others go on),
   3. sends the step's tokens, finishes, KV events and load (periodically, and
      after every step that admits, aborts or finishes a request, so the running
-     count routers and `/metrics` see is never a report behind).
+     count routers and `/metrics` see is never a report behind); each Load counts the
+     Generates taken so far (`taken`: the API process adds those it sent since).
 KV transfer commands (KvRead, KvBlocks: replica.engine.kv_transfer) are answered as they
 are taken, between steps.
 An Abort is therefore applied before the next step: a cancelled request stops
@@ -110,6 +111,7 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
     sock.sendall(codec.pack([P.Hello(replica_id=replica_id, model=model_name, block_size=engine.cfg.block_size,
                                      max_model_len=engine.max_model_len, **compute_fields(engine.cfg)), kv.spec]))
     next_report = 0.0
+    taken = 0  # Generates taken off the socket: every Load says so (replica.api.queued_load)
     while True:
         busy = engine.has_work()
         timeout = 0.0 if busy else max(0.0, next_report - time.monotonic())
@@ -123,6 +125,7 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
             for msg in codec.feed(data):
                 changed = True
                 if isinstance(msg, P.Generate):
+                    taken += 1
                     err = contained.add(msg)
                     if err is not None:
                         out.append(err)
@@ -144,7 +147,9 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
             out.append(events)
         now = time.monotonic()
         if now >= next_report or changed:
-            out.append(engine.load())
+            load = engine.load()
+            load.taken = taken
+            out.append(load)
             next_report = now + report_interval
         if out:
             sock.sendall(codec.pack(out))
