@@ -38,6 +38,8 @@ Runs (ROUTER:POLICY[:session][:pP[wW]][:random]):
   pinned            the oracle: the client sends conversation k straight to replica k mod N
   edgechat:...@DIR  the proxies run from the checkout DIR (`git archive REV | tar -x -C DIR`): a commit
                     beside this tree's in one run (`--repeat` alternates them)
+  edgechat:...@@DIR the replicas too (a replica-side change beside its parent); packages DIR
+                    lacks (kernels/, speculative/: their built extensions) come from this tree
 
 Columns: "cached" = cached prompt tokens / prompt tokens (replica usage) over turns
 2-4 (multi-turn, interleaved) or all requests (shared-prefix); "oracle" = the same if
@@ -102,7 +104,13 @@ REGION_RUNS = ["sglang:cache_aware", "edgechat:auto:session", "edgechat:auto",  
 def proxy_tree(run: str) -> Path:
     """Where an edgechat run's proxies run from: "RUN@DIR" names another checkout (a commit to
     compare, e.g. `git archive`d), the replicas and this script staying this tree's."""
-    return Path(run.partition("@")[2] or ROOT)
+    return Path(run.partition("@")[2].removeprefix("@") or ROOT)
+
+
+def replica_tree(run: str) -> Path:
+    """Where a run's replicas run from: "RUN@@DIR" names another checkout for them too (the
+    working directory, first on the path; what DIR lacks comes from this tree's install)."""
+    return proxy_tree(run) if "@@" in run else ROOT
 
 
 def run_shape(run: str) -> tuple[str, str, bool, int, int, bool]:
@@ -180,7 +188,8 @@ class Stack:
                    str(a.cpu_threads or max(1, (os.cpu_count() or 1) // a.replicas))]
             if a.random_weights:
                 cmd.append("--random-weights")
-            reps.append(spawn(cmd, logs / f"replica-r{i}.log", {"EDGECHAT_REPLICA_SECRET": SECRET}))
+            reps.append(spawn(cmd, logs / f"replica-r{i}.log", {"EDGECHAT_REPLICA_SECRET": SECRET},
+                              replica_tree(self.run)))
             self.replicas.append(f"http://127.0.0.1:{port}")
         self.procs += reps
         for url in self.replicas:
@@ -521,7 +530,8 @@ def label(run: str) -> tuple[str, str]:
     router, policy, session, proxies, workers, spread = run_shape(run)
     name = f"SGLang router 0.3.2 `{policy}`" if router == "sglang" else f"edgechat `--routing {policy}`"
     if "@" in run:
-        name += f" ({run.partition('@')[2]})"
+        tree = proxy_tree(run)
+        name += f" (replicas and proxies from {tree})" if "@@" in run else f" ({tree})"
     if proxies > 1 or workers > 1:
         name += (f", {proxies} proxies" + (f" x {workers} workers" if workers > 1 else "")
                  + (", turns at random" if spread else ", turns alternating"))
