@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from edge_proxy.client import EdgeClient
+from kernels.cpu_build import build_directory
 from replica.api.auth import launch_secret
 from tests.replica.server import free_port, replica_server, wait_healthy
 
@@ -40,7 +41,11 @@ def test_where_a_launch_gets_its_secret(tmp_path, monkeypatch):
 
 
 def test_a_plain_replica_and_a_proxy_with_its_generated_secret(tmp_path):
-    env = {"EDGECHAT_REPLICA_SECRET": "", "XDG_CACHE_HOME": str(tmp_path)}  # nothing configured
+    # Nothing configured: the generated secret goes under XDG_CACHE_HOME; torch's extension cache stays where
+    # the suite's kernels are built (moved with XDG_CACHE_HOME, the replica compiled every C++ kernel anew:
+    # up to 9 minutes on two busy cores, past the replica's start bound).
+    kernels_root = os.path.dirname(build_directory("edgechat_cpu_ops", "cpu_ops.cpp")[1])  # torch's, + py*_cpu
+    env = {"EDGECHAT_REPLICA_SECRET": "", "XDG_CACHE_HOME": str(tmp_path), "TORCH_EXTENSIONS_DIR": kernels_root}
     with replica_server("--kv-memory-gb", "0.1", env=env) as (url, _):
         port = url.rsplit(":", 1)[1]
         secret = (tmp_path / "edgechat" / "replica-secrets" / f"127.0.0.1-{port}").read_text().strip()
