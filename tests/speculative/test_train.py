@@ -123,7 +123,7 @@ def test_ttt_unroll_matches_chain_drafting(data):
     st.add_features(aux[: n - 1])
     tokens = ids[:n].tolist()
     with torch.inference_mode():
-        o, logp = drafter._commit([tokens], [st], tables)  # log q: the logits log-softmaxed
+        o, logp, _, _ = drafter._commit([tokens], [st], tables)  # log q: the logits log-softmaxed
         torch.testing.assert_close(logp[0], steps[0][0, n - 1].log_softmax(-1), rtol=1e-4, atol=1e-4)
         anc = torch.ones(1, 3, 3, dtype=torch.bool).tril()
         g = o[:, None]
