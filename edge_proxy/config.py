@@ -43,6 +43,7 @@ class ProxyConfig:
     failover_wait_s: float = 5.0  # how long a stream waits for any replica to come back
     drain_timeout_s: float = 60.0
     handoff_budget_s: float = 3.0  # a draining replica's streams: from its drain seen to the last moved (handoff)
+    disagg_min_blocks: int = 4  # a decode replica's cold prompt lacking this many full blocks is prefilled elsewhere (disagg)
     otel_console: bool = False
     otel_otlp: bool = False  # export spans to OTEL_EXPORTER_OTLP_ENDPOINT (set when that variable is)
     log_level: str = "info"
@@ -67,6 +68,8 @@ class ProxyConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.handoff_budget_s <= 0:
             raise ValueError(f"--handoff-budget must be > 0 seconds, got {self.handoff_budget_s}")
+        if self.disagg_min_blocks < 1:
+            raise ValueError(f"--disagg-min-blocks must be >= 1, got {self.disagg_min_blocks}")
         if self.workers > 1 and self.port == 0:
             raise ValueError("several workers need a fixed --port to share")
         if len({p.region for p in self.peers} | {self.region}) != len(self.peers) + 1:

@@ -113,7 +113,7 @@ class Proxy:
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.peers = PeerLink(cfg.region, list(cfg.peers), cfg.peer_key or None) if cfg.peers else None
         self.handoff = Handoff(self, cfg.handoff_budget_s)  # a draining replica's streams, moved with their KV
-        self.disagg = Disagg(self)  # cold prompts of decode-role replicas, prefilled on a prefill-role one
+        self.disagg = Disagg(self, cfg.disagg_min_blocks)  # cold prompts of decode-role replicas, prefilled on a prefill-role one
 
     async def start(self) -> None:
         await self.pool.start()

@@ -9,7 +9,8 @@ For a new request placed (router, then admission) on a decode-role replica D (`t
   * D's cache already holds all but fewer than `min_blocks` of the prompt's usable full blocks, or
     no prefill replica is ready, or the request asks for prompt logprobs or resumes a client's
     tokens (`SubmitRequest.resume`: D computes them with the prompt): served on D as today
-    (colocated). MIN_BLOCKS is 4 (64 tokens at the default block size): below it the hand-off's
+    (colocated). `min_blocks` is the proxy's --disagg-min-blocks, MIN_BLOCKS = 4 by default (64 tokens
+    at the default block size; on a GPU, where a prefill row costs far less than here, raise it): below it the hand-off's
     fixed cost, two HTTP calls (prefill, pull) and the pull's export stream (docs/perf.md,
     "Prefill/decode disaggregation"), is of the order of computing those tokens on a CPU.
   * else a prefill replica P is chosen, the least work away: the prompt tokens P lacks (its KV

@@ -13,9 +13,13 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from edge_proxy.__main__ import parse_args
+from edge_proxy.auth import KeyStore
+from edge_proxy.core import Proxy
 from edge_proxy.disagg import MIN_BLOCKS, Disagg
 from edge_proxy.metrics import ProxyMetrics
 from edge_proxy.pool import PoolConfig, ReplicaPool
+from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.routing import Decision
 from wire import protocol as P
 from wire.hashing import block_hashes
@@ -75,6 +79,20 @@ async def test_only_a_cold_prompt_on_a_decode_replica_is_prefilled_elsewhere():
     assert dis.prefill_replica(resumed, proxy.conn("D"), Decision("D", "load", 0)) is None
     proxy.conn("P").connected = False
     assert dis.prefill_replica(cold, proxy.conn("D"), Decision("D", "load", 0)) is None  # none ready
+
+
+async def test_the_threshold_is_the_proxys_flag():
+    base = ["--replica", "ws://127.0.0.1:9/v1/replica"]
+    assert parse_args(base).disagg_min_blocks == MIN_BLOCKS
+    cfg = parse_args(base + ["--disagg-min-blocks", "8"])
+    assert Proxy(cfg, ByteTokenizer(), KeyStore([], anonymous=True)).disagg.min_blocks == 8
+    with pytest.raises(ValueError, match="--disagg-min-blocks must be >= 1"):
+        parse_args(base + ["--disagg-min-blocks", "0"])
+    proxy = StubProxy({"P": "prefill", "D": "decode"})
+    dis = Disagg(proxy, min_blocks=8)
+    assert dis.prefill_replica(stream("r1", 8 * BS), proxy.conn("D"), Decision("D", "load", 0)) is None  # 7 usable
+    assert dis.prefill_replica(stream("r2", 9 * BS), proxy.conn("D"), Decision("D", "load", 0)).id == "P"
+    assert dis.prefill_replica(stream("r3", 9 * BS), proxy.conn("D"), Decision("D", "prefix", 1)) is None
 
 
 async def test_the_prefill_replica_is_the_one_with_the_least_work_ahead():
