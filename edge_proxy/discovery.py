@@ -103,16 +103,40 @@ def replica_url(address: str, port: int) -> str:
     return f"ws://{host}:{port}{REPLICA_PATH}"
 
 
-class DnsDiscovery:
+class Polling:
+    """`refresh()` every `interval_s`, from `start()` (in the running loop) until `stop()`."""
+
+    interval_s: float
+    _task: asyncio.Task | None = None
+
+    async def refresh(self) -> None:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
+class DnsDiscovery(Polling):
     """Keeps a `ReplicaPool` in step with what a DNS name resolves to."""
 
     def __init__(self, cfg: DiscoveryConfig, pool, metrics=None):
         self.cfg, self.pool, self.metrics = cfg, pool, metrics
+        self.interval_s = cfg.interval_s
         self.resolver = self._resolver()
         self.known: set[str] = set()  # URLs this discovery added (and may remove)
         self.outage: str = ""  # why the last refresh failed; "" after a good one
         self.refreshed = asyncio.Event()  # set after every refresh, good or not (watchers clear it)
-        self._task: asyncio.Task | None = None
 
     def _resolver(self) -> dns.asyncresolver.Resolver:
         cfg = self.cfg
@@ -198,22 +222,9 @@ class DnsDiscovery:
         if self.metrics is not None:
             self.metrics.dns_refreshes.inc(outcome)
 
-    async def run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.cfg.interval_s)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
 
 
-class ProxyCensus:
+class ProxyCensus(Polling):
     """How many proxy pods the region runs now (`--proxies-dns`: the A/AAAA or SRV records of
     the proxies' own headless Service, asked every `interval_s`): `on_count(n)` on each change,
     so every process re-takes its share of each key's limits (`limits.RegionShare`). An outage
@@ -221,8 +232,8 @@ class ProxyCensus:
 
     def __init__(self, cfg: DiscoveryConfig, on_count, count: int = 1):
         self.dns = DnsDiscovery(cfg, pool=None)
+        self.interval_s = cfg.interval_s
         self.on_count, self.count = on_count, count
-        self._task: asyncio.Task | None = None
 
     async def refresh(self) -> None:
         try:
@@ -235,16 +246,3 @@ class ProxyCensus:
             self.count = n
             self.on_count(n)
 
-    async def run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.dns.cfg.interval_s)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
