@@ -301,6 +301,8 @@ class EngineClient:
             stream = self.streams.get(msg.id) if msg.id else None
             if stream is not None:
                 self._finish(stream, msg)
+        elif isinstance(msg, P.Hello):  # a (re)started engine: it has taken nothing yet
+            self.queued.reset()
         elif isinstance(msg, P.Load):
             self.queued.from_engine(msg)
             self.load = self.queued.current(self.draining)
