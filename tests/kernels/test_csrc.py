@@ -47,16 +47,29 @@ def test_the_build_digest_covers_every_header(tmp_path, monkeypatch):
     assert build_directory("edgechat_digest_test", "cpu_forward.cpp", csrc)[0] != before[0]
 
 
+def include_line(path: str) -> int:
+    """The line (1-based) of the first #include in `path`: what follows it the compiler reads after."""
+    with open(path) as f:
+        return next(i for i, ln in enumerate(f, 1) if ln.startswith("#include"))
+
+
+# The broken line names a header that does not exist: a fatal error, so the compiler stops there instead of
+# parsing torch/extension.h (25 s of a loaded core) to reach a static_assert at the end of the file. It goes at
+# the line of the file's first #include (not line 1, which a compiler that lost track of lines could also
+# print); in qgemm.h that is before torch's headers too, which qgemm.cpp includes after it.
 @pytest.mark.usefixtures("cpu_ops_built")  # a compiler is there
 @pytest.mark.parametrize("broken", ["cpu_ops.cpp", "include/edgechat/qgemm.h"])
 def test_a_compiler_error_names_the_real_file_and_line(tmp_path, monkeypatch, broken):
     csrc = copy_of_csrc(tmp_path, monkeypatch)
     path = os.path.join(csrc, broken)
+    line = include_line(path)
+    assert line > 1, path
     with open(path) as f:
-        line = len(f.read().splitlines()) + 1
-    with open(path, "a") as f:
-        f.write('static_assert(false, "broken on purpose");\n')
+        lines = f.read().splitlines(keepends=True)
+    lines.insert(line - 1, '#include "edgechat/broken_on_purpose.h"\n')
+    with open(path, "w") as f:
+        f.writelines(lines)
     source = "cpu_ops.cpp" if broken.endswith(".cpp") else "qgemm.cpp"
     with pytest.raises(RuntimeError) as e:
         load_cpp("edgechat_broken_test", source, csrc)
-    assert f"{path}:{line}:" in str(e.value) and "broken on purpose" in str(e.value), str(e.value)[-4000:]
+    assert f"{path}:{line}:" in str(e.value) and "broken_on_purpose.h" in str(e.value), str(e.value)[-4000:]
