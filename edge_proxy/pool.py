@@ -37,11 +37,18 @@ ready from then on (nothing new goes there) and its streams are handed to
 
 A replica's Load counts a request from the loop turn its API process accepts it
 (`replica.api.queued_load`), before the engine's next step: every proxy sees a placement one
-hop after it was sent. `effective_load` adds this proxy's requests sent since the last Load
-(own_inflight - own_at_report), which stays exact for the proxy that placed it: the Load
-answering its Generate counts it, and own_at_report then counts it too. (A request this proxy
-sent after that one is uncounted by the Load that answers the first, until its own Load, one
-hop later; `max(own, ...)` keeps the floor at this proxy's own.)
+hop after it was sent. `effective_load` adds this proxy's requests the last Load does not count
+(own_inflight - own_at_report). Which those are, the Load says: each names the last Generate of
+ours the replica had received when it built it (`Load.seen_id`, per connection), so it counts
+that one and every one sent before it, none sent after (one socket keeps them in order).
+`unseen` holds our Generates sent and not yet named; at a Load, own_at_report = own_inflight -
+those of them still ours (and pending_tokens their uncached prompts). Without the name, a proxy
+that sent X then Y, with X's Load arriving between, took it as counting both: Y was missing
+from the replica's figure until Y's own Load, one hop later, so a new request placed in that
+hop saw the replica one request lighter where others' requests were there too (the floor
+`max(own, ...)` covers only a replica holding ours alone). A replica that names none ("": an
+older one, or none received yet on this connection) is taken to count every request of ours,
+as before.
 
 The reader is the per-token hot path: decode a frame, look each message's id up
 in one dict, hand the message and its request to the pool's `events` (the
@@ -54,6 +61,7 @@ import asyncio
 import logging
 import secrets
 import ssl
+from collections import deque
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Protocol
@@ -151,8 +159,10 @@ class ReplicaConn:
         self.load: P.Load | None = None
         self.load_event = asyncio.Event()  # set on every Load report (watchers clear it)
         self.own_inflight = 0  # this proxy's requests on it
-        self.own_at_report = 0
-        self.pending_tokens = 0  # uncached prompt tokens sent since the last Load
+        self.own_at_report = 0  # those of them its last Load counts
+        self.unseen: deque[str] = deque()  # our Generates sent (in order) that no Load has named yet
+        self.seen_id = ""  # the last one a Load named
+        self.pending_tokens = 0  # uncached prompt tokens of ours its last Load does not count
         self.prefilling: dict[str, int] = {}  # this proxy's requests on it without a first token: id -> uncached tokens
         self.prefill_pending = 0  # their sum: the prefill queued ahead of a new request, as far as this proxy knows
         self.last_rx = 0.0
@@ -228,6 +238,7 @@ class ReplicaConn:
             self.busy_since = perf_counter()
         self.streams[rid] = stream
         self.own_inflight += 1
+        self.unseen.append(rid)
         u = len(gen.prompt_ids) if uncached is None else uncached
         self.pending_tokens += u
         self.prefilling[rid] = u
@@ -294,8 +305,7 @@ class ReplicaConn:
                     events.on_finished(s, m, now)
             elif t is P.Load:
                 self.load = m
-                self.own_at_report = self.own_inflight
-                self.pending_tokens = 0
+                self._counted(m.seen_id)
                 self.load_event.set()
                 if m.draining and not self.draining:
                     self._drains()
@@ -309,6 +319,20 @@ class ReplicaConn:
                     log.warning("replica %s: %s: %s", self.id, m.code, m.message)
             else:
                 log.warning("replica %s sent unexpected %s", self.id, t.__name__)
+
+    def _counted(self, seen_id: str) -> None:
+        """A Load that counts our Generates up to `seen_id` (every one when ""): own_at_report
+        and pending_tokens are what it leaves out of ours."""
+        unseen = self.unseen
+        if seen_id and seen_id in unseen:  # every one up to it is counted now
+            while unseen.popleft() != seen_id:
+                pass
+        elif seen_id != self.seen_id or not seen_id:  # names none, or one we never sent: all of ours, as before
+            unseen.clear()
+        self.seen_id = seen_id
+        left = [rid for rid in unseen if rid in self.streams]  # sent after it, still ours
+        self.own_at_report = self.own_inflight - len(left)
+        self.pending_tokens = sum(self.prefilling.get(rid, 0) for rid in left)
 
     def _drains(self) -> None:
         log.info("replica %s drains with %d streams in flight", self.id, len(self.streams))
@@ -344,6 +368,8 @@ class ReplicaConn:
         self.load = None
         self.draining = False
         self.own_at_report = 0
+        self.unseen.clear()  # a new connection: the replica has received none of ours on it
+        self.seen_id = ""
         self.last_rx = now
         self.connected = True
         self.connected_at = now
@@ -363,6 +389,7 @@ class ReplicaConn:
         self.streams.clear()
         self.own_inflight = 0
         self.pending_tokens = 0
+        self.unseen.clear()
         self.prefilling.clear()
         self.prefill_pending = 0
         self._out.clear()

@@ -249,6 +249,10 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     # Generates the engine process has taken off its socket since it started (the API process adds those
     # sent and not yet taken to waiting, replica.api.queued_load); proxies read waiting, not this
     taken: int = 0
+    # the proxy request id of the last Generate the replica had received on the connection this Load goes out on
+    # when it built the Load (set per connection by its API process): running and waiting count that one and every
+    # one that proxy sent before it, none it sent after (edge_proxy.pool); "": none yet, or a replica that says none
+    seen_id: str = ""
 
 
 class KvEvents(msgspec.Struct, tag="kv", array_like=True, omit_defaults=True):

@@ -79,8 +79,11 @@ class ReplicaConnection:
         self.writer = FrameWriter(send, self.out, BINARY)  # `send`: the raw ASGI send (uvicorn's own)
         self._frame = msgspec.msgpack.Decoder(list[msgspec.Raw])
         self._message = msgspec.msgpack.Decoder(P.Message)
+        self.seen_id = ""  # the proxy's id of the last Generate received: every Load sent here names it
 
     def sink(self, msg) -> None:
+        if type(msg) is P.Load:  # one Load goes to every connection: this one's copy says what it counts of ours
+            msg = msgspec.structs.replace(msg, seen_id=self.seen_id)
         engine_id = getattr(msg, "id", None)
         if engine_id is not None and engine_id in self.names:
             msg.id = self.names[engine_id]
@@ -133,6 +136,7 @@ class ReplicaConnection:
             if not msg.id or len(msg.id) > MAX_ID_CHARS:  # named by nobody: not echoed back
                 self.sink(P.Error(code=P.BAD_REQUEST, message=f"request ids are 1..{MAX_ID_CHARS} characters"))
                 return
+            self.seen_id = msg.id  # counted from now on by every Load (a refusal's Error goes out before it)
             if msg.id in self.live:
                 self.sink(P.Error(code=P.BAD_REQUEST, message=f"request id {msg.id!r} is already in flight",
                                   id=msg.id))
