@@ -11,8 +11,9 @@ of replica URLs is compared with the last one:
   tokenizer fingerprint and block size are checked), sends its KV snapshot, and
   routing may use it from its first Load;
 - a URL that is gone leaves the pool (`ReplicaPool.remove`): no new request goes
-  there, and its streams fail over at once, resuming exactly (same tokens) on
-  another replica, as when a replica is lost;
+  there; a replica still up and streaming is a planned removal (a pod terminating,
+  a roll), its streams handed on with their KV as a drain's are, and it goes once
+  they have; an idle or unreachable one goes at once;
 - an outage (timeout, SERVFAIL, REFUSED, no server answering) changes nothing:
   the last known set stays, and is reported once per outage; an answer that the
   name has no address (NXDOMAIN or no records) is a real answer, the empty set
@@ -188,7 +189,7 @@ class DnsDiscovery(Polling):
 
     def apply(self, urls: set[str]) -> None:
         """Make the discovered part of the pool equal `urls`."""
-        present = {c.url for c in self.pool.conns}
+        present = {c.url for c in self.pool.conns if not c.leaving_since}  # (one leaving comes back by `add`)
         added = sorted(u for u in urls - self.known if u not in present)
         removed = sorted(self.known - urls)
         for u in removed:

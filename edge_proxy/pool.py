@@ -22,8 +22,16 @@ size, and its `/healthz` passes. It is *lost* (its streams handed to
   ~0.5 s and between steps, so silence means a stuck engine);
 - `/healthz` failed `healthz_failures` times in a row (`healthz`).
 
-Replicas join and leave while serving (`add`, `remove`: `discovery.DnsDiscovery`);
-one that leaves has its streams handed to `on_lost` at once (cause `removed`).
+Replicas join and leave while serving (`add`, `remove`: `discovery.DnsDiscovery`). One that
+leaves while it is up and streaming is a planned removal (a Kubernetes pod terminating leaves its
+Service's endpoints as its preStop drains it; a roll): it is not ready from then on, its streams
+are handed to `events.on_draining` as if it drained (`edge_proxy.handoff` moves them with their
+KV, from the replica still serving them), and it leaves the pool once it has no stream left,
+once its link drops (its streams then fail over, cause `disconnect`), or `leave_timeout_s` after
+it left (what is still there then fails over, cause `removed`). Cutting its streams at once
+instead would recompute every one of them on a successor while the KV is still there to pull.
+A URL back in DNS while it is still leaving is ready again (a readiness flap); one that leaves
+idle, or down, goes at once.
 
 A replica's Hello names its role (`Hello.role`: prefill, decode or both, the default): `ready()`
 lists the replicas that take streams (decode and both), `prefill_ready()` the prefill ones, which
@@ -90,6 +98,7 @@ class PoolConfig:
     stall_timeout_s: float = 2.0
     stall_steps: float = 4.0  # a slow engine (long steps on CPU) gets this many step times of silence
     start_timeout_s: float = 30.0  # silence allowed before the first token of a busy period
+    leave_timeout_s: float = 30.0  # a replica gone from DNS keeps its streams this long at most (Kubernetes' grace)
     healthz_interval_s: float = 2.0
     healthz_failures: int = 2
     hello_timeout_s: float = 5.0
@@ -154,6 +163,7 @@ class ReplicaConn:
         self.refused = False  # the replica refused our secret (4401)
         self.mismatch = ""  # why its last Hello was refused (tokenizer, block size); "" once accepted
         self.draining = False  # its Load said so: routed nothing new, its streams handed on
+        self.leaving_since = 0.0  # when it left discovery with streams (0: it has not); routed nothing new
         self.streams: dict[str, object] = {}  # internal id -> the request (stream.ProxiedRequest)
         self.index = BlockIndex()
         self.load: P.Load | None = None
@@ -181,7 +191,7 @@ class ReplicaConn:
 
     @property
     def ready(self) -> bool:
-        return self.connected and self.healthy and not self.draining
+        return self.connected and self.healthy and not self.draining and not self.leaving_since
 
     @property
     def role(self) -> str:
@@ -339,7 +349,8 @@ class ReplicaConn:
         self.draining = True
         if self.connected:
             self.pool.on_state_change()
-            self.pool.events.on_draining(self, list(self.streams.values()))
+            if not self.leaving_since:  # (leaving discovery handed them on already)
+                self.pool.events.on_draining(self, list(self.streams.values()))
 
     def _prefilled(self, rid: str) -> None:
         """`rid`'s prompt is no longer queued prefill here (its first token came, or it ended)."""
@@ -597,6 +608,11 @@ class ReplicaPool:
     def add(self, url: str) -> ReplicaConn:
         """A replica joins live (discovery): it connects, says Hello (tokenizer and block size
         checked) and sends its KV snapshot and Load, as the replicas given at start do."""
+        conn = next((c for c in self.conns if c.url == url and c.leaving_since), None)
+        if conn is not None:  # back before it had left: ready again (streams already handed on stay moved)
+            conn.leaving_since = 0.0
+            self.on_state_change()
+            return conn
         conn = ReplicaConn(url, self)
         self.conns.append(conn)
         if self._tasks:  # started
@@ -604,11 +620,23 @@ class ReplicaPool:
         return conn
 
     def remove(self, url: str) -> None:
-        """A replica leaves live (discovery): no new request goes to it, and its streams fail
-        over at once, resuming exactly on other replicas, as when a replica is lost."""
-        conn = next((c for c in self.conns if c.url == url), None)
+        """A replica leaves live (discovery): no new request goes to it; one up with streams hands
+        them on as a drain does and goes once they left (`_watchdog`), any other goes now."""
+        conn = next((c for c in self.conns if c.url == url and not c.leaving_since), None)
         if conn is None:
             return
+        if conn.connected and conn.streams:
+            log.info("replica %s left discovery with %d streams in flight: handing them on", conn.id,
+                     len(conn.streams))
+            conn.leaving_since = perf_counter()
+            self.on_state_change()
+            if not conn.draining:  # (draining: its streams were handed on already)
+                self.events.on_draining(conn, list(conn.streams.values()))
+            return
+        self._drop(conn)
+
+    def _drop(self, conn: ReplicaConn) -> None:
+        """`conn` leaves the pool: its run stops, and streams still on it fail over (cause `removed`)."""
         self.conns.remove(conn)  # out of routing before its streams look for a new home
         run = self._runs.pop(conn, None)
         if run is not None:
@@ -624,9 +652,12 @@ class ReplicaPool:
         while True:
             await asyncio.sleep(period)
             now = perf_counter()
-            for c in self.conns:
+            for c in list(self.conns):
                 if c.stalled(now):
                     c.lose("stall")
+                if c.leaving_since and (not c.streams or not c.connected
+                                        or now - c.leaving_since > self.cfg.leave_timeout_s):
+                    self._drop(c)
 
     async def _healthz_loop(self) -> None:
         while True:

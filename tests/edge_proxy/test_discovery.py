@@ -9,6 +9,7 @@ as pods behind a headless Service do.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 from time import perf_counter
 
@@ -17,7 +18,7 @@ import pytest
 from edge_proxy.client import EdgeClient
 from edge_proxy.discovery import DiscoveryConfig, DnsDiscovery, replica_url
 
-from conftest import proxy_for
+from conftest import FAST_POOL, proxy_for
 from dns_pods import INTERVAL, NAME, discovery, pods, refreshes, zone
 
 pytestmark = pytest.mark.anyio
@@ -97,7 +98,10 @@ async def test_a_replica_added_is_used_within_one_refresh():
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=77)],
                          ids=["greedy", "seeded"])
-async def test_a_replica_removed_mid_stream_finishes_elsewhere_with_identical_text(sampling):
+async def test_a_replica_leaving_mid_stream_hands_its_streams_on_with_identical_text(sampling):
+    """Leaving DNS while up and streaming is a planned removal (a pod terminating, a roll): its streams
+    are handed on as a drain's are (a stub has no KV to pull: moved by exact resume, cause `drain`),
+    and the proxy lets the replica go once none is left on it."""
     async with zone() as z, pods(step_s=0.02) as k:
         a, _ = await k.start("127.0.0.2", "a"), await k.start("127.0.0.3", "b")
         z.set(NAME, ["127.0.0.2", "127.0.0.3"])
@@ -118,9 +122,56 @@ async def test_a_replica_removed_mid_stream_finishes_elsewhere_with_identical_te
             assert [text for text, _ in got] == want
             assert sum(d.failovers for _, d in got) == moved
             assert all(d.replica == "b" for _, d in got if d.failovers)
-            assert urls(p) == {replica_url("127.0.0.3", k.port)}
-            assert p.proxy.metrics.failovers.get("removed") == moved
+            assert await p.proxy.pool.wait_for(lambda: urls(p) == {replica_url("127.0.0.3", k.port)}, timeout=5)
+            assert p.proxy.metrics.failovers.get("drain") == moved and not p.proxy.metrics.failovers.get("removed")
             assert "127.0.0.2" in k.live and not a.conns  # not a crash: the proxy hung up
+
+
+async def test_a_replica_left_with_no_successor_keeps_its_stream_then_goes_at_its_bound():
+    """With no other replica ready a leaving replica's stream stays on it (nothing to hand it to); past
+    `leave_timeout_s` what is still there fails over (cause `removed`), here onto a replica that came
+    meanwhile, exactly; one that finished there meanwhile never moved."""
+    pool = replace(FAST_POOL, leave_timeout_s=1.0)
+    async with zone() as z, pods(step_s=0.02) as k:
+        a = await k.start("127.0.0.2", "a")
+        z.set(NAME, ["127.0.0.2"])
+        async with proxy_for([], wait_ready=1, discovery=discovery(z, k.port), pool=pool) as p:
+            async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+                want, _ = await c.complete(prompt="a long story", max_tokens=150, temperature=0)
+                short_want, _ = await c.complete(prompt="short", max_tokens=12, temperature=0)
+                long_req = await c.generate(prompt="a long story", max_tokens=150, temperature=0)
+                short = await c.generate(prompt="short", max_tokens=12, temperature=0)
+                while min(a.produced().values(), default=0) < 3:
+                    a.token_event.clear()
+                    await asyncio.wait_for(a.token_event.wait(), 5)
+                z.set(NAME, [])  # `a` leaves with both streams and nobody to take them
+                assert await p.proxy.pool.wait_for(lambda: not p.proxy.pool.ready(), timeout=5)
+                short_text, short_done = await short.result()  # finished where it was
+                assert (short_text, short_done.failovers, short_done.replica) == (short_want, 0, "a")
+                await k.start("127.0.0.3", "b")
+                z.set(NAME, ["127.0.0.3"])
+                text, done = await long_req.result()
+            assert text == want and done.failovers == 1 and done.replica == "b"
+            assert p.proxy.metrics.failovers.get("removed") == 1
+            assert urls(p) == {replica_url("127.0.0.3", k.port)}
+
+
+async def test_a_replica_back_in_dns_while_leaving_is_ready_again():
+    async with zone() as z, pods(step_s=0.05) as k:
+        a = await k.start("127.0.0.2", "a")
+        z.set(NAME, ["127.0.0.2"])
+        async with proxy_for([], wait_ready=1, discovery=discovery(z, k.port)) as p:
+            pool = p.proxy.pool
+            async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
+                req = await c.generate(prompt="a long story", max_tokens=200)
+                await asyncio.wait_for(a.token_event.wait(), 5)
+                z.set(NAME, [])
+                assert await pool.wait_for(lambda: not pool.ready(), timeout=5)  # leaving, still streaming
+                z.set(NAME, ["127.0.0.2"])  # a readiness flap: back before it had gone
+                assert await pool.wait_for(lambda: len(pool.ready()) == 1, timeout=5)
+                assert len(pool.conns) == 1  # the same connection, not a second one to the same URL
+                _, done = await req.result()
+            assert done.failovers == 0 and done.replica == "a"
 
 
 async def test_a_dns_outage_keeps_the_last_known_set():

@@ -3,9 +3,10 @@ the load tester, with the proxy following the replicas by DNS: zero failed reque
 
 Each replaced "pod" gets a new address, as on Kubernetes. The two orders a cluster produces
 alternate: the pod leaves DNS first and stops once the proxy has moved its streams (preStop
-long enough), or it stops while its record is still served (SIGTERM racing the endpoint
-update). Either way its streams resume exactly elsewhere: the stub answers a resume that
-does not continue its own stream with an error, which the load tester would count.
+long enough: the proxy hands a leaving replica's streams on as a drain's, cause `drain`), or it
+stops while its record is still served (SIGTERM racing the endpoint update: cause `disconnect`).
+Either way its streams resume exactly elsewhere: the stub answers a resume that does not
+continue its own stream with an error, which the load tester would count.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ async def test_rolling_restart_under_load_fails_no_request():
                 run.stop.set()
 
             result, _ = await asyncio.gather(run.run(), roll())
-            failovers = {c: p.proxy.metrics.failovers.get(c) for c in ("removed", "disconnect")}
+            failovers = {c: p.proxy.metrics.failovers.get(c) for c in ("drain", "disconnect")}
     tot = result["totals"]["all"]
     # the message names what became of a missing request first (pytest shortens long reprs)
     assert tot["requests"] >= 50 and tot["completed"] == tot["requests"] == result["requests_sent"], \
         (f"errors {tot['errors']}, rejections {tot['rejections']}, unfinished {tot['unfinished']}", tot, result)
     assert not tot["errors"] and not tot["rejections"] and not tot["unfinished"] and not result["connect_errors"]
-    assert failovers["removed"] > 0 and failovers["disconnect"] > 0  # streams moved, in both orders
+    assert failovers["drain"] > 0 and failovers["disconnect"] > 0  # streams moved, in both orders
