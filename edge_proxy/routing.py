@@ -86,13 +86,15 @@ local, and why that is safe:
   a step, or they age out in `expect_s`; they bridge that step (and count in a replica's
   `held_blocks` for it), and another proxy learns the same blocks from the same events
   before the client's next turn reaches it;
-- its own requests since a replica's last Load (`effective_load`) and their prompts
-  still prefilling (`queued_prefill`): corrections of a report a few tens of ms old,
-  replaced by the next one; they weigh load, never decide a conversation's home;
+- its own requests a replica's last Load does not count (`effective_load`: the Load names
+  the last of this proxy's it counted, `Load.seen_id`) and their prompts still prefilling
+  (`queued_prefill`): corrections of a report one network hop old (a replica publishes its
+  Load the loop turn it accepts a request), replaced by the next one; they weigh load,
+  never decide a conversation's home;
 - the rendezvous tie-breaks draw on the request's key (a session's placement key, else
   its first block): alike everywhere. Two new conversations placed through two
-  processes within one replica's step (before its Load or KV events show the first)
-  see the same reports; the tie band of rule 3 spreads them over the replicas within
+  processes within one network hop (before the replica's Load shows the first to the
+  other; before its KV events do, one engine step) see the same reports; the tie band of rule 3 spreads them over the replicas within
   a prompt of the fewest blocks, by their keys, when their loads tie too. Where one
   replica alone is in the band, or the band's loads differ, both still go to the same
   one: no rule over reports a step old can tell them apart (docs/perf.md, "One region,
