@@ -70,7 +70,7 @@ if [ $DRY = 1 ]; then for s in "${!TIMEOUT[@]}"; do TIMEOUT[$s]=$((3 * ${TIMEOUT
 stage_cmd() {  # the command of a stage; the dry run's on tiny shapes
   case "$1:$DRY" in
     decode:0) echo "$PY bench/decode.py --no-peer --steps 32 --fused both" ;;
-    decode:1) echo "$PY bench/decode.py --no-peer --batches 1 4 --steps 8 --context 32 --fused both" ;;
+    decode:1) echo "$PY bench/decode.py --no-peer --batches 1 4 --steps 2 --context 32 --fused both" ;;
     profile:0) echo "$PY bench/decode.py --profile 1 8" ;;
     profile:1) echo "$PY bench/decode.py --profile 1 --context 32" ;;
     peer:0) echo "$PY bench/decode.py --peer-only --peer-batches 1 8" ;;
@@ -81,7 +81,7 @@ stage_cmd() {  # the command of a stage; the dry run's on tiny shapes
     service:0) echo "$PY bench/gpu_service.py" ;;
     service:1) echo "$PY bench/gpu_service.py --model smollm2-135m --device cpu --max-tokens 8 --streams 1,4" ;;
     spec:0) echo "$PY bench/spec_gpu.py" ;;
-    spec:1) echo "$PY bench/spec_gpu.py --model smollm2-135m --layers 4 --device cpu --dtype float32 --steps 2 --context 32 --batches 1,4" ;;
+    spec:1) echo "$PY bench/spec_gpu.py --model smollm2-135m --layers 4 --device cpu --dtype float32 --steps 1 --warmup 1 --context 32 --batches 1,4" ;;
     load:0) echo "$PY bench/gpu_load.py" ;;
     load:1) echo "$PY bench/gpu_load.py --preset smollm2-135m --device cpu --dtype float32 --file-gb 0.2" ;;
     kernels:0) echo "$PY bench/kernels.py --quick" ;;

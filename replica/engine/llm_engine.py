@@ -104,6 +104,7 @@ class LLMEngine:
                                          draft_kv=self.speculator.kv_shape if self.speculator is not None else None)
         if self.speculator is not None and self.speculator.kv_shape is not None:
             self.speculator.bind_kv(self.runner.draft_kv, self.runner.model.cos_sin)
+            self.runner.capture_verify(self.speculator.verify_nodes())  # CUDA graphs of the pure verify steps
         # int8 prefill or decode rows need a calibration (kept beside the built model, else run on text
         # now); "auto" with nothing to calibrate on keeps every row int16
         prompts_from, decodes = cfg.int8_prompts_from(), cfg.decode_activations == "int8"

@@ -188,6 +188,10 @@ class Speculator:
         """The draft shape when num_decodes sequences decode; None: decode plainly."""
         return self._specs[num_decodes] if 0 < num_decodes <= self.max_batch else None
 
+    def verify_nodes(self) -> list[int]:
+        """The tokens per row of every verify the head's drafts may make (budget + 1 per shape)."""
+        return sorted({spec.budget + 1 for spec in self._specs if isinstance(spec, TreeSpec)})
+
     @staticmethod
     def draft_tokens(spec) -> int:
         """Draft tokens per speculating sequence (its tree has one more node, the root)."""

@@ -40,6 +40,7 @@ from kernels.paged import pool_row
 from replica.model import sampler
 from replica.config import EngineConfig, ModelConfig
 from replica.model.graphs import DecodeGraphs, resolve_placeholders
+from replica.model.spec_graphs import VerifyGraphs, ancestor_masks
 from replica.model import built, cpu_model
 from replica.model.loader import Weights, load_gguf_quantized, random_weights, resolve_model
 from replica.model.llama import Context, LlamaModel
@@ -110,19 +111,6 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
     return m
 
 
-def ancestor_masks(parents: torch.Tensor, depth: int) -> torch.Tensor:
-    """(B, n, n) bool on the device: `ancestor_mask` of each row of parents (B, n), whose paths
-    are at most `depth` long: the parent relation closed by squaring, ceil(log2(depth)) products."""
-    B, n = parents.shape
-    eye = torch.eye(n, dtype=torch.float32, device=parents.device).expand(B, n, n)
-    up = torch.zeros(B, n, n + 1, dtype=torch.float32, device=parents.device)
-    up.scatter_(2, torch.where(parents < 0, n, parents)[..., None], 1.0)  # [i, parent(i)]; the root's in column n
-    reach, steps = eye + up[..., :n], 1  # paths of at most `steps` edges
-    while steps < depth:
-        reach, steps = (reach @ reach).clamp_max(1.0), 2 * steps
-    return reach > 0
-
-
 def tree_depths(parents: list[int]) -> list[int]:
     depths = [0] * len(parents)
     for i, p in enumerate(parents[1:], 1):
@@ -163,6 +151,7 @@ class Runner:
         self.kv_cache: torch.Tensor | None = None
         self.draft_kv: torch.Tensor | None = None  # (2, blocks, block_size, Hkv', D'): the EAGLE-3 head's layer
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None  # pure verify steps (replica.model.spec_graphs)
         self.aux_layers: tuple[int, ...] = ()
         self.keep_hidden = False
         self.narrow_from: int | None = None  # prompts this long prefill narrow (int8) rows: `enable_narrow`
@@ -228,7 +217,16 @@ class Runner:
         if use_graphs and isinstance(self.model, LlamaModel):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, bs, self.aux_layers, cfg.max_num_seqs,
                                        self.max_model_len, capture=on_cuda and cfg.graph_mode == "auto")
+            if draft_kv is not None and self.tp.world == 1:  # device drafts: their verify replays too
+                self.verify_graphs = VerifyGraphs(self.model, self.kv_cache, bs, self.aux_layers, cfg.max_num_seqs,
+                                                  self.graphs.max_blocks)
         return layout
+
+    def capture_verify(self, nodes: list[int]) -> None:
+        """The verify buffers for T tokens a row, each T in `nodes` (the drafter shapes' node
+        counts), and where the decode steps replay CUDA graphs, the verify's for every bucket."""
+        if self.verify_graphs is not None and nodes:
+            self.verify_graphs.reserve(nodes, pool=self.graphs.pool if self.graphs.graphs else None)
 
     def _agree(self, mine: KvLayout) -> KvLayout:
         """Rank 0 learns every rank's capacity, keeps the smallest and broadcasts the layout."""
@@ -384,6 +382,9 @@ class Runner:
         if (self.graphs is not None and not plan.trees and not plan.draft_rows and not plan.extra_logits
                 and plan.num_decodes == len(plan.starts) and self.graphs.bucket_for(plan.num_decodes) is not None):
             logits, aux = self.graphs.run(plan, prev_tokens)  # pure decode: replay (every row samples)
+            hidden = None
+        elif self.verify_graphs is not None and self.verify_graphs.fits(plan, drafts):
+            logits, aux = self.verify_graphs.run(plan, drafts)  # pure verify: every node a logits row
             hidden = None
         else:
             input_ids, positions, ctx, rows = self.prepare(plan, drafts)

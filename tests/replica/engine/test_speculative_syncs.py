@@ -75,14 +75,31 @@ def counted(eng) -> list[SyncCounter]:
     return steps
 
 
+def count_verify_buffers(eng) -> list:
+    """The verify steps that ran through the verify graphs' buffers (replica.model.spec_graphs)."""
+    runs, run_verify = [], eng.runner.verify_graphs.run
+
+    def counted_run(plan, drafts):
+        runs.append(len(plan.starts))
+        return run_verify(plan, drafts)
+
+    eng.runner.verify_graphs.run = counted_run
+    return runs
+
+
+@pytest.mark.parametrize("graphs", ["auto", "buffers"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_speculative_step_reads_the_host_once(kind, overlap, common_head):
+def test_a_speculative_step_reads_the_host_once(kind, overlap, graphs, common_head):
+    """graph_mode "buffers": plain steps through the decode graphs' buffers and pure verify steps
+    through the verify graphs' (the padded path a CUDA graph replays), on CPU."""
     spec = "eagle3-chain" if kind == "eagle3-sampled" else kind
-    eng = engine(spec, common_head, overlap=overlap, **KINDS[kind])
+    eng = engine(spec, common_head, overlap=overlap, graph_mode=graphs, **KINDS[kind])
     steps = counted(eng)
+    verifies = count_verify_buffers(eng) if graphs == "buffers" and kind != "ngram" else None
     toks = run(eng)
     assert all(len(t) == 12 for t in toks.values())
     assert len(steps) >= 3 and (eng.stats.accepted > 0 or kind == "ngram")  # ngram: host drafts
+    assert verifies is None or verifies, "some verify steps ran through the verify buffers"
     worst = max(steps, key=lambda c: c.count)
     assert worst.count <= 1, f"{worst.count} host reads/syncs in one step: " + "; ".join(worst.reads + worst.syncs)

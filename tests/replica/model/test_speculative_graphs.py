@@ -70,7 +70,7 @@ def run_recording(eng: LLMEngine, reqs: dict[str, tuple[list[int], int]]) -> dic
     """Step until idle: tokens and accepted drafts (usage) per request, the engine's
     drafted / accepted counters, every speculating step's trees (request, tokens,
     parents per row) and how many steps replayed the decode graphs."""
-    drafts, replays = [], []
+    drafts, replays, verifies = [], [], []
     draft = eng.speculator.draft
 
     def recorded_draft(batch):
@@ -88,6 +88,14 @@ def run_recording(eng: LLMEngine, reqs: dict[str, tuple[list[int], int]]) -> dic
             return graph_run(plan, prev_tokens)
 
         eng.runner.graphs.run = counted_run
+    if eng.runner.verify_graphs is not None:
+        verify_run = eng.runner.verify_graphs.run
+
+        def counted_verify(plan, drafts):
+            verifies.append((len(plan.starts), drafts.nodes))
+            return verify_run(plan, drafts)
+
+        eng.runner.verify_graphs.run = counted_verify
     for k, (ids, n) in reqs.items():
         sp = P.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         assert eng.add(P.Generate(id=k, prompt_ids=ids, sampling=sp)) is None
@@ -99,16 +107,17 @@ def run_recording(eng: LLMEngine, reqs: dict[str, tuple[list[int], int]]) -> dic
                 accepted[m.id] = m.usage.accepted_draft_tokens
     assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.seqs
     return dict(tokens=toks, accepted=accepted, counters=(eng.stats.drafted, eng.stats.accepted), drafts=drafts,
-                replays=len(replays))
+                replays=len(replays), verifies=verifies)
 
 
-def cpu_engine(head: str, graph_mode: str, overlap: bool) -> LLMEngine:
+def cpu_engine(head: str, graph_mode: str, overlap: bool, **kw) -> LLMEngine:
     # Trees of 10 drafts at batch 1, tapering to plain decoding above 2 sequences: with six
     # requests of staggered lengths, runs of plain (graph) steps come before the drafting steps.
-    cfg = EngineConfig(num_blocks=96, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-                       speculative="eagle3", spec_head=head, spec_depth=4, spec_top_k=3, spec_budget=10,
-                       spec_max_batch=2, spec_policy="taper", graph_mode=graph_mode, overlap=overlap)
-    return LLMEngine(cfg, CFG, W)
+    cfg = dict(num_blocks=96, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+               speculative="eagle3", spec_head=head, spec_depth=4, spec_top_k=3, spec_budget=10,
+               spec_max_batch=2, spec_policy="taper", graph_mode=graph_mode, overlap=overlap)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), CFG, W)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -123,6 +132,30 @@ def test_eagle3_through_graph_buffers_drafts_and_accepts_as_without_graphs(head_
     assert got["tokens"] == ref["tokens"]  # verified: the same whatever the head saw
     assert got["accepted"] == ref["accepted"] and got["counters"] == ref["counters"]  # the head saw the same features
     assert got["drafts"] == ref["drafts"]  # and drafted the same trees, step by step
+
+
+SHAPES = {"chain": dict(spec_depth=4, spec_top_k=1, spec_budget=0), "tree": dict(spec_depth=4, spec_top_k=3, spec_budget=10)}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_verify_through_graph_buffers_drafts_and_accepts_as_eager(head_path, shape, rows, overlap):
+    """`rows` requests decoding together: after their prefill every step is a pure verify of
+    device trees (replica.model.spec_graphs) until the first finishes, padded to its bucket
+    (3 -> 4, 5 -> 8), its tokens per row the taper's shape at that batch size (a chain of 4 at
+    1 row, 3 at 3, 1 at 5)."""
+    rng = random.Random(rows)
+    reqs = {f"r{i}": ([rng.randrange(1, 97) for _ in range(5 + i)], 14) for i in range(rows)}
+    kw = dict(SHAPES[shape], spec_max_batch=5)
+    ref = run_recording(cpu_engine(head_path, "off", overlap, **kw), reqs)
+    got = run_recording(cpu_engine(head_path, "buffers", overlap, **kw), reqs)
+    assert not ref["verifies"] and got["verifies"], "the verify steps ran through the verify buffers"
+    assert got["verifies"][0][0] == rows, got["verifies"]  # the first drafting step: all rows at once
+    assert ref["counters"][1] >= 2, f"some drafts are accepted: {ref['counters']}"
+    assert got["tokens"] == ref["tokens"]
+    assert got["accepted"] == ref["accepted"] and got["counters"] == ref["counters"]
+    assert got["drafts"] == ref["drafts"]
 
 
 # -- on a GPU: bf16 under CUDA graphs --------------------------------------------------------
