@@ -85,8 +85,9 @@ run: $(STAMP)
 	$(PY) -m regions up $(strip $(UP_ARGS))
 
 # --durations: every run (CI's too) ends with its 25 slowest tests, where the suite's time goes.
+# --build-kernels: the C++ kernels not yet built are compiled first, one per core (tests/kernel_builds.py).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 --build-kernels
 
 # The proxy and CPU replica images, built here with podman from deploy/Dockerfile (no registry needed:
 # the base is made from Debian's packages where none answers); prints their sizes, build times and a

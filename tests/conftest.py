@@ -23,6 +23,19 @@ os.environ["EDGECHAT_EAGLE3_DIR"] = tempfile.mkdtemp(prefix="edgechat-eagle3-tes
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--build-kernels", action="store_true",
+                     help="first build the C++ kernels the extension cache lacks, one per core (tests/kernel_builds.py)")
+
+
+def pytest_sessionstart(session):
+    if session.config.getoption("--build-kernels"):
+        from tests.kernel_builds import build_missing
+
+        account = build_missing()
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(account)
+
+
 @pytest.fixture(scope="session")
 def default_replica_server():
     """One real replica on the default model, shared by the client tests (tests/edge_proxy/test_browser.py,
