@@ -1,6 +1,6 @@
 """bench/gpu_service.py's CPU dry run: a real replica (random weights of the smollm2-135m
 preset, through the tokenizer folder the script writes) behind a real proxy, the
-official openai SDK streaming at 1 and 4 concurrent streams; the table has a row per
+official openai SDK streaming at 1 and 4 concurrent streams (one round each); the table has a row per
 stream count with finite figures, the exit status is 0, and nothing it started still
 listens afterwards."""
 
@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cpu_dry_run(tmp_path):
+    # One measured round of 8 tokens (the script's default is 3 rounds): every code path of a row runs, at
+    # 1 and 4 streams; three rounds of 16 took 39 s of CPU and 75 s here, one of 8 24 s and 51-60 s (load 4-6).
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_service.py"), "--model", "smollm2-135m",
-                        "--device", "cpu", "--max-tokens", "16", "--streams", "1,4", "--log-dir", str(tmp_path)],
+                        "--device", "cpu", "--max-tokens", "8", "--rounds", "1", "--streams", "1,4",
+                        "--log-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
     assert "edgechat service on cpu: smollm2-135m (random weights, float32)" in r.stdout
