@@ -3,9 +3,10 @@
 // int8 (64 multiply-adds per 512-bit instruction), vpdpwssd int16 x int16 pairs (32), what
 // kernels/qgemm.h uses. read_bandwidth, for bench/engine.py: the rate at which `threads` threads
 // stream a buffer far larger than the caches (the floor under a decode step's KV reads).
+#include <c10/util/Exception.h>  // TORCH_CHECK; no tensor here, so not torch/extension.h (45 s of CPU to build, 16 without)
 #include <immintrin.h>
 #include <omp.h>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <chrono>
