@@ -10,8 +10,10 @@ msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
      after every step that admits, aborts or finishes a request, so the running
      count routers and `/metrics` see is never a report behind); each Load counts the
      Generates taken so far (`taken`: the API process adds those it sent since).
-KV transfer commands (KvRead, KvBlocks: replica.engine.kv_transfer) are answered as they
-are taken, between steps.
+KV transfer commands (KvRead, KvBlocks: replica.engine.kv_transfer) are served as they are
+taken, between steps, and answered before the next step runs: under decode load a transfer's
+round trip was the wait for the boundary plus a whole step, ~240 ms of the 3 MB frame's
+~245 ms (docs/perf.md, drain with hand-off).
 An Abort is therefore applied before the next step: a cancelled request stops
 within one step and its blocks are freed. The process exits when the API
 process closes the socket.
@@ -104,6 +106,17 @@ def compute_fields(cfg: EngineConfig) -> dict:
             "uses": cfg.engine_threads()}
 
 
+# A boundary that receives bulk bytes (an imported KV frame, 3 MB, arrives in socket-buffer-sized
+# chunks, ~400 KB here) waits up to LINGER_S for each next chunk, LINGER_MAX_S in all: read only
+# between steps, a frame took one chunk a step (p50 561 ms from the API's send to the engine taking
+# it under a drain's load, docs/perf.md); the step's threads are idle meanwhile, so the API process runs.
+BULK_BYTES = 1 << 18
+LINGER_S = 0.002
+LINGER_MAX_S = 0.03
+SEND_BUFFER_BYTES = 4 << 20  # the socket's send buffer (the kernel caps it at net.core.wmem_max): a KV
+#                              read's answer (3 MB a frame) is left in the kernel, not sent while the API reads
+
+
 def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:
     codec = P.FrameCodec()
     contained = Containment(engine)
@@ -116,12 +129,15 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
         busy = engine.has_work()
         timeout = 0.0 if busy else max(0.0, next_report - time.monotonic())
         out: list = []
+        kv_out: list = []  # answers to KV transfer commands
         changed = False  # a request came or went: report the load after this step
         readable, _, _ = select.select([sock], [], [], timeout)
+        got, linger_end = 0, 0.0
         while readable:
             data = sock.recv(1 << 20)
             if not data:
                 return  # the API process is gone
+            got += len(data)
             for msg in codec.feed(data):
                 changed = True
                 if isinstance(msg, P.Generate):
@@ -134,10 +150,17 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                     if fin is not None:
                         out.append(fin)
                 elif isinstance(msg, P.KvRead):
-                    out.append(kv.read(msg))
+                    kv_out.append(kv.read(msg))
                 elif isinstance(msg, P.KvBlocks):
-                    out.append(kv.write(msg))
-            readable, _, _ = select.select([sock], [], [], 0)
+                    kv_out.append(kv.write(msg))
+            wait = 0.0
+            if got >= BULK_BYTES:  # a KV frame on its way: its next chunk is the API process's next write
+                linger_end = linger_end or time.monotonic() + LINGER_MAX_S
+                wait = min(LINGER_S, max(0.0, linger_end - time.monotonic()))
+            readable, _, _ = select.select([sock], [], [], wait)
+        if kv_out:  # answered now, not after the step: a transfer's round trip is the wait for this boundary only
+            events = engine.kv_events()  # an import's stored events first: the API's cache mirror has them
+            sock.sendall(codec.pack(([events] if events is not None else []) + kv_out))  # before the answer
         if engine.has_work():
             step = contained.step()
             changed = changed or any(type(m) in (P.Finished, P.Error) for m in step)
@@ -165,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(cfg)
     gc.freeze()  # the model and its tensors' wrappers: collections between steps scan only new objects
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     sock.connect(args.socket)
     try:
         serve(engine, sock, args.replica_id, os.path.basename(cfg.model), cfg.load_report_interval_s)

@@ -1,0 +1,79 @@
+"""The engine process's loop (replica.engine.process.serve) answers a KV transfer command before
+it runs the next step: a transfer's round trip is the wait for one step boundary, not that plus a
+whole step (docs/perf.md, drain with hand-off). Over a socket pair, the tiny engine with its steps
+gated: the answer must arrive while the step after the read is held."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from wire import protocol as P
+from wire.hashing import block_hashes
+from replica.config import EngineConfig
+from replica.engine.llm_engine import LLMEngine
+from replica.engine.process import serve
+from tests.replica.engines import prompts, run
+from tests.replica.tiny import tiny_config, tiny_weights
+
+GREEDY = P.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class GatedEngine(LLMEngine):
+    """Each step waits for a permit; `entered` counts the steps begun."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.permits = threading.Semaphore(0)
+        self.entered = 0
+        self.in_step = threading.Condition()
+
+    def step(self, *args, **kw):
+        with self.in_step:
+            self.entered += 1
+            self.in_step.notify_all()
+        assert self.permits.acquire(timeout=60), "the test never let this step run"
+        return super().step(*args, **kw)
+
+
+def receive_until(sock: socket.socket, codec: P.FrameCodec, kind, timeout: float):
+    sock.settimeout(timeout)
+    while True:
+        for msg in codec.feed(sock.recv(1 << 20)):
+            if isinstance(msg, kind):
+                return msg
+
+
+def test_a_kv_read_is_answered_before_the_next_step():
+    cfg = tiny_config()
+    engine = GatedEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8),
+                         cfg, tiny_weights(cfg))
+    ids = prompts([70])["s0"]  # 4 full blocks, computed and cached before the loop starts
+    assert engine.add(P.Generate(id="p", prompt_ids=ids, sampling=GREEDY)) is None
+    engine.permits.release(100)
+    run(engine)
+    engine.permits, engine.entered = threading.Semaphore(0), 0
+    long = P.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    assert engine.add(P.Generate(id="busy", prompt_ids=prompts([20], seed=1)["s0"], sampling=long)) is None
+    ours, theirs = socket.socketpair()
+    loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0), daemon=True)
+    loop.start()
+    codec = P.FrameCodec()
+    try:
+        receive_until(ours, codec, P.KvSpec, 30)
+        with engine.in_step:  # the loop is inside its first step, held
+            assert engine.in_step.wait_for(lambda: engine.entered == 1, 30)
+        hashes = block_hashes(ids, 16)
+        ours.sendall(codec.pack([P.KvRead(id="kv/0", hashes=hashes)]))
+        engine.permits.release()  # step 1 ends; the loop takes the read at this boundary
+        got = receive_until(ours, codec, P.KvBlocks, 30)  # no permit for step 2: it came before step 2 ended
+        with engine.in_step:  # and the loop went on into step 2, held
+            assert engine.in_step.wait_for(lambda: engine.entered == 2, 30)
+        assert got.id == "kv/0" and got.hashes == hashes and len(got.data) == 4 * engine.runner.block_nbytes()
+    finally:
+        engine.permits.release(1000)
+        ours.shutdown(socket.SHUT_WR)  # the loop sees the API process gone and returns
+        loop.join(30)
+        ours.close()
+        theirs.close()
+    assert not loop.is_alive()
