@@ -12,14 +12,17 @@ it is whole:
     block_bytes per block and each block's xxh3_64 digest matches.
 A frame that fails a check, or a stream that breaks (the source died), ends the pull (502);
 the frames already cached stay: each is whole and verified, and a block is found by its chained
-hash, so the cached ones are a prefix a request reuses and nothing else can reach them. The
-engine caches each frame all or nothing (replica.engine.kv_transfer), so no block leaks.
+hash, so a request reuses the cached prefix and nothing reaches a block past a missing one (with
+several frames in flight a later one can land after an earlier one failed: a cached free block
+no prefix reaches, evicted like any). The engine caches each frame all or nothing
+(replica.engine.kv_transfer), so no block leaks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from wire import protocol as P
@@ -27,6 +30,9 @@ from wire.hashing import block_hashes
 from wire.kv_frames import KvEnd, KvExport, KvFrame, KvPull, block_digest
 from replica.api.engine_supervisor import EngineUnavailable
 from replica.api.kv_transport import KvTransportError
+
+WRITES_AHEAD = 4  # frames handed to the engine, unanswered, while the next is read (4 x 3 MB, the default model)
+SETTLE_S = 1.0  # a pull ended early waits this long at most for its writes in flight (one step boundary)
 
 
 @dataclass
@@ -108,32 +114,75 @@ class _Refused(Exception):
 async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[int], have: int,
                  res: PullResult) -> KvEnd | None:
     """Fetch blocks `have`.. of `hashes` into the engine, counted in `res` as each frame is cached;
-    the source's KvEnd (None: the stream ended without it). _Refused on a spec or frame that fails."""
+    the source's KvEnd (None: the stream ended without it). _Refused on a spec or frame that fails.
+    Up to WRITES_AHEAD frames are in the engine's hands at once (it caches them in order, each all
+    or nothing), so one step boundary caches several instead of one a boundary."""
     at, spec = have, None
+    writes: deque[tuple[int, asyncio.Future]] = deque()  # (first block, the KvBlocks' answer to come), in order
+
+    async def settle() -> None:  # the oldest write's answer, counted
+        first, fut = writes.popleft()
+        written = await fut
+        if written.error:
+            _drop(writes)  # the later frames are past a missing block: not counted
+            raise _Refused(503, f"this replica's engine cached none of blocks {first}..: {written.error}")
+        res.imported += written.stored
+        res.cached += written.present
+
     stream = transport.fetch(req.source, KvExport(token_ids=req.token_ids, cache_salt=req.cache_salt, start=have,
                                                   frame_blocks=req.frame_blocks))
-    async with contextlib.aclosing(stream):  # closed at once when the pull ends early: the source's export stops
-        async for msg in stream:
-            if spec is None:
-                if not isinstance(msg, P.KvSpec):
-                    raise _Refused(502, f"the export stream from {req.source} did not open with its KvSpec")
-                problem = mine.mismatch(msg)
-                if problem is not None:
-                    raise _Refused(409, f"{problem} (here: this replica; there: {req.source}): refused, "
-                                        "nothing imported")
-                spec = msg
-            elif isinstance(msg, KvFrame):
-                problem = check_frame(msg, hashes, at, mine.block_bytes)
-                if problem is not None:
-                    raise _Refused(502, f"{req.source} sent a bad frame: {problem}")
-                written = await client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data))
-                if written.error:
-                    raise _Refused(503, f"this replica's engine cached none of blocks {at}..: {written.error}")
-                res.imported += written.stored
-                res.cached += written.present
-                at += len(msg.hashes)
-            elif isinstance(msg, KvEnd):
-                return msg
-            else:
-                raise _Refused(502, f"{req.source} sent a second KvSpec")
+    try:
+        async with contextlib.aclosing(stream):  # closed at once when the pull ends early: the source's export stops
+            async for msg in stream:
+                if spec is None:
+                    if not isinstance(msg, P.KvSpec):
+                        raise _Refused(502, f"the export stream from {req.source} did not open with its KvSpec")
+                    problem = mine.mismatch(msg)
+                    if problem is not None:
+                        raise _Refused(409, f"{problem} (here: this replica; there: {req.source}): refused, "
+                                            "nothing imported")
+                    spec = msg
+                elif isinstance(msg, KvFrame):
+                    problem = check_frame(msg, hashes, at, mine.block_bytes)
+                    if problem is not None:
+                        raise _Refused(502, f"{req.source} sent a bad frame: {problem}")
+                    write = client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data))
+                    writes.append((at, asyncio.ensure_future(write)))
+                    at += len(msg.hashes)
+                    while len(writes) > WRITES_AHEAD:
+                        await settle()
+                elif isinstance(msg, KvEnd):
+                    while writes:
+                        await settle()
+                    return msg
+                else:
+                    raise _Refused(502, f"{req.source} sent a second KvSpec")
+        while writes:  # the stream ended without its KvEnd: what was sent is counted
+            await settle()
+    finally:  # ended early (a bad frame, a broken stream, the bound): the writes in flight are counted as they land
+        await _settle_rest(writes, res)
     return None
+
+
+async def _settle_rest(writes: deque, res: PullResult) -> None:
+    """Count the writes still in flight that the engine answers within SETTLE_S (they are in its
+    socket: its next step boundary caches them), in order up to the first that failed; cancel the rest
+    (one already sent may land uncounted: a cached block the count misses, never one it claims)."""
+    if not writes:
+        return
+    await asyncio.wait([f for _, f in writes], timeout=SETTLE_S)
+    while writes and writes[0][1].done() and not writes[0][1].cancelled() and writes[0][1].exception() is None:
+        written = writes.popleft()[1].result()
+        if written.error:
+            break
+        res.imported += written.stored
+        res.cached += written.present
+    _drop(writes)
+
+
+def _drop(writes: deque) -> None:
+    """Cancel the writes left, their outcomes retrieved (none logged as never seen)."""
+    for _, fut in writes:
+        if not fut.cancel() and not fut.cancelled():
+            fut.exception()
+    writes.clear()

@@ -129,3 +129,61 @@ def test_the_stream_codec_returns_only_whole_messages():
         got += codec.feed(wire[i: i + 7])
     assert [type(m) for m in got] == [P.KvSpec, KvFrame, KvEnd] and got[1] == frame(0, 2) and codec.pending == 0
     assert codec.feed(wire[:10]) == [] and codec.pending == 10
+
+
+class SlowEngine(Engine):
+    """An engine that answers each KvBlocks only when the test says so (its step boundary)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending: list[asyncio.Future] = []
+        self.asked = asyncio.Event()
+
+    async def kv_call(self, msg):
+        self.written.append(list(msg.hashes))
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append(fut)
+        self.asked.set()
+        await fut
+        return P.KvWritten(id="", stored=len(msg.hashes))
+
+
+def test_several_frames_are_in_the_engine_at_once_and_counted_in_order():
+    async def go():
+        e = SlowEngine()
+        t = Transport(SPEC, *(frame(i, 1) for i in range(4)), KvEnd(blocks=4))
+        task = asyncio.ensure_future(kv_import.pull(e, t, KvPull(source="http://src", token_ids=IDS, frame_blocks=1)))
+        while len(e.pending) < min(4, kv_import.WRITES_AHEAD):  # every frame asked before the first is answered
+            e.asked.clear()
+            await asyncio.wait_for(e.asked.wait(), 5)
+        assert not task.done() and not any(f.done() for f in e.pending)
+        while not task.done():  # one boundary answers whatever is pending
+            for f in e.pending:
+                if not f.done():
+                    f.set_result(None)
+            await asyncio.sleep(0)
+        return e, task.result()
+
+    e, res = asyncio.run(go())
+    assert (res.status, res.complete, res.imported) == (200, True, 4) and e.written == [[h] for h in HASHES]
+
+
+class FailingEngine(Engine):
+    """Caches blocks until `fail_at` (a frame's first block), which it refuses (no room)."""
+
+    def __init__(self, fail_at: int):
+        super().__init__()
+        self.fail_at = fail_at
+
+    async def kv_call(self, msg):
+        self.written.append(list(msg.hashes))
+        await asyncio.sleep(0)  # answered a loop turn later: the next frame is already in flight
+        if msg.hashes[0] == HASHES[self.fail_at]:
+            return P.KvWritten(id="", error="no room")
+        return P.KvWritten(id="", stored=len(msg.hashes))
+
+
+def test_a_refused_write_counts_the_frames_before_it_only():
+    res = pull(FailingEngine(1), Transport(SPEC, *(frame(i, 1) for i in range(4)), KvEnd(blocks=4)), frame_blocks=1)
+    assert res.status == 503 and "blocks 1.." in res.error and "no room" in res.error
+    assert (res.imported, res.complete) == (1, False)
