@@ -134,12 +134,15 @@ class Drafter:
     (replica.model.runner.Runner.draft_kv), in the head's dtype."""
 
     def __init__(self, head: Eagle3Head, cos_sin: torch.Tensor, kv: torch.Tensor, ops, threads: int | None = None):
-        """threads: the C++ head step's (default torch's thread count)."""
+        """threads: the C++ head step's (default torch's thread count). `graphs` (set by the
+        engine, replica.model.spec_draft_graphs.DraftGraphs): the draft levels of a round run
+        through it, one replay per (batch bucket, shape), instead of eagerly."""
         assert kv.shape[-2:] == head.kv_shape() and kv.dtype == head.fc.weight.dtype, "the head's KV layer"
         self.head, self.cos_sin, self.ops, self.block_size = head, cos_sin, ops, kv.shape[2]
         self.kv, self.k_cache, self.v_cache = kv, kv[0], kv[1]
         self.scale = head.cfg.head_dim**-0.5
         self.cpp = None  # the C++ head step (kernels.cpu_draft.DraftStep), where the kernel set has it
+        self.graphs = None
         if getattr(ops, "cpu_draft", False) and cpu_draft.supports(head, kv):
             self.cpp = cpu_draft.DraftStep(head, cos_sin, threads or torch.get_num_threads())
 
@@ -191,10 +194,11 @@ class Drafter:
         return o, logp, ids[last], lens.long()
 
     # -- one draft level ----------------------------------------------------------------------
-    def _step(self, tok, g, lens, level: int, e0: int, anc, block_tables):
+    def _step(self, tok, g, lens, level: int, e0: int, anc, block_tables, live=None):
         """Head step for K nodes per sequence at depth `level`: tok (B, K) target ids,
         g (B, K, h) their parents' outputs. Their entries go to scratch slots
-        n + e0 .. n + e0 + K - 1; anc (B, E, E) says which scratch entries each sees.
+        n + e0 .. n + e0 + K - 1; anc (B, E, E) says which scratch entries each sees;
+        live (B,) bool or None (all): rows not live write no KV (graph padding).
         Returns the nodes' outputs o (B, K, h) and log q (B, K, V), fp32."""
         B, K = tok.shape
         dev = tok.device
@@ -202,6 +206,8 @@ class Drafter:
         scratch = lens[:, None] + e0 + torch.arange(K, device=dev)  # (B, K)
         rows = torch.arange(B, device=dev)[:, None].expand(B, K)
         slots = self._slots(block_tables, rows.flatten(), scratch.flatten())
+        if live is not None:
+            slots = torch.where(live[rows.flatten()], slots, -1)
         # Tree attention: a sequence's scratch entries follow its n committed ones; the K
         # queries are entries e0 .. e0 + K - 1, the newest so far, and see the prefix and
         # the scratch entries anc allows (their ancestors and themselves).
@@ -229,16 +235,32 @@ class Drafter:
         """One draft tree per sequence, on the device. block_tables (B, W) int32 must cover
         positions [0, len + spec.lookahead). temperatures/seeds: for spec.sample only."""
         o, logp, roots, lens = self._commit(tokens, states, block_tables)
+        dev = o.device
+        temps = upload(temperatures, torch.float32, dev) if spec.sample else None
+        seeds = upload(seeds, torch.int64, dev) if spec.sample else None
+        inputs = (roots, o, logp, lens, block_tables, temps, seeds)
+        if self.graphs is not None:  # views of the graphs' buffers, valid until the next round
+            out, block_tables, lens = self.graphs.run(self, spec, inputs)
+        else:
+            out = self.levels(spec, *inputs)
+        tokens, parents, depths, q = out if spec.sample else (*out, None)
+        return Drafts(tokens, parents, depths, spec.depth, block_tables, lens, q=q)
+
+    def levels(self, spec: TreeSpec, roots, o, logp, lens, block_tables, temps=None, seeds=None, live=None):
+        """Every draft level of a round, from the commit's outputs (roots (B,), o (B, h), log q
+        (B, V), lens (B,)): (tokens, parents, depths) (B, n) [+ q (B, n, V) for spec.sample].
+        Fixed shapes for a given (B, spec) and no host read: what one graph captures. live (B,)
+        bool: rows that are padding (False) write no head KV."""
         if spec.sample:
-            return self._sample_chain(roots, o, logp, lens, block_tables, spec, temperatures, seeds)
-        return self._tree(roots, o, logp, lens, block_tables, spec)
+            return self._sample_chain(roots, o, logp, lens, block_tables, spec, temps, seeds, live)
+        return self._tree(roots, o, logp, lens, block_tables, spec, live)
 
     def propose(self, tokens: list[list[int]], states: list[HeadState], block_tables: torch.Tensor, spec: TreeSpec,
                 temperatures=None, seeds=None) -> list[DraftTree]:
         """`draft`, read back as host trees."""
         return self.draft(tokens, states, block_tables, spec, temperatures, seeds).trees()
 
-    def _tree(self, roots, o, logp, lens, block_tables, spec: TreeSpec) -> Drafts:
+    def _tree(self, roots, o, logp, lens, block_tables, spec: TreeSpec, live=None):
         B, K, d2t = roots.shape[0], spec.top_k, self.head.d2t
         E = K * (spec.depth - 1)
         anc = torch.zeros(B, E, E, dtype=torch.bool, device=o.device)
@@ -262,7 +284,7 @@ class Drafter:
                 parent_rows = anc[batch_rows, f_pe[:, r].clamp_min(0)] & (f_pe[:, r] >= 0)[:, None]
                 anc[:, e0 + r] = parent_rows
                 anc[:, e0 + r, e0 + r] = True
-            o_f, logp_f = self._step(d2t[f_tok], g, lens, level, e0, anc, block_tables)  # (B, K, h), (B, K, V)
+            o_f, logp_f = self._step(d2t[f_tok], g, lens, level, e0, anc, block_tables, live)  # (B, K, h), (B, K, V)
             lp = logp_f.topk(K, dim=-1)  # (B, K, K)
             new_score = (f_score[..., None] + lp.values).flatten(1)  # (B, K*K)
             c_tok.append(lp.indices.flatten(1))
@@ -272,8 +294,7 @@ class Drafter:
             best = new_score.topk(K, dim=-1).indices  # next frontier, best first
             frontier = n_prev + best
             g = o_f.gather(1, (best // K)[..., None].expand(B, K, o_f.shape[-1]))
-        drafts = self._rerank(roots, torch.cat(c_tok, 1), torch.cat(c_score, 1), torch.cat(c_parent, 1), spec)
-        return Drafts(*drafts, depth=spec.depth, block_tables=block_tables, lens=lens)
+        return self._rerank(roots, torch.cat(c_tok, 1), torch.cat(c_score, 1), torch.cat(c_parent, 1), spec)
 
     def _rerank(self, roots, tok, score, parent, spec: TreeSpec):
         """Keep the `budget` best candidates, ordered by depth then score: (tokens, parents,
@@ -292,12 +313,10 @@ class Drafter:
         return (torch.cat([roots[:, None], self.head.d2t[tok.gather(1, keep)]], 1), torch.cat([minus, parents], 1),
                 torch.cat([torch.zeros_like(minus), level[keep]], 1))
 
-    def _sample_chain(self, roots, o, logp, lens, block_tables, spec, temperatures, seeds) -> Drafts:
+    def _sample_chain(self, roots, o, logp, lens, block_tables, spec, temps, seeds, live=None):
         """Chain drafts x_k ~ q_k = softmax(head logits / T) = softmax(log q / T), recorded for verification."""
         B, dev, d2t = roots.shape[0], o.device, self.head.d2t
         V = self.head.cfg.target_vocab_size
-        temps = upload(temperatures, torch.float32, dev)
-        seeds = upload(seeds, torch.int64, dev)
         anc = torch.ones(B, spec.depth, spec.depth, device=dev, dtype=torch.bool).tril()
         qs, drafts, g = [torch.zeros(B, V, device=dev)], [], o[:, None]
         for level in range(1, spec.depth + 1):
@@ -309,9 +328,9 @@ class Drafter:
             qs.append(torch.zeros(B, V, device=dev).index_copy_(1, d2t, q))
             drafts.append(d2t[x])
             if level < spec.depth:
-                g, logp_f = self._step(d2t[x][:, None], g, lens, level, level - 1, anc, block_tables)
+                g, logp_f = self._step(d2t[x][:, None], g, lens, level, level - 1, anc, block_tables, live)
                 logp = logp_f[:, 0]
         q_all = torch.stack(qs, 1)  # (B, depth + 1, V)
         tokens = torch.stack([roots] + drafts, 1)  # (B, depth + 1)
         nodes = torch.arange(spec.depth + 1, device=dev).expand(B, -1)
-        return Drafts(tokens, nodes - 1, nodes, spec.depth, block_tables, lens, q=q_all)
+        return tokens, nodes - 1, nodes, q_all

@@ -103,7 +103,7 @@ class LLMEngine:
                                          keep_hidden=features is not None and features.keep_hidden,
                                          draft_kv=self.speculator.kv_shape if self.speculator is not None else None)
         if self.speculator is not None and self.speculator.kv_shape is not None:
-            self.speculator.bind_kv(self.runner.draft_kv, self.runner.model.cos_sin)
+            self.speculator.bind_kv(self.runner.draft_kv, self.runner.model.cos_sin, self.runner.graphs)
             self.runner.capture_verify(self.speculator.verify_nodes())  # CUDA graphs of the pure verify steps
         # int8 prefill or decode rows need a calibration (kept beside the built model, else run on text
         # now); "auto" with nothing to calibrate on keeps every row int16

@@ -63,6 +63,7 @@ import torch
 
 from replica.config import EngineConfig, ModelConfig
 from replica.model.plan import StepPlan, slot
+from replica.model.spec_draft_graphs import DraftGraphs
 from speculative.cache import head_dir
 from speculative.drafting import DraftTree, Drafter, Drafts, upload
 from speculative.tree_spec import TreeSpec
@@ -143,14 +144,21 @@ class Speculator:
             self.max_batch = cfg.max_num_seqs
         self._specs = [None] + [self._for_batch(cfg, b) for b in range(1, self.max_batch + 1)]
 
-    def bind_kv(self, kv: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    def bind_kv(self, kv: torch.Tensor, cos_sin: torch.Tensor, graphs=None) -> None:
         """The head's KV layer in the Runner's pool, and the target's rotary table (the head's
-        own instead where its config has another rope: a published head's)."""
+        own instead where its config has another rope: a published head's). graphs: the
+        Runner's decode graphs (replica.model.graphs.DecodeGraphs) or None; with them the
+        draft loop runs through DraftGraphs too, captured where they are."""
         own = self.head.cfg.rope_table(self.model_cfg, cos_sin.shape[0])
         table = cos_sin if own is None else own.to(cos_sin.device)
         # The head rotates q/k with the table in its own dtype, so a bf16 head stays bf16
         # (drafts only; the target keeps its fp32 table).
-        self.drafter = Drafter(self.head, table.to(self.head.fc.weight.dtype), kv, self.ops, self.threads)
+        dtype = self.head.fc.weight.dtype
+        self.drafter = Drafter(self.head, table.to(dtype), kv, self.ops, self.threads)
+        if graphs is not None:
+            c = self.head.cfg
+            self.drafter.graphs = DraftGraphs(c.hidden_size, c.draft_vocab_size, dtype, kv.device, graphs.buckets[-1],
+                                              graphs.max_blocks, capture=bool(graphs.graphs))
 
     # -- draft shape per batch size -----------------------------------------------------------
     def _shape(self, cfg: EngineConfig, depth: int):

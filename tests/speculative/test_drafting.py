@@ -94,7 +94,8 @@ class DenseDrafter(Drafter):
     committed prefix plus the scratch entries anc allows (what kernels.ops' tree
     attention computes in one call)."""
 
-    def _step(self, tok, g, lens, level, e0, anc, block_tables):
+    def _step(self, tok, g, lens, level, e0, anc, block_tables, live=None):
+        assert live is None, "no graph padding here"
         B, K = tok.shape
         scratch = lens[:, None] + e0 + torch.arange(K)
         slots = self._slots(block_tables, torch.arange(B)[:, None].expand(B, K).flatten(), scratch.flatten())

@@ -101,5 +101,6 @@ def test_a_speculative_step_reads_the_host_once(kind, overlap, graphs, common_he
     assert all(len(t) == 12 for t in toks.values())
     assert len(steps) >= 3 and (eng.stats.accepted > 0 or kind == "ngram")  # ngram: host drafts
     assert verifies is None or verifies, "some verify steps ran through the verify buffers"
+    assert verifies is None or eng.speculator.drafter.graphs.outputs, "the draft loop ran through its buffers"
     worst = max(steps, key=lambda c: c.count)
     assert worst.count <= 1, f"{worst.count} host reads/syncs in one step: " + "; ".join(worst.reads + worst.syncs)

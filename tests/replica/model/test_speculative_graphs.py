@@ -70,7 +70,7 @@ def run_recording(eng: LLMEngine, reqs: dict[str, tuple[list[int], int]]) -> dic
     """Step until idle: tokens and accepted drafts (usage) per request, the engine's
     drafted / accepted counters, every speculating step's trees (request, tokens,
     parents per row) and how many steps replayed the decode graphs."""
-    drafts, replays, verifies = [], [], []
+    drafts, replays, verifies, rounds = [], [], [], []
     draft = eng.speculator.draft
 
     def recorded_draft(batch):
@@ -96,6 +96,14 @@ def run_recording(eng: LLMEngine, reqs: dict[str, tuple[list[int], int]]) -> dic
             return verify_run(plan, drafts)
 
         eng.runner.verify_graphs.run = counted_verify
+    if eng.speculator.drafter.graphs is not None:
+        levels_run = eng.speculator.drafter.graphs.run
+
+        def counted_levels(drafter, spec, inputs):
+            rounds.append((inputs[0].shape[0], spec))
+            return levels_run(drafter, spec, inputs)
+
+        eng.speculator.drafter.graphs.run = counted_levels
     for k, (ids, n) in reqs.items():
         sp = P.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         assert eng.add(P.Generate(id=k, prompt_ids=ids, sampling=sp)) is None
@@ -107,7 +115,7 @@ def run_recording(eng: LLMEngine, reqs: dict[str, tuple[list[int], int]]) -> dic
                 accepted[m.id] = m.usage.accepted_draft_tokens
     assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.seqs
     return dict(tokens=toks, accepted=accepted, counters=(eng.stats.drafted, eng.stats.accepted), drafts=drafts,
-                replays=len(replays), verifies=verifies)
+                replays=len(replays), verifies=verifies, rounds=rounds)
 
 
 def cpu_engine(head: str, graph_mode: str, overlap: bool, **kw) -> LLMEngine:
@@ -151,11 +159,39 @@ def test_verify_through_graph_buffers_drafts_and_accepts_as_eager(head_path, sha
     ref = run_recording(cpu_engine(head_path, "off", overlap, **kw), reqs)
     got = run_recording(cpu_engine(head_path, "buffers", overlap, **kw), reqs)
     assert not ref["verifies"] and got["verifies"], "the verify steps ran through the verify buffers"
+    assert not ref["rounds"] and len(got["rounds"]) == len(got["drafts"]), "every draft loop ran through its buffers"
     assert got["verifies"][0][0] == rows, got["verifies"]  # the first drafting step: all rows at once
     assert ref["counters"][1] >= 2, f"some drafts are accepted: {ref['counters']}"
     assert got["tokens"] == ref["tokens"]
     assert got["accepted"] == ref["accepted"] and got["counters"] == ref["counters"]
     assert got["drafts"] == ref["drafts"]
+
+
+def test_draft_graph_padding_rows_write_no_head_kv(head_path):
+    """Three rows drafting through the draft graphs' buffers (bucket 4: one padding row): a
+    round changes the head's KV only at the real rows' scratch slots (positions len ..
+    len + lookahead - 1). A padding row's slots are -1; computed from its zero block table
+    they would be block 0's, which the first sequence owns."""
+    eng = cpu_engine(head_path, "buffers", False, spec_max_batch=5, spec_top_k=1, spec_budget=0)
+    kv, graphs, rounds = eng.runner.draft_kv, eng.speculator.drafter.graphs, []
+    run, bs = graphs.run, eng.cfg.block_size
+    bits = {4: torch.int32, 2: torch.int16}[kv.element_size()]  # bitwise: the pool holds stale NaNs too
+
+    def checked_run(drafter, spec, inputs):
+        before = kv.clone()
+        out = run(drafter, spec, inputs)
+        changed = (kv.view(bits) != before.view(bits)).flatten(1, 2).flatten(2).any(-1).any(0)  # (slots,)
+        tables, lens = inputs[4].tolist(), inputs[3].tolist()
+        scratch = {t[p // bs] * bs + p % bs for t, n in zip(tables, lens) for p in range(n, n + spec.lookahead)}
+        rows = inputs[0].shape[0]
+        rounds.append((rows, graphs.bucket_for(rows), set(changed.nonzero().flatten().tolist()) - scratch))
+        return out
+
+    graphs.run = checked_run
+    rng = random.Random(3)
+    run_recording(eng, {f"r{i}": ([rng.randrange(1, 97) for _ in range(5 + i)], 10) for i in range(3)})
+    assert any(b > n for n, b, _ in rounds), "some rounds had padding rows"
+    assert all(not stray for _, _, stray in rounds), rounds
 
 
 # -- on a GPU: bf16 under CUDA graphs --------------------------------------------------------
