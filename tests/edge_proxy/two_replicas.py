@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 
-from tests.replica.server import free_port, replica_server, wait_healthy
+from tests.replica.server import free_port, replica_servers, wait_healthy
 
 SECRET = {"EDGECHAT_REPLICA_SECRET": "e2e-secret"}  # test_real_replica_chaos presents it to /metrics
 
@@ -27,10 +27,10 @@ def region(proxies: int, *proxy_args: str):
     """Replicas A and B and `proxies` proxies over them (one region), as separate processes;
     yields the proxies' public WebSocket URLs and the replicas {id: (url, process)}."""
     with contextlib.ExitStack() as es:
-        reps = {}
-        for rid in ("A", "B"):
-            url, proc = es.enter_context(replica_server("--replica-id", rid, "--kv-memory-gb", "0.25", env=SECRET))
-            reps[rid] = (url, proc)
+        ids = ("A", "B")
+        started = es.enter_context(replica_servers(*[("--replica-id", rid, "--kv-memory-gb", "0.25") for rid in ids],
+                                                   env=SECRET))
+        reps = dict(zip(ids, started))
         urls = []
         for _ in range(proxies):
             port = free_port()

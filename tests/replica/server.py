@@ -1,5 +1,6 @@
-"""Start a real replica (`python -m replica`) on a free port for tests; the suite's free-port
-helpers (`free_port`, `free_port_range`) and a replica's metrics (`scrape`, `idle_within`)."""
+"""Start a real replica (`python -m replica`) on a free port for tests (`replica_servers`: several at
+once); the suite's free-port helpers (`free_port`, `free_port_range`) and a replica's metrics (`scrape`,
+`idle_within`)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,17 @@ def stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait()
 
 
+def _spawn(args: tuple[str, ...], cmd: list[str] | None, cwd: str | None, env: dict | None,
+           span: int) -> tuple[str, subprocess.Popen]:
+    """Start a replica (see `replica_server`), not waiting for it: (its base URL, its process)."""
+    port = free_port_range(span) if span > 1 else free_port()
+    cmd = [a.replace("{port}", str(port)) for a in cmd] if cmd else [
+        sys.executable, "-m", "replica", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "EDGECHAT_REPLICA_SECRET": SECRET, **(env or {})},
+                            start_new_session=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
 @contextlib.contextmanager
 def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = None, env: dict | None = None,
                    span: int = 1):
@@ -78,17 +90,29 @@ def replica_server(*args: str, cmd: list[str] | None = None, cwd: str | None = N
     With `cmd`, "{port}" in its arguments is replaced by the chosen free port; `span`
     reserves that many consecutive free ports from it (a whole topology). The replica's
     secret is `SECRET` (send `AUTH`) unless `env` sets EDGECHAT_REPLICA_SECRET."""
-    port = free_port_range(span) if span > 1 else free_port()
-    cmd = [a.replace("{port}", str(port)) for a in cmd] if cmd else [
-        sys.executable, "-m", "replica", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "EDGECHAT_REPLICA_SECRET": SECRET, **(env or {})},
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url, proc = _spawn(args, cmd, cwd, env, span)
     try:
         wait_healthy(url, proc)
         yield url, proc
     finally:
         stop_group(proc)
+
+
+@contextlib.contextmanager
+def replica_servers(*args_each: tuple[str, ...], env: dict | None = None):
+    """Several replicas (one tuple of `python -m replica` arguments each) started together, then each
+    waited for: their starts overlap (each is mostly one process importing torch and loading the model,
+    so on two cores two take about as long as one). Yields [(url, process)] in the order given; stops
+    every process group after, also when one fails to start."""
+    with contextlib.ExitStack() as es:
+        started = []
+        for args in args_each:
+            url, proc = _spawn(args, None, None, env, 1)
+            es.callback(stop_group, proc)
+            started.append((url, proc))
+        for url, proc in started:
+            wait_healthy(url, proc)
+        yield started
 
 
 def engine_pid(api_pid: int) -> int:
