@@ -14,7 +14,9 @@ Per batch size, through the engine as served (continuous batching, `step()`):
   * one speculating step (draft + verify + accept) for chain 3, chain 5, tree 16
     (depth 5, top-k 4) and tree 32 (depth 6, top-k 6). Such a step reads its tokens
     back (drafting needs them) and is followed by a synchronize before the clock
-    stops (the accepted drafts' KV moves are still queued then).
+    stops (the accepted drafts' KV moves are still queued then). On CUDA its verify
+    and its draft loop replay graphs (replica.model.spec_graphs, spec_draft_graphs; the
+    commit runs eagerly); a line per configuration says what replayed.
 Each time is the median over --steps steps after --warmup steps (Triton compiles,
 graph buckets). Random weights accept almost nothing: the step is timed, not the
 acceptance. The implied speed-up is tau x t_plain / t_spec with tau measured on CPU
@@ -154,7 +156,19 @@ def time_steps(engine: LLMEngine, batch: int, args, max_tokens: int, speculating
     how = ("CUDA graphs" if graphs is not None and graphs.graphs else "eager") + (" + overlap" if engine.overlap else "")
     return dict(t=statistics.median(times), tokens_per_step=emitted / args.steps / batch, how=how,
                 drafted=st.drafted - st0.drafted, accepted=st.accepted - st0.accepted, steps=st.steps - st0.steps,
-                syncs=syncs)
+                syncs=syncs, spec_graphs=spec_graphs(engine) if speculating else "")
+
+
+def spec_graphs(engine: LLMEngine) -> str:
+    """What a speculating step replayed: the verify's graphs (replica.model.spec_graphs, captured
+    at the engine's start for every bucket) and the draft loop's (replica.model.spec_draft_graphs,
+    captured at first use); 'eager' where none was captured (off CUDA)."""
+    verify, drafter = engine.runner.verify_graphs, engine.speculator.drafter
+    n_verify = len(verify.graphs) if verify is not None else 0
+    n_draft = len(drafter.graphs.graphs) if drafter.graphs is not None else 0
+    if not n_verify and not n_draft:
+        return "verify and draft loop eager"
+    return f"verify replayed ({n_verify} graphs captured), draft loop replayed ({n_draft} captured), commit eager"
 
 
 def main() -> None:
@@ -228,6 +242,8 @@ def main() -> None:
             log(f"batch {b} {label}: {r['t'] * 1e3:.2f} ms/step, {r['tokens_per_step']:.2f} tokens/sequence/step, "
                 f"accepted {r['accepted']}/{r['drafted']} (engine built in {built:.1f} s; {freed or 'freed'})")
             log(f"host syncs per step: {label} at batch {b}: {'n/a' if r['syncs'] is None else r['syncs']}")
+            if r["spec_graphs"]:
+                log(f"  {label} at batch {b}: {r['spec_graphs']}")
 
     log(f"\nimplied speed-up = tau x t_plain / t_spec (tau measured on CPU for SmolLM2-135M, step times measured "
         f"on {gpu}); {cfg.name} ({cfg.num_layers} layers), {args.dtype}, context {args.context}\n")

@@ -281,3 +281,33 @@ def test_eagle3_trained_head_under_cuda_graphs_emits_the_plain_tokens(tmp_path):
     del model
     got = eagle3_against_plain(weights, head)
     assert got["counters"][1] >= 10, f"the trained head's drafts are accepted: (drafted, accepted) {got['counters']}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_speculative_step_replays_equal_eager_under_cuda_graphs(tmp_path, shape):
+    """bf16 on CUDA, overlap on: the verify replayed from its graphs (captured at start for
+    every bucket) and the draft loop from its (captured at first use) give the tokens, drafts
+    and accepted counts of the same padded-buffer path run eagerly (graph_mode="buffers"), at 1
+    row and at 3 (bucket 4: a padding row)."""
+    weights = quiet_layers(random_weights(GPU_CFG, dtype=torch.bfloat16, seed=0, device="cuda"), 0.01)
+    weights["lm_head.weight"] *= 10  # peaked next-token distributions: drafts accepted
+    model = build_model(GPU_CFG, EngineConfig(device="cuda", dtype="bfloat16", graph_mode="off"), weights,
+                        kernels.ops("cuda"), 1024)
+    head = trained_head(model, tmp_path / "head")
+    del model
+    kw = dict(SHAPES[shape], speculative="eagle3", spec_head=head, spec_policy="taper", spec_max_batch=4)
+    rng = random.Random(2)
+    for rows in (1, 3):
+        reqs = {f"g{i}": ([rng.randrange(1, GPU_CFG.vocab_size) for _ in range(9 + 5 * i)], 24) for i in range(rows)}
+        eng = gpu_engine(weights, graph_mode="auto", **kw)
+        assert eng.overlap and eng.runner.verify_graphs.graphs, "verify graphs captured at start"
+        got = run_recording(eng, reqs)
+        assert eng.speculator.drafter.graphs.graphs, "draft graphs captured"
+        assert got["verifies"] and got["rounds"], "both ran"
+        del eng
+        ref = run_recording(gpu_engine(weights, graph_mode="buffers", **kw), reqs)
+        assert got["counters"][1] > 0, f"drafts accepted at {rows} rows: {got['counters']}"
+        assert got["tokens"] == ref["tokens"] and got["drafts"] == ref["drafts"], f"{rows} rows"
+        assert got["accepted"] == ref["accepted"] and got["counters"] == ref["counters"], f"{rows} rows"
