@@ -15,8 +15,8 @@ Per batch size, through the engine as served (continuous batching, `step()`):
     (depth 5, top-k 4) and tree 32 (depth 6, top-k 6). Such a step reads its tokens
     back (drafting needs them) and is followed by a synchronize before the clock
     stops (the accepted drafts' KV moves are still queued then). On CUDA its verify
-    and its draft loop replay graphs (replica.model.spec_graphs, spec_draft_graphs; the
-    commit runs eagerly); a line per configuration says what replayed.
+    and its draft loop and commit replay graphs (replica.model.spec_graphs,
+    spec_draft_graphs); a line per configuration says what replayed.
 Each time is the median over --steps steps after --warmup steps (Triton compiles,
 graph buckets). Random weights accept almost nothing: the step is timed, not the
 acceptance. The implied speed-up is tau x t_plain / t_spec with tau measured on CPU
@@ -161,14 +161,14 @@ def time_steps(engine: LLMEngine, batch: int, args, max_tokens: int, speculating
 
 def spec_graphs(engine: LLMEngine) -> str:
     """What a speculating step replayed: the verify's graphs (replica.model.spec_graphs, captured
-    at the engine's start for every bucket) and the draft loop's (replica.model.spec_draft_graphs,
-    captured at first use); 'eager' where none was captured (off CUDA)."""
+    at the engine's start for every bucket) and the draft loop's and commit's
+    (replica.model.spec_draft_graphs, captured at first use); 'eager' where none was captured."""
     verify, drafter = engine.runner.verify_graphs, engine.speculator.drafter
     n_verify = len(verify.graphs) if verify is not None else 0
     n_draft = len(drafter.graphs.graphs) if drafter.graphs is not None else 0
     if not n_verify and not n_draft:
         return "verify and draft loop eager"
-    return f"verify replayed ({n_verify} graphs captured), draft loop replayed ({n_draft} captured), commit eager"
+    return f"verify replayed ({n_verify} graphs captured), draft loop and commit replayed ({n_draft} captured)"
 
 
 def main() -> None:

@@ -135,8 +135,8 @@ class Drafter:
 
     def __init__(self, head: Eagle3Head, cos_sin: torch.Tensor, kv: torch.Tensor, ops, threads: int | None = None):
         """threads: the C++ head step's (default torch's thread count). `graphs` (set by the
-        engine, replica.model.spec_draft_graphs.DraftGraphs): the draft levels of a round run
-        through it, one replay per (batch bucket, shape), instead of eagerly."""
+        engine, replica.model.spec_draft_graphs.DraftGraphs): the commit and the draft levels of
+        a round run through it, a replay each per (batch bucket, shape), instead of eagerly."""
         assert kv.shape[-2:] == head.kv_shape() and kv.dtype == head.fc.weight.dtype, "the head's KV layer"
         self.head, self.cos_sin, self.ops, self.block_size = head, cos_sin, ops, kv.shape[2]
         self.kv, self.k_cache, self.v_cache = kv, kv[0], kv[1]
@@ -161,37 +161,45 @@ class Drafter:
 
     # -- commit: pending entries with the target's features ---------------------------------
     def _commit(self, tokens, states, block_tables):
-        ids, pos, rows, feats, cu = [], [], [], [], [0]
-        for b, (toks, st) in enumerate(zip(tokens, states)):
+        for toks, st in zip(tokens, states):
             if st.length + st.pending != len(toks) or st.pending == 0:
                 raise RuntimeError(f"head state out of step: {st.length} committed + {st.pending} pending entries "
                                    f"for {len(toks)} tokens; feed add_features() after every target forward")
-            ids += toks[st.length:]
-            pos += range(st.length, len(toks))
-            rows += [b] * st.pending
-            feats += st.feats
-            cu.append(len(ids))
-        dev = self.k_cache.device
-        ids, pos, rows = (upload(x, torch.int64, dev) for x in (ids, pos, rows))
-        slots = self._slots(block_tables, rows, pos)
-        cu = upload(cu, torch.int32, dev)
-        lens = upload([len(t) for t in tokens], torch.int32, dev)
-        last = cu[1:].long() - 1  # each sequence's newest entry
-        feats = torch.cat(feats)
-        if self.cpp is not None:
-            o, logp = self.cpp(ids, feats, pos, slots, block_tables, cu, lens, self.kv, last)  # (B, h), (B, V)
-        else:
-
-            def attend(q, k, v):  # causal over the committed entries, as a prefill chunk
-                self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, slots)
-                return self.ops.paged_extend_attention(q, self.k_cache, self.v_cache, block_tables, cu, lens,
-                                                       self.scale)
-
-            o = self.head(ids, self.head.fuse(feats), pos, self.cos_sin, attend)[last]  # (B, h)
-            logp = self.head.logits(o).float().log_softmax(-1)
+        got = self.graphs.commit(self, tokens, states, block_tables) if self.graphs is not None else None
+        if got is None:  # eager: each row's pending entries, packed
+            ids, pos, rows, feats, cu = [], [], [], [], [0]
+            for b, (toks, st) in enumerate(zip(tokens, states)):
+                ids += toks[st.length:]
+                pos += range(st.length, len(toks))
+                rows += [b] * st.pending
+                feats += st.feats
+                cu.append(len(ids))
+            dev = self.k_cache.device
+            ids, pos, rows = (upload(x, torch.int64, dev) for x in (ids, pos, rows))
+            slots = self._slots(block_tables, rows, pos)
+            cu = upload(cu, torch.int32, dev)
+            lens = upload([len(t) for t in tokens], torch.int32, dev)
+            last = cu[1:].long() - 1  # each sequence's newest entry
+            o, logp = self.commit_step(ids, torch.cat(feats), pos, slots, block_tables, cu, lens, last)
+            got = o, logp, ids[last], lens.long()
         for st, toks in zip(states, tokens):
             st.length, st.feats = len(toks), []
-        return o, logp, ids[last], lens.long()
+        return got
+
+    def commit_step(self, ids, feats, pos, slots, block_tables, cu, lens, last):
+        """The head over entries ids (T,) at positions pos with the target's features feats (T, 3h),
+        rows by cu, causal over each row's committed entries (lens: its length after them); KV to
+        `slots` (-1: not stored). Returns o (B, h) and log q (B, V) of the entries `last`. Fixed
+        shapes for fixed (T, B) and no host read: what a commit graph captures."""
+        if self.cpp is not None:
+            return self.cpp(ids, feats, pos, slots, block_tables, cu, lens, self.kv, last)  # (B, h), (B, V)
+
+        def attend(q, k, v):  # causal over the committed entries, as a prefill chunk
+            self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, slots)
+            return self.ops.paged_extend_attention(q, self.k_cache, self.v_cache, block_tables, cu, lens, self.scale)
+
+        o = self.head(ids, self.head.fuse(feats), pos, self.cos_sin, attend)[last]  # (B, h)
+        return o, self.head.logits(o).float().log_softmax(-1)
 
     # -- one draft level ----------------------------------------------------------------------
     def _step(self, tok, g, lens, level: int, e0: int, anc, block_tables, live=None):

@@ -24,10 +24,11 @@ device drafts first (masks and the broadcast plan are host data), a second read.
 
 Graphs. Where the Runner's decode steps replay graphs (CUDA; graph_mode "buffers" runs the
 same padded path eagerly on CPU), so do the head's draft levels, one replay a round per
-(batch bucket, shape) (replica.model.spec_draft_graphs), and a verify whose every row is a
-device tree (replica.model.spec_graphs, T = budget + 1 tokens a row, captured at start for
-each T `verify_nodes` names). The commit (the head over the verified tokens' features, a
-variable number a row) and a verify beside prefill chunks or plain rows run eagerly.
+(batch bucket, shape), its commit (the head over the verified tokens' features, right-aligned
+in a power-of-two number of slots a row, up to 8; more commit eagerly)
+(replica.model.spec_draft_graphs), and a verify whose every row is a device tree
+(replica.model.spec_graphs, T = budget + 1 tokens a row, captured at start for each T
+`verify_nodes` names). A verify beside prefill chunks or plain rows runs eagerly.
 
 EAGLE-3 keeps a HeadState per sequence fed with the target's features (residual
 streams after head.cfg.aux_layers) of every token the target computes -- prefill

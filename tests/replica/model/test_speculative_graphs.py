@@ -157,9 +157,11 @@ def test_verify_through_graph_buffers_drafts_and_accepts_as_eager(head_path, sha
     reqs = {f"r{i}": ([rng.randrange(1, 97) for _ in range(5 + i)], 14) for i in range(rows)}
     kw = dict(SHAPES[shape], spec_max_batch=5)
     ref = run_recording(cpu_engine(head_path, "off", overlap, **kw), reqs)
-    got = run_recording(cpu_engine(head_path, "buffers", overlap, **kw), reqs)
+    eng = cpu_engine(head_path, "buffers", overlap, **kw)
+    got = run_recording(eng, reqs)
     assert not ref["verifies"] and got["verifies"], "the verify steps ran through the verify buffers"
     assert not ref["rounds"] and len(got["rounds"]) == len(got["drafts"]), "every draft loop ran through its buffers"
+    assert any(k[0] == "commit" for k in eng.speculator.drafter.graphs.outputs), "commits through their buffers"
     assert got["verifies"][0][0] == rows, got["verifies"]  # the first drafting step: all rows at once
     assert ref["counters"][1] >= 2, f"some drafts are accepted: {ref['counters']}"
     assert got["tokens"] == ref["tokens"]
