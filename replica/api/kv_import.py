@@ -32,7 +32,8 @@ from replica.api.engine_supervisor import EngineUnavailable
 from replica.api.kv_transport import KvTransportError
 
 WRITES_AHEAD = 4  # frames handed to the engine, unanswered, while the next is read (4 x 3 MB, the default model)
-SETTLE_S = 1.0  # a pull ended early waits this long at most for its writes in flight (one step boundary)
+SETTLE_S = 0.2  # a pull ended early waits this long at most for its writes in flight: inside the 0.5 s the
+#                hand-off allows past a pull's bound (edge_proxy.handoff), which 1.0 overran (05:17 run, docs/perf.md)
 
 
 @dataclass
