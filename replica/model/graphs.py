@@ -52,6 +52,22 @@ def resolve_placeholders(ids: torch.Tensor, prev_tokens: torch.Tensor | None) ->
     return torch.where(is_placeholder(ids), prev_tokens[placeholder_index(ids).clamp(0, prev_tokens.numel() - 1)], ids)
 
 
+def replay(graphs: dict, outputs: dict, key, forward, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Replay `key`'s graph, or run `forward()` eagerly into the same static outputs (graph_mode
+    "buffers", or a key not captured); then (logits[:n], a copy of aux[:n] or None): the logits are
+    views valid until the next replay, the aux features copied out (an EAGLE-3 head keeps them)."""
+    if key in graphs:
+        graphs[key].replay()
+    else:
+        fresh = forward()
+        if key not in outputs:
+            outputs[key] = tuple(torch.empty_like(t) for t in fresh)
+        for dst, src in zip(outputs[key], fresh):
+            dst.copy_(src)
+    out = outputs[key]
+    return out[0][:n], (out[1][:n].clone() if len(out) > 1 else None)
+
+
 def default_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to max_num_seqs (what nano-vllm / vLLM do)."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
@@ -171,13 +187,4 @@ class DecodeGraphs:
         plan with B <= the largest bucket. The logits are valid until the next run."""
         n = len(plan.starts)
         b = self.prepare(plan, prev_tokens)
-        if b in self.graphs:
-            self.graphs[b].replay()
-        else:  # eager (graph_mode "buffers", or a bucket not captured): into the same static outputs
-            fresh = self._forward(b)
-            if b not in self.outputs:
-                self.outputs[b] = tuple(torch.empty_like(t) for t in fresh)
-            for dst, src in zip(self.outputs[b], fresh):
-                dst.copy_(src)
-        out = self.outputs[b]
-        return out[0][:n], (out[1][:n].clone() if len(out) > 1 else None)
+        return replay(self.graphs, self.outputs, b, lambda: self._forward(b), n)

@@ -42,7 +42,7 @@ import time
 import numpy as np
 import torch
 
-from replica.model.graphs import default_buckets
+from replica.model.graphs import default_buckets, replay
 from replica.model.llama import Context
 from replica.model.plan import StepPlan
 
@@ -205,13 +205,4 @@ class VerifyGraphs:
         are valid until the next verify run."""
         n = len(plan.starts) * drafts.nodes
         key = self._prepare(plan, drafts)
-        if key in self.graphs:
-            self.graphs[key].replay()
-        else:  # eager (graph_mode "buffers", or a key not captured): into the same static outputs
-            fresh = self._forward(*key)
-            if key not in self.outputs:
-                self.outputs[key] = tuple(torch.empty_like(t) for t in fresh)
-            for dst, src in zip(self.outputs[key], fresh):
-                dst.copy_(src)
-        out = self.outputs[key]
-        return out[0][:n], (out[1][:n].clone() if len(out) > 1 else None)
+        return replay(self.graphs, self.outputs, key, lambda: self._forward(*key), n)
