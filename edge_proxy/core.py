@@ -415,6 +415,8 @@ class Proxy:
             return  # other samples still running
         s.replica_ttft_ms = msg.ttft_ms
         self._finish(s, msg.finish_reason, msg.usage)
+        if self.handoff.awaiting:  # a hand-off waiting for this stream's next token: there is none
+            self.handoff.on_tokens(s)
 
     def on_replica_error(self, s: ProxiedRequest, err: P.Error) -> None:
         """Internal (the replica's engine died under it): like losing that replica. Overloaded:

@@ -13,7 +13,9 @@ once), for each of its running streams:
      the drain's budget (`budget_s` from the moment the proxy sees the drain; the replica exits
      about a second after its last stream left, inside its 5 s goal);
   3. the pull is repeated for the blocks that filled meanwhile (the tokens generated while it
-     ran: a short, incremental pull), until every full block of the stream's ids is there;
+     ran: a short, incremental pull), until every full block of the stream's ids is there; a
+     repeat starts right after a block fills, so it has a whole block's tokens of time to finish
+     before the stream is a block ahead again;
   4. the stream moves right after its next token arrives (`on_tokens`: the longest a client can
      wait is then the successor's time to its first token, not a draining replica's step on top),
      exactly as failover moves one (`Proxy.hand_off`: a resume with the ids so far, aborted on the
@@ -44,6 +46,11 @@ BUDGET_S = 3.0  # from the drain seen to the last stream moved; a pull still run
 FRAME_BLOCKS = 8  # blocks per export frame: 3 MB of the default model's fp16 KV, as fast as larger frames and
 #                   a shorter stall of the draining engine per read (bench/kv_pull.py, docs/perf.md)
 MAX_ROUNDS = 4  # pulls per stream: the first, then the blocks that filled while the one before ran
+
+
+def full_blocks(s, bs: int) -> int:
+    """The stream's full blocks of computed ids: its prompt and what it generated but the last (sampled)."""
+    return (len(s.gen.prompt_ids) + len(s.ids) - 1) // bs
 
 
 class Handoff:
@@ -97,8 +104,14 @@ class Handoff:
                 await self._next_token(s, deadline)  # switch right after one (the wait is no gap: it streams)
                 if s.done or s.conn is not conn:
                     return  # finished, failed or failed over meanwhile
-                if (len(s.gen.prompt_ids) + len(s.ids) - 1) // bs <= cached:
+                if full_blocks(s, bs) <= cached:
                     break  # every full block of the ids so far is there
+                # A block filled while the pull ran. Pull again right after the next one fills, not now: the
+                # short pull then has a whole block's tokens of time before the stream is a block ahead again
+                # (pulling at once, a pull slower than the rest of a part-filled block never catches up).
+                await self._block_filled(s, bs, deadline)
+                if s.done or s.conn is not conn:
+                    return
             log.info("hand-off of %s to %s: %d blocks there after %d pulls in %.3f s", s.cid, to.id, cached,
                      rounds, perf_counter() - t0)
         self.proxy.hand_off(s, conn, Decision(d.replica, d.reason, cached))
@@ -122,6 +135,12 @@ class Handoff:
             log.warning("hand-off of %s to %s: pull answered %d (%s); %d blocks there, the rest recomputed", s.cid,
                         to.id, r.status_code, res.get("error", ""), res.get("cached", 0) + res.get("imported", 0))
         return res
+
+    async def _block_filled(self, s, bs: int, deadline: float) -> None:
+        """Wait (streaming) until another of the stream's blocks is full, or the budget's end."""
+        n = full_blocks(s, bs)
+        while full_blocks(s, bs) == n and not s.done and perf_counter() < deadline:
+            await self._next_token(s, deadline)
 
     async def _next_token(self, s, deadline: float) -> None:
         fut = self.awaiting[id(s)] = asyncio.get_running_loop().create_future()

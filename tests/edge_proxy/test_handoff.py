@@ -120,10 +120,39 @@ async def test_the_blocks_that_filled_during_the_pull_are_pulled_too_then_the_st
     moved_at = []
     p.hand_off = lambda st, conn, d: (moved_at.append(len(st.ids)), StubProxy.hand_off(p, st, conn, d))
     await drain(p, handler, [s], seen=seen)
-    assert asked[0] == 42 and asked[1] > 3 * BLOCK  # the second pull asked for the ids of the third block too
+    # the second pull asked for the ids of the third block too, starting as a block filled
+    assert asked[0] == 42 and asked[1] > 3 * BLOCK and asked[1] % BLOCK == 0
     (_, _, d), = p.moved
     assert d.cached_blocks == asked[-1] // BLOCK  # every full block of the last pull counted
     # moved right after a token, every full block of its ids there: only the last partial block to compute
+    assert (len(s.gen.prompt_ids) + moved_at[0] - 1) // BLOCK <= d.cached_blocks
+
+
+async def test_a_pull_slower_than_the_rest_of_a_block_catches_up_from_the_next_block_boundary():
+    s, asked, waiting = stream("r1"), [], []  # 42 computed ids: 10 into the stream's third block
+    SLOW = 12  # tokens the stream gains while any pull runs: more than a part-filled block has left
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        ev = asyncio.Event()
+        waiting.append((len(s.ids) + SLOW, ev))
+        await ev.wait()
+        asked.append(len(json.loads(request.content)["token_ids"]))
+        return answer(request)
+
+    def seen(st) -> None:
+        for n, ev in waiting:
+            if len(st.ids) >= n:
+                ev.set()
+
+    p = StubProxy()
+    moved_at = []
+    p.hand_off = lambda st, conn, d: (moved_at.append(len(st.ids)), StubProxy.hand_off(p, st, conn, d))
+    await drain(p, handler, [s], seen=seen)
+    # the first pull (42 ids) ended a block behind; the second started as the next block filled, so it ended
+    # before another one did (pulling again at once, 6 into a block, every pull would end a block behind)
+    assert asked[0] == 42 and asked[1] % BLOCK == 0 and len(asked) == 2, asked
+    (_, _, d), = p.moved
+    assert d.cached_blocks == asked[1] // BLOCK
     assert (len(s.gen.prompt_ids) + moved_at[0] - 1) // BLOCK <= d.cached_blocks
 
 
