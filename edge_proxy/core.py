@@ -313,7 +313,8 @@ class Proxy:
         for c in conns:
             n = c.index.match(s.hashes, now)
             out.append(Candidate(c.id, c.effective_load(), n, c.prefill_pending, len(c.prefilling),
-                                 rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share, len(c.index)))
+                                 rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share, len(c.index),
+                                 chains=c.chains()))
         mark_home(out, s.later)  # from the replicas' KV events and the request: alike on every proxy
         return out
 
@@ -331,12 +332,12 @@ class Proxy:
             # where this process last sent it: every proxy of the region finds the same one.
             home = next((c.id for c in cands if c.history), None)
             d = self.router.route(cands, len(s.gen.prompt_ids), self.pool.block_size, key=s.route_key(),
-                                  session_key=s.placement, session_current=home)
+                                  session_key=s.placement, session_current=home, new=not s.later)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s session=%s prompt=%d -> %s (%s) among %s", s.cid, s.placement,
                       len(s.gen.prompt_ids), d.replica, d.reason,
                       " ".join(f"{c.id}:load={c.load:g},cached={c.cached_blocks},queued={c.queued_prefill},"
-                               f"held={c.held_blocks}{',history' if c.history else ''}" for c in cands))
+                               f"held={c.held_blocks},chains={c.chains}{',history' if c.history else ''}" for c in cands))
         conn = by_id[d.replica]
         if deadline_ms > 0 or s.gen.priority >= P.BATCH:
             conn, d = self._admit(s, cands, by_id, d, deadline_ms)
@@ -377,8 +378,10 @@ class Proxy:
     def _attach(self, s: ProxiedRequest, conn, d: Decision, deadline_ms: float) -> None:
         s.conn = conn
         s.tried.add(conn.id)
-        s.rid = conn.start(s, s.next_generate(deadline_ms),
-                           max(len(s.gen.prompt_ids) - d.cached_blocks * self.pool.block_size, 1))
+        gen = s.next_generate(deadline_ms)
+        # a new conversation, a chain of its own there: the replica counts it (Load.chains) from the moment it has it
+        gen.new_chain = not s.later and not s.ids and d.cached_blocks < len(s.hashes)
+        s.rid = conn.start(s, gen, max(len(s.gen.prompt_ids) - d.cached_blocks * self.pool.block_size, 1))
         conn.index.expect(s.hashes, perf_counter())
         m = self.metrics
         m.routing.inc(d.reason)

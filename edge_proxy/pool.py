@@ -175,6 +175,7 @@ class ReplicaConn:
         self.pending_tokens = 0  # uncached prompt tokens of ours its last Load does not count
         self.prefilling: dict[str, int] = {}  # this proxy's requests on it without a first token: id -> uncached tokens
         self.prefill_pending = 0  # their sum: the prefill queued ahead of a new request, as far as this proxy knows
+        self.fresh_chains: set[str] = set()  # our new conversations on it (Generate.new_chain) no Load has counted
         self.last_rx = 0.0
         self.busy_since = 0.0  # when the first of the current streams was sent
         self.last_tokens_rx = 0.0
@@ -208,6 +209,13 @@ class ReplicaConn:
     def effective_load(self) -> float:
         reported = self.load.running + self.load.waiting if self.load is not None else 0
         return effective_load(reported, self.own_inflight, self.own_at_report)
+
+    def chains(self) -> int:
+        """The conversations it holds (Load.chains: it counts a new one from the moment it has it) and
+        ours sent after the request its last Load names (`seen_id`, as `effective_load`); -1: it reports none."""
+        if self.load is None or self.load.chains < 0:
+            return -1
+        return self.load.chains + len(self.fresh_chains)
 
     def stalled(self, now: float) -> bool:
         """In-flight work and silence past the stall limit."""
@@ -253,6 +261,8 @@ class ReplicaConn:
         self.pending_tokens += u
         self.prefilling[rid] = u
         self.prefill_pending += u
+        if gen.new_chain:
+            self.fresh_chains.add(rid)
         self._send(gen)
         return rid
 
@@ -261,6 +271,7 @@ class ReplicaConn:
         if self.streams.pop(rid, None) is not None:
             self.own_inflight -= 1
             self._prefilled(rid)
+            self.fresh_chains.discard(rid)
             if abort and self.connected:
                 self._send(P.Abort(rid))
 
@@ -321,6 +332,7 @@ class ReplicaConn:
                     self._drains()
             elif t is P.KvEvents:
                 self.index.apply(m)
+
             elif t is P.Error:
                 s = streams.get(m.id) if m.id is not None else None
                 if s is not None:
@@ -342,6 +354,8 @@ class ReplicaConn:
         self.seen_id = seen_id
         left = [rid for rid in unseen if rid in self.streams]  # sent after it, still ours
         self.own_at_report = self.own_inflight - len(left)
+        if self.fresh_chains:
+            self.fresh_chains.intersection_update(left)
         self.pending_tokens = sum(self.prefilling.get(rid, 0) for rid in left)
 
     def _drains(self) -> None:
@@ -403,6 +417,7 @@ class ReplicaConn:
         self.unseen.clear()
         self.prefilling.clear()
         self.prefill_pending = 0
+        self.fresh_chains.clear()
         self._out.clear()
         if was_ready:
             self.pool.on_state_change()

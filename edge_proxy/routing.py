@@ -43,17 +43,21 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    fewest conversations), not by load alone: load counts only the turns running
    this instant, and a replica whose conversations are all between turns looks
    idle, so by load alone new conversations pile onto it (12 conversations placed
-   2/4/6) and, kept home, stay piled. "Fewer" is a tie band (`fewest_held`): the
-   replicas holding less than one prompt's worth of blocks (this prompt's full
-   blocks) more than the fewest tie, and among them the least loaded, then the
-   rendezvous draw, takes it. Block counts tell conversations apart only to
-   within a conversation's progress, so a difference under one prompt says
-   nothing about which holds fewer; and the band is what lets simultaneous
-   placements through several processes spread: each sees the same reports (none
-   shows the others' new prompts until the replica's next step), and where the
-   band's loads tie their keys draw different replicas of it, where the one
-   smallest took them all.
-   A replica holding a prompt's worth fewer than every other still takes it.
+   2/4/6) and, kept home, stay piled. "Fewer" (`fewest_held`) counts conversations:
+   each replica reports the chains its prefix cache holds (`Load.chains`: cached
+   blocks no cached block extends, one a conversation, since each turn's prompt
+   extends the last turn's blocks), and a proxy adds its own new conversations
+   sent there that no Load has counted yet; the replicas holding the fewest tie,
+   and among them the least loaded, then the rendezvous draw, takes it. Block
+   counts told conversations apart only to within a conversation's progress (a
+   replica whose 4 conversations are short holds fewer blocks than one with 3
+   long ones), so the four processes of two proxies of two workers each placing
+   12 conversations over three replicas left them 5/4/3 in 5 of 18 runs. A replica that reports no chains (an older one) is compared by
+   blocks: those holding less than one prompt's worth more than the fewest tie.
+   Simultaneous placements through several processes see the same reports (none
+   shows the others' new prompts until the replica's next step); where the band's
+   loads tie their keys draw different replicas of it, where the one smallest
+   would take them all, and the next placements, a report later, even it out.
 4. Spill, when every such replica is at its bound: the replica with the least
    `cost = (prefill + queued prefill + load_cost_tokens * decoding) / speed`, where
    `queued prefill` is the uncached prompt tokens of this proxy's requests there
@@ -91,6 +95,10 @@ local, and why that is safe:
   (`queued_prefill`): corrections of a report one network hop old (a replica publishes its
   Load the loop turn it accepts a request), replaced by the next one; they weigh load,
   never decide a conversation's home;
+- its own new conversations a replica's last Load does not count in `chains` yet
+  (`ReplicaConn.fresh_chains`: sent there, no first token when that Load came): the
+  same one-hop correction, gone at the next Load; it spreads one process's own
+  placements, never decides a later turn's home;
 - the rendezvous tie-breaks draw on the request's key (a session's placement key, else
   its first block): alike everywhere. Two new conversations placed through two
   processes within one network hop (before the replica's Load shows the first to the
@@ -165,6 +173,7 @@ class Candidate:
     share: float = 1.0  # the fraction of its group's compute it can use at once
     held_blocks: int = 0  # blocks it is believed to hold in all (the tie-break of equally loaded cold choices)
     history: bool = False  # it holds this later turn's conversation, deeper than any other (`mark_home`): its home
+    chains: int = -1  # conversations it holds (Load.chains, and this proxy's new ones it has not counted); -1: unknown
 
 
 @dataclass(slots=True, frozen=True)
@@ -300,8 +309,12 @@ def mark_home(cands: list[Candidate], later: bool) -> None:
 
 
 def fewest_held(cands: list[Candidate], prompt_blocks: int) -> list[Candidate]:
-    """Rule 3's tie band for a prompt no replica holds: the candidates holding fewer than
+    """Rule 3's tie band for a prompt no replica holds: the candidates holding the fewest
+    conversations (`chains`), where every one reports them; else those holding fewer than
     `prompt_blocks` (at least one) blocks more than the one holding the fewest."""
+    if all(c.chains >= 0 for c in cands):
+        least = min(c.chains for c in cands)
+        return [c for c in cands if c.chains == least]
     least = min(c.held_blocks for c in cands)
     return [c for c in cands if c.held_blocks < least + max(prompt_blocks, 1)]
 
@@ -320,9 +333,10 @@ def conversation_home(close: list[Candidate], prefill: dict[str, int], prefer: s
 
 
 def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg: RouterConfig, key: str = "",
-                prefer: str | None = None) -> Decision:
+                prefer: str | None = None, new: bool = False) -> Decision:
     """The bounded-load prefix rule of the module docstring. `prefer`: the session's
-    replica (its conversation's home), `key`: the rendezvous tie-break."""
+    replica (its conversation's home), `key`: the rendezvous tie-break, `new`: the
+    request starts a conversation (no earlier reply: `later_turn` is false)."""
     assert cands, "pick_prefix needs at least one candidate"
     c = valve_pick(cands, cfg, key) if len(cands) > 1 else None
     if c is not None:
@@ -342,6 +356,10 @@ def pick_prefix(prompt_tokens: int, block_size: int, cands: list[Candidate], cfg
     if ok and cheapest == prompt_tokens:  # a prompt of its own (a new conversation): where fewer conversations are
         c = min(fewest_held(ok, prompt_tokens // block_size), key=lambda c: (c.load, -hrw_score(key, c.id)))
         return Decision(c.id, LOAD, 0)
+    if ok and new and all(c.chains >= 0 for c in ok):  # a new one past a shared prefix: so too, among its holders
+        least = min(c.chains for c in ok)
+        c = min((c for c in ok if c.chains == least), key=lambda c: (c.load, prefill[c.id], -hrw_score(key, c.id)))
+        return Decision(c.id, PREFIX if c.cached_blocks else LOAD, c.cached_blocks)
     if ok:
         c = min(ok, key=lambda c: (c.load, prefill[c.id], c.held_blocks, -hrw_score(key, c.id)))
         reason = PREFIX if c.cached_blocks else LOAD  # (a session's replica is home: rule 2 or not in `ok`)
@@ -383,31 +401,32 @@ class Router:
 
     def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, key: str = "",
               session_key: str | None = None, session_current: str | None = None,
-              failover: bool = False) -> Decision | None:
+              failover: bool = False, new: bool = False) -> Decision | None:
         """Pick among healthy `cands`; None when there is none. `key` names the
-        request for tie-breaks (its first block hash); a session key replaces it."""
+        request for tie-breaks (its first block hash); a session key replaces it;
+        `new`: it starts a conversation."""
         if not cands:
             return None
         if failover:
             d = pick_prefix(prompt_tokens, block_size, cands, self.cfg, session_key or key)
             return Decision(d.replica, FAILOVER, d.cached_blocks)
         return pick_prefix(prompt_tokens, block_size, cands, self.cfg, session_key or key,
-                           session_current if session_key is not None else None)
+                           session_current if session_key is not None else None, new)
 
 
 class PrefixRouter(Router):
     """mode "prefix": `pick_prefix` for every request, session ids ignored."""
 
     def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, key: str = "",
-              session_key=None, session_current=None, failover: bool = False) -> Decision | None:
-        return super().route(cands, prompt_tokens, block_size, key=key, failover=failover)
+              session_key=None, session_current=None, failover: bool = False, new: bool = False) -> Decision | None:
+        return super().route(cands, prompt_tokens, block_size, key=key, failover=failover, new=new)
 
 
 class StickyRouter(Router):
     """mode "sticky": sessions by bounded-load rendezvous, everything else by least load."""
 
     def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, key: str = "",
-              session_key=None, session_current=None, failover: bool = False) -> Decision | None:
+              session_key=None, session_current=None, failover: bool = False, new: bool = False) -> Decision | None:
         if not cands:
             return None
         if session_key is not None and not failover:
@@ -425,7 +444,7 @@ class RoundRobinRouter(Router):
         self._turn = itertools.count()
 
     def route(self, cands: list[Candidate], prompt_tokens: int, block_size: int, *, key: str = "",
-              session_key=None, session_current=None, failover: bool = False) -> Decision | None:
+              session_key=None, session_current=None, failover: bool = False, new: bool = False) -> Decision | None:
         if not cands:
             return None
         ordered = sorted(cands, key=lambda c: c.id)

@@ -53,7 +53,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
 from wire import protocol as P
-from wire.hashing import block_hashes
+from wire.hashing import ChainTips, block_hashes, salt_seed
 
 ALPHABET = b" abcdefghijklmnopqrstuvwxyz"
 TICK_S = 0.001  # engine loop granularity (the event loop's timers have 1 ms resolution)
@@ -136,6 +136,7 @@ class StubReplica:
         self.conns: set[_Conn] = set()
         self._codec = P.Codec()
         self._cache: OrderedDict[int, None] = OrderedDict()
+        self._tips = ChainTips()  # the chains (conversations) cached, as an engine counts them (Load.chains)
         self._heap: list = []  # (due, seq, _Req)
         # The step as it runs, not as configured: a starved host stretches it, and Load says
         # so as a real replica's measured step does (the proxy's admission plans with it).
@@ -320,18 +321,19 @@ class StubReplica:
                 self._run(w)
 
     def _cache_prompt(self, g: P.Generate) -> int:
-        return self._store(block_hashes(g.prompt_ids, self.cfg.block_size, g.cache_salt))
+        return self._store(block_hashes(g.prompt_ids, self.cfg.block_size, g.cache_salt), g.cache_salt)
 
     def _cache_reply(self, r: _Req) -> None:
         """A finished stream's blocks stay cached, as an engine's do: its prompt and the ids
         it computed (every generated id but the last, which was sampled, never computed)."""
         g = r.gen
         ids = g.prompt_ids + [token_at(r.key, r.seed, p) for p in range(r.pos - 1)]
-        self._store(block_hashes(ids, self.cfg.block_size, g.cache_salt))
+        self._store(block_hashes(ids, self.cfg.block_size, g.cache_salt), g.cache_salt)
 
-    def _store(self, hashes: list[int]) -> int:
+    def _store(self, hashes: list[int], salt: str) -> int:
         """Cache these chained blocks (KV events to every connection); the leading ones already held, in tokens."""
         cache, cached, stored, removed = self._cache, 0, [], []
+        prev = salt_seed(salt)
         for i, h in enumerate(hashes):
             if h in cache:
                 cache.move_to_end(h)
@@ -340,8 +342,11 @@ class StubReplica:
             else:
                 cache[h] = None
                 stored.append(h)
+                self._tips.add(h, prev)
+            prev = h
         while len(cache) > self.cfg.total_blocks:
             removed.append(cache.popitem(last=False)[0])
+            self._tips.remove(removed[-1])
         if (stored or removed) and self.cfg.kv_events:
             ev = P.KvEvents(stored, removed)
             for c in self.conns:
@@ -431,7 +436,8 @@ class StubReplica:
             running = len(self._running) if cfg.max_running else held
             fields = dict(running=running, waiting=held - running, free_blocks=cfg.total_blocks - len(self._cache),
                           total_blocks=cfg.total_blocks, step_ms=max(cfg.step_s, self._step_s) * 1e3,
-                          tokens_per_s=running / max(cfg.step_s, self._step_s), max_running=cfg.max_running)
+                          tokens_per_s=running / max(cfg.step_s, self._step_s), max_running=cfg.max_running,
+                          chains=self._tips.tips if cfg.kv_events else -1)
             fields.update(cfg.load_override)
             load = P.Load(**fields)
             for c in self.conns:

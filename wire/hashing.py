@@ -40,3 +40,50 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "", star
         h = chain_hash(h, token_ids[b * block_size : (b + 1) * block_size])
         out.append(h)
     return out
+
+
+class ChainTips:
+    """How many chains a prefix cache holds: its cached blocks that no cached block extends (the
+    tips of the tree the chained hashes make). A conversation is one chain (each turn's prompt
+    extends the blocks of the last turn's prompt and reply), so this counts the conversations a
+    replica holds, where its block count says only how long they are. Kept as blocks are cached
+    (`add`, with the hash it extends: the previous block's, or the salt seed for a first block)
+    and dropped (`remove`), in O(1) each; a block dropped from the middle of a chain (an eviction
+    out of order) splits it in two."""
+
+    __slots__ = ("parent", "children", "tips")
+
+    def __init__(self):
+        self.parent: dict[int, int] = {}  # cached block -> the hash it extends
+        self.children: dict[int, int] = {}  # hash -> how many cached blocks extend it
+        self.tips = 0
+
+    def add(self, h: int, parent: int) -> None:
+        if h in self.parent:
+            return
+        self.parent[h] = parent
+        if not self.children.get(h):
+            self.tips += 1
+        n = self.children.get(parent, 0)
+        if n == 0 and parent in self.parent:
+            self.tips -= 1  # its parent is a tip no longer
+        self.children[parent] = n + 1
+
+    def remove(self, h: int) -> None:
+        parent = self.parent.pop(h, None)
+        if parent is None:
+            return
+        if not self.children.get(h):
+            self.tips -= 1
+        n = self.children[parent] - 1
+        if n:
+            self.children[parent] = n
+        else:
+            del self.children[parent]
+            if parent in self.parent:
+                self.tips += 1  # nothing extends its parent now
+
+    def clear(self) -> None:
+        self.parent.clear()
+        self.children.clear()
+        self.tips = 0

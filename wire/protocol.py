@@ -166,6 +166,9 @@ class Generate(msgspec.Struct, tag="generate", array_like=True, omit_defaults=Tr
     sample_ids: list[int] = []
     sample_resume: list[list[int]] = []
     fork_of: str = ""  # API process -> engine: a sample that shares this request's prompt prefill (replica.engine.forks)
+    # it starts a conversation (the proxy: no earlier reply, a prompt the replica does not hold whole): the replica
+    # counts it in Load.chains from the moment it has it, before its blocks are cached (edge_proxy.routing, rule 3)
+    new_chain: bool = False
 
     def samples(self) -> list[tuple[int, list[int]]]:
         """(sample index, tokens already generated) for every sample to run."""
@@ -253,6 +256,10 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     # when it built the Load (set per connection by its API process): running and waiting count that one and every
     # one that proxy sent before it, none it sent after (edge_proxy.pool); "": none yet, or a replica that says none
     seen_id: str = ""
+    # the chains its prefix cache holds (wire.hashing.ChainTips: cached blocks no cached block extends), which
+    # is how many conversations it holds, and the new ones it has (Generate.new_chain) whose blocks are not cached
+    # yet; the proxies place new conversations where fewer are; -1: not reported
+    chains: int = -1
 
 
 class KvEvents(msgspec.Struct, tag="kv", array_like=True, omit_defaults=True):
@@ -321,6 +328,7 @@ class KvBlocks(msgspec.Struct, tag="kv_blocks", array_like=True, omit_defaults=T
     hashes: list[int] = []
     data: bytearray = msgspec.field(default_factory=bytearray)
     error: str = ""
+    prev: int = 0  # API -> engine: the hash the first of `hashes` extends (a chain's first block: its salt seed)
 
 
 class KvWritten(msgspec.Struct, tag="kv_written", array_like=True, omit_defaults=True):

@@ -129,7 +129,7 @@ class EngineClient:
         if req.sampling.n == 1 and not req.sample_ids:
             self._open(req, sink)
             self._send([req])
-            self._queued([self._uncached(req)])
+            self._queued([self._uncached(req)], req.new_chain)
             return
         group = self.groups[req.id] = SampleGroup(req.id, sink)
         sp, subs = req.sampling, []
@@ -143,7 +143,7 @@ class EngineClient:
             self._open(sub, self._sample_sink(group, i))
             subs.append(sub)
         self._send(subs)
-        self._queued([self._uncached(req)] + [0] * (len(subs) - 1))  # the forks share the first's prompt
+        self._queued([self._uncached(req)] + [0] * (len(subs) - 1), req.new_chain)  # the forks share its prompt
 
     def _uncached(self, req: P.Generate) -> int:
         """The prompt tokens the engine will compute for `req`, by the mirror of its prefix cache."""
@@ -157,11 +157,11 @@ class EngineClient:
             hit += bs
         return len(ids) - hit
 
-    def _queued(self, uncached: list[int]) -> None:
-        """Generates sent to the engine: publish the Load with them at the end of this loop turn
-        (once for every request accepted in it)."""
-        for u in uncached:
-            self.queued.sent_one(u)
+    def _queued(self, uncached: list[int], new_chain: bool = False) -> None:
+        """Generates sent to the engine (of one request: `new_chain`, it starts a conversation): publish
+        the Load with them at the end of this loop turn (once for every request accepted in it)."""
+        for i, u in enumerate(uncached):
+            self.queued.sent_one(u, new_chain and i == 0)
         if not self._load_due:
             self._load_due = True
             asyncio.get_running_loop().call_soon(self._publish_load)

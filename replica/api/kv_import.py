@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from wire import protocol as P
-from wire.hashing import block_hashes
+from wire.hashing import block_hashes, salt_seed
 from wire.kv_frames import KvEnd, KvExport, KvFrame, KvPull, block_digest
 from replica.api.engine_supervisor import EngineUnavailable
 from replica.api.kv_transport import KvTransportError
@@ -147,7 +147,8 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
                     problem = check_frame(msg, hashes, at, mine.block_bytes)
                     if problem is not None:
                         raise _Refused(502, f"{req.source} sent a bad frame: {problem}")
-                    write = client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data))
+                    prev = hashes[at - 1] if at else salt_seed(req.cache_salt)  # the chain it extends
+                    write = client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data, prev=prev))
                     writes.append((at, asyncio.ensure_future(write)))
                     at += len(msg.hashes)
                     while len(writes) > WRITES_AHEAD:

@@ -14,6 +14,7 @@ prompt tokens to `waiting_tokens`. A request therefore counts exactly once, queu
 in the engine's own figures, never both and never neither:
 
     published.waiting = engine.waiting + len(queued)      (queued: sent, not yet taken)
+    published.chains  = engine.chains + those of queued that start a conversation (Generate.new_chain)
 
 The proxy that placed the request counts it from `start` on (own_inflight) and takes the
 first Load after that as counting it (own_at_report = own_inflight), which holds now that the
@@ -44,20 +45,23 @@ log = logging.getLogger("replica.engine")
 
 
 class QueuedLoad:
-    __slots__ = ("engine", "sent", "queued", "queued_tokens", "resyncs", "_warned")
+    __slots__ = ("engine", "sent", "queued", "queued_tokens", "queued_new", "resyncs", "_warned")
 
     def __init__(self):
         self.engine: P.Load | None = None  # the engine's last Load
         self.sent = 0  # Generates sent to the engine since it started
-        self.queued: deque[int] = deque()  # uncached prompt tokens of those it had not taken, in order sent
-        self.queued_tokens = 0  # their sum
+        self.queued: deque[tuple[int, bool]] = deque()  # of those it had not taken, in order sent: (uncached prompt
+        #                                                 tokens, whether it starts a conversation)
+        self.queued_tokens = 0  # their tokens
+        self.queued_new = 0  # those that start a conversation
         self.resyncs = 0  # Loads whose `taken` contradicted the count (see the module's docstring)
         self._warned = False  # said so at warning for this engine (later ones at debug)
 
-    def sent_one(self, uncached_tokens: int) -> None:
+    def sent_one(self, uncached_tokens: int, new_chain: bool = False) -> None:
         self.sent += 1
-        self.queued.append(uncached_tokens)
+        self.queued.append((uncached_tokens, new_chain))
         self.queued_tokens += uncached_tokens
+        self.queued_new += new_chain
 
     def from_engine(self, load: P.Load) -> None:
         """The engine's Load: those it took by then (load.taken) leave the queue."""
@@ -65,7 +69,9 @@ class QueuedLoad:
         took = load.taken - before
         if 0 <= took <= len(self.queued):
             for _ in range(took):
-                self.queued_tokens -= self.queued.popleft()
+                u, new = self.queued.popleft()
+                self.queued_tokens -= u
+                self.queued_new -= new
         else:
             self._resync(load.taken, before)
         self.engine = load
@@ -81,14 +87,14 @@ class QueuedLoad:
                 "stand as they are, the %d queued are no longer counted", taken, self.sent, before, len(self.queued))
         self.sent = taken
         self.queued.clear()
-        self.queued_tokens = 0
+        self.queued_tokens = self.queued_new = 0
 
     def reset(self) -> None:
         """The engine process is gone: its successor starts counting from zero."""
         self.engine = None
         self.sent = 0
         self.queued.clear()
-        self.queued_tokens = 0
+        self.queued_tokens = self.queued_new = 0
         self._warned = False
 
     def current(self, draining: bool) -> P.Load | None:
@@ -97,4 +103,5 @@ class QueuedLoad:
         if ld is None:
             return None
         return msgspec.structs.replace(ld, waiting=ld.waiting + len(self.queued),
-                                       waiting_tokens=ld.waiting_tokens + self.queued_tokens, draining=draining)
+                                       waiting_tokens=ld.waiting_tokens + self.queued_tokens, draining=draining,
+                                       chains=ld.chains + self.queued_new if ld.chains >= 0 else -1)

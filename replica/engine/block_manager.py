@@ -10,7 +10,8 @@ Invariants:
   * A block with ref_count 0 is either in `_free` (holds nothing reusable) or in
     `_evictable` (holds a registered hash, LRU order: oldest first).
   * `_hash_to_block[h] == b` iff `_block_hash[b] == h` (one block per hash).
-Every hash registered or dropped is recorded for the KV event stream.
+Every hash registered or dropped is recorded for the KV event stream, and in `tips` (the
+chains, i.e. conversations, cached: what a Load reports for routing new ones).
 A block imported from another replica (replica.engine.kv_transfer) is reserved like a fresh
 block, written, and only then registered, as a cached free block: no table sees it half written.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from wire.hashing import chain_hash, salt_seed
+from wire.hashing import ChainTips, chain_hash, salt_seed
 from replica.engine.sequence import Sequence
 
 
@@ -35,6 +36,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.stored: list[int] = []  # KV events since the last drain
         self.removed: list[int] = []
+        self.tips = ChainTips()  # the registered hashes' tree: how many chains (conversations) it holds
 
     # -- capacity ---------------------------------------------------------------
     @property
@@ -55,6 +57,7 @@ class BlockManager:
             self._block_hash[b] = None
             del self._hash_to_block[h]
             self.removed.append(h)
+            self.tips.remove(h)
         assert self.ref_count[b] == 0
         self.ref_count[b] = 1
         return b
@@ -114,13 +117,14 @@ class BlockManager:
         full = seq.num_computed // bs
         h = seq.block_hashes[-1] if seq.block_hashes else salt_seed(seq.cache_salt)
         for i in range(len(seq.block_hashes), full):
-            h = chain_hash(h, seq.token_ids[i * bs : (i + 1) * bs])
+            prev, h = h, chain_hash(h, seq.token_ids[i * bs : (i + 1) * bs])
             seq.block_hashes.append(h)
             b = seq.block_table[i]
             if h not in self._hash_to_block and self._block_hash[b] is None:
                 self._hash_to_block[h] = b
                 self._block_hash[b] = h
                 self.stored.append(h)
+                self.tips.add(h, prev)
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Tail blocks go first in LRU order, so shared
@@ -166,11 +170,11 @@ class BlockManager:
             self.ref_count[b] = 0
             self._free.append(b)
 
-    def cache_imported(self, blocks: list[int], hashes: list[int]) -> None:
+    def cache_imported(self, blocks: list[int], hashes: list[int], parents: list[int]) -> None:
         """Reserved blocks whose KV is written and checked become cached free blocks under their
-        hashes (ref count 0, the most recently used end of the LRU), each a stored event. A hash
-        cached meanwhile keeps its block; the reserved one goes back free."""
-        for b, h in zip(blocks, hashes, strict=True):
+        hashes (ref count 0, the most recently used end of the LRU), each a stored event; `parents`:
+        the hash each extends. A hash cached meanwhile keeps its block; the reserved one goes back free."""
+        for b, h, prev in zip(blocks, hashes, parents, strict=True):
             assert self.ref_count[b] == 1 and self._block_hash[b] is None
             self.ref_count[b] = 0
             if h in self._hash_to_block:
@@ -180,6 +184,7 @@ class BlockManager:
             self._block_hash[b] = h
             self._evictable[b] = None
             self.stored.append(h)
+            self.tips.add(h, prev)
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         stored, removed = self.stored, self.removed
@@ -193,3 +198,4 @@ class BlockManager:
             assert self.ref_count[b] == 0 and self._block_hash[b] is not None
         for h, b in self._hash_to_block.items():
             assert self._block_hash[b] == h
+        assert self.tips.parent.keys() == self._hash_to_block.keys()

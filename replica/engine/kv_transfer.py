@@ -110,5 +110,5 @@ class KvTransfer:
         except BaseException:
             bm.release(reserved)
             raise
-        bm.cache_imported(reserved, [msg.hashes[i] for i in new])
+        bm.cache_imported(reserved, [msg.hashes[i] for i in new], [msg.hashes[i - 1] if i else msg.prev for i in new])
         return P.KvWritten(id=msg.id, stored=len(new), present=len(msg.hashes) - len(new))

@@ -125,6 +125,7 @@ class LLMEngine:
         self.overlap = cfg.overlap if cfg.overlap is not None else self.runner.device.type == "cuda"
         self._inflight: _Launched | None = None
         self.seqs: dict[str, Sequence] = {}
+        self.new_chains: set[str] = set()  # requests that start a conversation, not yet a chain cached (`chains`)
         self.forks = Forks()  # n > 1: samples waiting for their leader's prompt prefill
         self.grammars = Grammars(tokenizer, model_cfg.vocab_size, self.runner.device)  # constrained: wait to compile
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
@@ -163,6 +164,8 @@ class LLMEngine:
         seq = Sequence(req.id, req.prompt_ids, sp, seed=seed, eos_ids=self.eos_ids, priority=req.priority,
                        cache_salt=req.cache_salt, resume_ids=req.resume_ids)
         self.seqs[req.id] = seq
+        if req.new_chain:
+            self.new_chains.add(req.id)
         if sp.grammar:
             self.grammars.hold(seq, req.fork_of)  # queued once compiled (`_compiled`)
         else:
@@ -446,7 +449,17 @@ class LLMEngine:
                       total_blocks=self.blocks.num_blocks, step_ms=round(self.step_ms, 3),
                       waiting_tokens=s.waiting_tokens(), tokens_per_s=round(self.prefill_tokens_per_s, 1),
                       max_running=self.cfg.max_num_seqs, cpu_steps=cpu_steps, cpu_solo_steps=cpu_solo_steps,
-                      step_counts=list(self.step_counts), step_seconds=round(self.step_seconds, 6))
+                      step_counts=list(self.step_counts), step_seconds=round(self.step_seconds, 6),
+                      chains=self.chains())
+
+    def chains(self) -> int:
+        """Load.chains: the chains cached, and the new conversations not yet in them (no block of their
+        own committed: waiting, or admitted and not through their first block)."""
+        if self.new_chains:
+            bs = self.blocks.block_size
+            self.new_chains = {rid for rid in self.new_chains if (s := self.seqs.get(rid)) is not None
+                               and (s.num_cached_prompt < 0 or len(s.block_hashes) * bs <= s.num_cached_prompt)}
+        return self.blocks.tips.tips + len(self.new_chains)
 
     def kv_events(self) -> P.KvEvents | None:
         stored, removed = self.blocks.drain_events()

@@ -81,3 +81,28 @@ async def test_a_lost_connection_leaves_nothing_unseen():
     conn.pool.events = SimpleNamespace(on_lost=lambda *a: None)
     conn.lose("disconnect")
     assert (list(conn.unseen), conn.own_inflight, conn.pending_tokens) == ([], 0, 0)
+
+
+async def test_its_own_new_conversations_count_in_the_chains_until_a_load_counts_them():
+    """A proxy's new conversation (Generate.new_chain) sent to a replica counts in its `chains` at once,
+    until a Load names it (`seen_id`: the replica counts a new one from the moment it has it, as it does
+    its load); one released before counts no more."""
+    conn = connected_replica()
+    assert conn.chains() == -1  # no Load yet: unknown
+    conn._dispatch([P.Load(0, 0, 8, 8, chains=3)], 0.0)
+
+    def new(ids):
+        gen = P.Generate("", ids, P.SamplingParams(max_tokens=8), "salt", new_chain=True)
+        return conn.start(SimpleNamespace(gen=gen, samples=None, ids=[]), gen, len(ids))
+
+    x, y = new([1] * 40), new([2] * 40)
+    z = send(conn, 20)  # a later turn: no new chain
+    assert conn.chains() == 5
+    conn._dispatch([P.Load(2, 0, 8, 8, chains=4, seen_id=x)], 0.0)  # it has x (counted), not y yet
+    assert conn.chains() == 5
+    conn.release(y, abort=True)  # cancelled before the replica saw it
+    assert conn.chains() == 4
+    conn._dispatch([P.Load(2, 0, 8, 8, chains=4, seen_id=z)], 0.0)
+    assert conn.chains() == 4 and not conn.fresh_chains
+    conn._dispatch([P.Load(2, 0, 8, 8)], 0.0)  # a replica that reports no chains
+    assert conn.chains() == -1

@@ -1,6 +1,7 @@
 """One region, two proxies over the same replica stubs (issue 44): a conversation's turns
 alternating between the proxies go to one replica (its home, learned from the replicas' KV
-events, not from either proxy's memory)."""
+events, not from either proxy's memory), and new conversations spread evenly over the replicas
+(by the conversations each holds, `Load.chains`)."""
 
 import asyncio
 import random
@@ -57,8 +58,11 @@ async def test_turns_alternating_between_two_proxies_stay_on_their_replica(sessi
         served = {done[(k, n)].replica for n in range(4)}
         assert len(served) == 1, (k, [done[(k, n)].replica for n in range(4)])
         assert all(done[(k, n)].usage.cached_tokens > 0 for n in range(1, 4))
+    # Within 15 % of the mean (issue 44's goal), which for 12 conversations of 4 turns is 4 each: the
+    # replicas count the conversations they hold (Load.chains) and the proxies place new ones where fewer are
+    # (by blocks held, 5 of 18 runs of two proxies of two workers went 5/4/3)
     per = [sum(d.replica == r for d in done.values()) for r in "abc"]
-    assert sum(per) == 48 and max(per) - min(per) <= 8, per  # 12-20 of 48: conversations 3/4/5 at worst
+    assert per == [16, 16, 16], per
 
 
 async def test_a_session_id_stays_its_keys_on_every_proxy():

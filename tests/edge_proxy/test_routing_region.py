@@ -86,3 +86,20 @@ def test_one_proxys_burst_of_new_conversations_still_spreads_evenly():
     view = ProxyView({"a": 0, "b": 0, "c": 0}, {"a": 0.0, "b": 0.0, "c": 0.0})
     placed = Counter(view.place(conversation(k, 10 + k), f"k/s{k}") for k in range(6))
     assert placed == {"a": 2, "b": 2, "c": 2}
+
+
+def test_new_conversations_go_where_fewer_conversations_are_not_fewer_blocks():
+    """a holds 3 short conversations (30 blocks), b 2 long ones (44 blocks), c 3 (40): where every
+    replica reports its chains, b takes the new one, whatever the key (by blocks it went to a,
+    which then held 4 to b's 2); two tied on chains split by load, then by key."""
+    chains, held = {"a": 3, "b": 2, "c": 3}, {"a": 30, "b": 44, "c": 40}
+    for i in range(30):
+        cands = [Candidate(r, 0.0, held_blocks=held[r], chains=chains[r]) for r in IDS]
+        assert Router().route(cands, 12 * BS, BS, key=f"k{i}").replica == "b"
+    chains = {"a": 2, "b": 2, "c": 3}
+    cands = [Candidate(r, 1.0 if r == "a" else 0.0, held_blocks=held[r], chains=chains[r]) for r in IDS]
+    assert [c.id for c in fewest_held(cands, 12)] == ["a", "b"]
+    assert all(Router().route(cands, 12 * BS, BS, key=f"k{i}").replica == "b" for i in range(30))
+    # one replica that reports none (an older one): every replica compared by blocks, as before
+    cands = [Candidate(r, 0.0, held_blocks=held[r], chains=-1 if r == "c" else chains[r]) for r in IDS]
+    assert [c.id for c in fewest_held(cands, 12)] == ["a", "c"]  # b holds a prompt more than a

@@ -91,3 +91,15 @@ def test_an_engine_that_took_more_than_was_sent_is_counted_as_it_says():
     assert q.current(False).waiting == 1
     q.from_engine(engine_load(0, 3, running=3))
     assert (q.current(False).waiting, q.resyncs) == (0, 1)
+
+
+def test_a_new_conversation_counts_in_the_chains_queued_then_in_the_engines():
+    q = QueuedLoad()
+    q.from_engine(P.Load(0, 0, 8, 8, chains=2))
+    q.sent_one(30, new_chain=True)
+    q.sent_one(20)  # a later turn
+    assert q.current(False).chains == 3
+    q.from_engine(P.Load(1, 1, 8, 8, taken=1, chains=3))  # the engine has it (waiting or prefilling)
+    assert q.current(False).chains == 3
+    q.from_engine(P.Load(2, 0, 8, 8, taken=2))  # an engine that counts none: none added
+    assert q.current(False).chains == -1

@@ -67,3 +67,28 @@ def test_allocation_fails_cleanly_when_the_pool_is_dry():
     s = seq(list(range(12)))
     assert not bm.allocate(s, 12)
     assert s.block_table == [] and bm.num_free == 2
+
+
+def test_the_chains_it_holds_count_conversations_not_blocks():
+    """Two conversations under one system prompt are two chains, however long; a next turn that
+    extends a conversation's blocks is still one; an eviction takes its chain's tip first."""
+    bm = BlockManager(16, 4)
+    system = list(range(100, 108))  # two blocks
+    a, b = seq(system + [1, 2, 3, 4, 5]), seq(system + [9, 9, 9, 9, 9, 9, 9, 9, 9])
+    fill(bm, a)
+    assert bm.tips.tips == 1  # the system prompt's blocks, then a's: one chain
+    fill(bm, b)
+    assert bm.tips.tips == 2  # b branches off the system prompt
+    bm.free(a)
+    a2 = seq(a.token_ids + [6, 7, 8, 9])  # a's next turn: its prompt extends a's blocks
+    bm.match_prefix(a2)
+    fill(bm, a2)
+    assert bm.tips.tips == 2
+    bm.free(a2)
+    bm.free(b)
+    bm.check_invariants()
+    while len(bm._free) > 0:  # take every free block, then evict the LRU ones: a2's tail first
+        bm._take()
+    bm._take()
+    assert bm.tips.tips == 2  # a2's tip went, its parent is the tip now
+    bm.check_invariants()

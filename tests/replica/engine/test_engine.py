@@ -224,6 +224,32 @@ def test_load_reports_every_steps_time():
     assert bounds[slowest] >= load.step_seconds / engine.stats.steps
 
 
+def test_load_counts_the_conversations_it_holds_and_the_new_ones_it_has():
+    """Load.chains: the chains cached (wire.hashing.ChainTips), and the requests that start a conversation
+    (Generate.new_chain) from the moment the engine has them: waiting, then prefilling, then cached as a
+    chain, counted once throughout; a later turn that extends its conversation adds none."""
+    engine, _, _ = make_engine(max_num_seqs=1, max_num_batched_tokens=24)  # one at a time, 24-token chunks
+    assert engine.load().chains == 0
+    a, b = prompts([60, 60])["s0"], [7] * 60
+    engine.add(P.Generate(id="a", prompt_ids=a, sampling=greedy(4), new_chain=True))
+    engine.add(P.Generate(id="b", prompt_ids=b, sampling=greedy(4), new_chain=True))
+    assert engine.load().chains == 2  # both waiting
+    engine.step()  # a's first chunk: its first blocks are cached, b waits
+    assert engine.load().chains == 2
+    toks, _ = run(engine)
+    assert engine.load().chains == 2 and not engine.new_chains
+    reply = toks["a"] + [5] * 30  # (a longer reply, so that its blocks fill past the prompt's)
+    engine.add(P.Generate(id="a1", prompt_ids=a + reply, sampling=greedy(1)))
+    run(engine)
+    assert engine.load().chains == 2  # a's blocks, extended
+    engine.add(P.Generate(id="a2", prompt_ids=a + reply + [9] * 40, sampling=greedy(4)))  # its next turn
+    run(engine)
+    assert engine.load().chains == 2
+    engine.add(P.Generate(id="c", prompt_ids=a[:32] + [8] * 40, sampling=greedy(4), new_chain=True))  # a branch
+    run(engine)
+    assert engine.load().chains == 3
+
+
 def test_load_reports_the_measured_prefill_rate():
     """Load.tokens_per_s: prompt tokens per second on steps that prefill at least
     PREFILL_RATE_MIN_TOKENS (the proxy prices queued prefill and spills with it)."""
