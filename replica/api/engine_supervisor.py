@@ -128,7 +128,8 @@ class EngineSupervisor:
                     log.exception("replica: handling the engine's %s failed", type(msg).__name__)
 
     async def _end_process(self, terminate: bool) -> int | None:
-        """Close the socket and make sure the process is gone; its exit code."""
+        """Close the socket (the engine exits at its end: it ignores SIGTERM: replica.lifetime)
+        and make sure the process is gone; its exit code."""
         self.ready.clear()
         if self._writer is not None:
             self._writer.close()

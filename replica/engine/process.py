@@ -16,7 +16,8 @@ round trip was the wait for the boundary plus a whole step, ~240 ms of the 3 MB 
 ~245 ms (docs/perf.md, drain with hand-off).
 An Abort is therefore applied before the next step: a cancelled request stops
 within one step and its blocks are freed. The process exits when the API
-process closes the socket.
+process closes the socket, or with it (replica.lifetime: a signal to the whole process group
+is the API process's to act on, so a drain's streams keep their engine).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from wire import protocol as P
 from replica.config import EngineConfig
 from replica.engine.containment import Containment
 from replica.engine.kv_transfer import KvTransfer
+from replica.lifetime import follow_parent
 from replica.stages import Stages
 
 
@@ -179,6 +181,7 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
 
 
 def main(argv: list[str] | None = None) -> None:
+    follow_parent()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--socket", required=True, help="Unix socket of the API process")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")

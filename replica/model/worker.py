@@ -14,6 +14,7 @@ import sys
 import msgspec
 
 from replica.config import EngineConfig
+from replica.lifetime import follow_parent
 
 
 def spawn_workers(cfg: EngineConfig, init_method: str) -> list[subprocess.Popen]:
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     from replica.model.loader import load_model_for
     from replica.model.runner import Runner
 
+    follow_parent()  # rank 0 closes it
     ap = argparse.ArgumentParser(description="one worker rank of a tensor-parallel engine")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)

@@ -7,13 +7,16 @@ same way (tests/edge_proxy/test_drain_handoff.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import httpx
 import pytest
 from websockets.asyncio.client import connect
 
 from wire import protocol as P
-from tests.replica.server import AUTH, replica_server
+from tests.replica.server import AUTH, engine_pid, replica_server
 from tests.replica.ws_client import ReplicaWS, ws_url
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,3 +64,47 @@ def test_a_drained_replica_admits_nothing_new_and_exits_once_its_streams_are_gon
     assert seen["new"].code == P.OVERLOADED and "draining" in seen["new"].message
     assert seen["healthz"][0] == 200 and seen["healthz"][1]["draining"] is True
     assert seen["code"] == 0  # drained: an ordinary exit
+
+
+async def group_signalled_with_a_stream(url: str, proc) -> dict:
+    """SIGTERM to the replica's whole process group (systemd's control-group stop, a terminal's Ctrl-C
+    reaches a group too) with a stream running."""
+    seen = {}
+    async with connect(ws_url(url), max_size=None, additional_headers=AUTH) as ws:
+        c = ReplicaWS(ws)
+        await c.send(P.Generate("long", PROMPT, LONG))
+        await until(c, lambda m: isinstance(m, P.Tokens) and m.id == "long")
+        engine = engine_pid(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        seen["load"] = await asyncio.wait_for(until(c, lambda m: isinstance(m, P.Load) and m.draining), 10)
+        seen["tokens after"] = sum([len(m.ids) for m in await c.recv() if isinstance(m, P.Tokens)])
+        while seen["tokens after"] < 20:  # the engine goes on computing the stream
+            seen["tokens after"] += sum(len(m.ids) for m in await c.recv() if isinstance(m, P.Tokens))
+        seen["engine alive"] = proc.poll() is None and os.path.exists(f"/proc/{engine}")
+        await c.send(P.Abort("long"))
+        seen["code"] = await asyncio.to_thread(proc.wait, 30)
+        seen["engine gone"] = await asyncio.to_thread(gone, engine)
+    return seen
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    """`pid` exits within `timeout` (it is the replica's grandchild here: polled, not waited for)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_signal_to_the_whole_group_drains_and_leaves_the_engine_to_its_api_process():
+    """The engine ignores the group's SIGTERM: the stream goes on through the drain (it used to die
+    with its engine at once, 'engine process exited (code -15)'), and ends with the API process."""
+    with replica_server("--kv-memory-gb", "0.25") as (url, proc):
+        seen = asyncio.run(group_signalled_with_a_stream(url, proc))
+    assert seen["load"].draining and seen["tokens after"] >= 20 and seen["engine alive"], seen
+    assert seen["code"] == -signal.SIGTERM and seen["engine gone"], seen
