@@ -137,6 +137,7 @@ class StubReplica:
         self._codec = P.Codec()
         self._cache: OrderedDict[int, None] = OrderedDict()
         self._tips = ChainTips()  # the chains (conversations) cached, as an engine counts them (Load.chains)
+        self._report_due = False  # a Load is queued for the end of this loop turn (`_report_soon`)
         self._heap: list = []  # (due, seq, _Req)
         # The step as it runs, not as configured: a starved host stretches it, and Load says
         # so as a real replica's measured step does (the proxy's admission plans with it).
@@ -300,6 +301,7 @@ class StubReplica:
                 self._waiting.append(r)
             else:
                 self._run(r)
+        self._report_soon()
 
     def _run(self, r: _Req) -> None:
         if self.cfg.max_running:
@@ -427,21 +429,31 @@ class StubReplica:
                 ws.transport.write(b"".join(ws.protocol.data_to_send()))
 
     async def _reporter(self) -> None:
-        cfg = self.cfg
         while True:
-            await asyncio.sleep(cfg.load_interval_s)
-            if self.lag:
-                continue
-            held = self.active
-            running = len(self._running) if cfg.max_running else held
-            fields = dict(running=running, waiting=held - running, free_blocks=cfg.total_blocks - len(self._cache),
-                          total_blocks=cfg.total_blocks, step_ms=max(cfg.step_s, self._step_s) * 1e3,
-                          tokens_per_s=running / max(cfg.step_s, self._step_s), max_running=cfg.max_running,
-                          chains=self._tips.tips if cfg.kv_events else -1)
-            fields.update(cfg.load_override)
-            load = P.Load(**fields)
-            for c in self.conns:
-                self._queue(c, load)
+            await asyncio.sleep(self.cfg.load_interval_s)
+            self._report()
+
+    def _report_soon(self) -> None:
+        """A Load at the end of this loop turn, as a replica's API process sends one the turn it accepts a
+        request (replica.api.queued_load): every proxy sees a placement one hop later."""
+        if not self._report_due:
+            self._report_due = True
+            asyncio.get_running_loop().call_soon(self._report)
+
+    def _report(self) -> None:
+        self._report_due = False
+        if self.lag:
+            return
+        cfg, held = self.cfg, self.active
+        running = len(self._running) if cfg.max_running else held
+        fields = dict(running=running, waiting=held - running, free_blocks=cfg.total_blocks - len(self._cache),
+                      total_blocks=cfg.total_blocks, step_ms=max(cfg.step_s, self._step_s) * 1e3,
+                      tokens_per_s=running / max(cfg.step_s, self._step_s), max_running=cfg.max_running,
+                      chains=self._tips.tips if cfg.kv_events else -1)
+        fields.update(cfg.load_override)
+        load = P.Load(**fields)
+        for c in self.conns:
+            self._queue(c, load)
 
 
 async def _main(a) -> None:
