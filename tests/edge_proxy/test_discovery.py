@@ -163,7 +163,7 @@ async def test_a_replica_back_in_dns_while_leaving_is_ready_again():
         async with proxy_for([], wait_ready=1, discovery=discovery(z, k.port)) as p:
             pool = p.proxy.pool
             async with await EdgeClient.connect(p.ws_url, api_key="sk-alice") as c:
-                req = await c.generate(prompt="a long story", max_tokens=200)
+                req = await c.generate(prompt="a long story", max_tokens=80)  # 4 s: the leave and the flap back take two refreshes
                 await asyncio.wait_for(a.token_event.wait(), 5)
                 z.set(NAME, [])
                 assert await pool.wait_for(lambda: not pool.ready(), timeout=5)  # leaving, still streaming
