@@ -11,7 +11,8 @@ msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
      count routers and `/metrics` see is never a report behind); each Load counts the
      Generates taken so far (`taken`: the API process adds those it sent since).
 KV transfer commands (KvRead, KvBlocks: replica.engine.kv_transfer) are served as they are
-taken, between steps, and answered before the next step runs: under decode load a transfer's
+taken, between steps (reads up to KV_READ_BYTES a boundary while there are streams, the rest at the
+next ones), and answered before the next step runs: under decode load a transfer's
 round trip was the wait for the boundary plus a whole step, ~240 ms of the 3 MB frame's
 ~245 ms (docs/perf.md, drain with hand-off).
 An Abort is therefore applied before the next step: a cancelled request stops
@@ -30,6 +31,7 @@ import select
 import socket
 import sys
 import time
+from collections import deque
 
 import msgspec
 
@@ -117,6 +119,12 @@ LINGER_S = 0.002
 LINGER_MAX_S = 0.03
 SEND_BUFFER_BYTES = 4 << 20  # the socket's send buffer (the kernel caps it at net.core.wmem_max): a KV
 #                              read's answer (3 MB a frame) is left in the kernel, not sent while the API reads
+# While it has streams, a boundary answers KV reads of at most this many bytes (at least one read), the
+# rest at the next boundaries: the streams' tokens go out behind those bytes on the one socket, so a drain's
+# four pulls asking 8 frames (24 MB) at once held every draining stream 409 ms at one boundary
+# (docs/perf.md, drain with hand-off). Two of the default model's 8-block frames: ~30 ms of the API
+# process's reading; idle, everything at once.
+KV_READ_BYTES = 6 << 20
 
 
 def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:
@@ -127,6 +135,7 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                                      max_model_len=engine.max_model_len, **compute_fields(engine.cfg)), kv.spec]))
     next_report = 0.0
     taken = 0  # Generates taken off the socket: every Load says so (replica.api.queued_load)
+    reads: deque[P.KvRead] = deque()  # KV reads taken and not yet answered (`KV_READ_BYTES` a boundary)
     while True:
         busy = engine.has_work()
         timeout = 0.0 if busy else max(0.0, next_report - time.monotonic())
@@ -152,7 +161,7 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                     if fin is not None:
                         out.append(fin)
                 elif isinstance(msg, P.KvRead):
-                    kv_out.append(kv.read(msg))
+                    reads.append(msg)
                 elif isinstance(msg, P.KvBlocks):
                     kv_out.append(kv.write(msg))
             wait = 0.0
@@ -160,6 +169,11 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                 linger_end = linger_end or time.monotonic() + LINGER_MAX_S
                 wait = min(LINGER_S, max(0.0, linger_end - time.monotonic()))
             readable, _, _ = select.select([sock], [], [], wait)
+        budget = KV_READ_BYTES if engine.has_work() else None  # (the first read always fits)
+        while reads and (budget is None or budget > 0):
+            kv_out.append(kv.read(reads.popleft()))
+            if budget is not None:
+                budget -= len(kv_out[-1].data)
         if kv_out:  # answered now, not after the step: a transfer's round trip is the wait for this boundary only
             events = engine.kv_events()  # an import's stored events first: the API's cache mirror has them
             sock.sendall(codec.pack(([events] if events is not None else []) + kv_out))  # before the answer

@@ -77,3 +77,67 @@ def test_a_kv_read_is_answered_before_the_next_step():
         ours.close()
         theirs.close()
     assert not loop.is_alive()
+
+
+def pending(sock: socket.socket, codec: P.FrameCodec) -> list:
+    """The messages already in the socket (none is on its way: the loop is held in a step)."""
+    sock.setblocking(False)
+    out = []
+    try:
+        while data := sock.recv(1 << 20):
+            out += codec.feed(data)
+    except BlockingIOError:
+        pass
+    finally:
+        sock.setblocking(True)
+    return out
+
+
+def test_with_streams_running_a_boundary_answers_reads_up_to_its_byte_budget(monkeypatch):
+    """Three reads taken at one boundary, a budget of one read's bytes: one answered at each of the next
+    three boundaries, the stream's steps between (its tokens are not held behind all three); idle, all at once."""
+    import replica.engine.process as process
+
+    cfg = tiny_config()
+    engine = GatedEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8),
+                         cfg, tiny_weights(cfg))
+    ids = prompts([70])["s0"]
+    assert engine.add(P.Generate(id="p", prompt_ids=ids, sampling=GREEDY)) is None
+    engine.permits.release(100)
+    run(engine)
+    engine.permits, engine.entered = threading.Semaphore(0), 0
+    monkeypatch.setattr(process, "KV_READ_BYTES", 4 * engine.runner.block_nbytes())  # one 4-block read
+    long = P.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert engine.add(P.Generate(id="busy", prompt_ids=prompts([20], seed=1)["s0"], sampling=long)) is None
+    ours, theirs = socket.socketpair()
+    loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0), daemon=True)
+    loop.start()
+    codec = P.FrameCodec()
+    hashes = block_hashes(ids, 16)
+    try:
+        receive_until(ours, codec, P.KvSpec, 30)
+        with engine.in_step:
+            assert engine.in_step.wait_for(lambda: engine.entered == 1, 30)
+        ours.sendall(codec.pack([P.KvRead(id=f"kv/{i}", hashes=hashes) for i in range(3)]))
+        answered = []
+        for step in range(2, 5):
+            engine.permits.release()  # the step before ends; the loop answers what the budget allows
+            with engine.in_step:
+                assert engine.in_step.wait_for(lambda: engine.entered == step, 30)
+            answered.append([m.id for m in pending(ours, codec) if isinstance(m, P.KvBlocks)])
+        assert answered == [["kv/0"], ["kv/1"], ["kv/2"]]
+        engine.permits.release(1000)  # the stream ends: idle, every read of a boundary at once
+        receive_until(ours, codec, P.Finished, 30)
+        ours.sendall(codec.pack([P.KvRead(id=f"idle/{i}", hashes=hashes) for i in range(3)]))
+        got = []
+        ours.settimeout(30)
+        while len(got) < 3:
+            got += [m.id for m in codec.feed(ours.recv(1 << 20)) if isinstance(m, P.KvBlocks)]
+        assert got == ["idle/0", "idle/1", "idle/2"]
+    finally:
+        engine.permits.release(1000)
+        ours.shutdown(socket.SHUT_WR)
+        loop.join(30)
+        ours.close()
+        theirs.close()
+    assert not loop.is_alive()
