@@ -52,8 +52,9 @@ The proxy's rule (`pick_prefix`), for every request in mode "auto" and "prefix":
    counts told conversations apart only to within a conversation's progress (a
    replica whose 4 conversations are short holds fewer blocks than one with 3
    long ones), so the four processes of two proxies of two workers each placing
-   12 conversations over three replicas left them 5/4/3 in 5 of 18 runs. A replica that reports no chains (an older one) is compared by
-   blocks: those holding less than one prompt's worth more than the fewest tie.
+   12 conversations over three replicas left them 5/4/3 in 5 of 18 runs. A
+   replica that reports no chains (an older one) is compared by blocks: those
+   holding less than one prompt's worth more than the fewest tie.
    Simultaneous placements through several processes see the same reports (none
    shows the others' new prompts until the replica's next step); where the band's
    loads tie their keys draw different replicas of it, where the one smallest
@@ -96,9 +97,10 @@ local, and why that is safe:
   Load the loop turn it accepts a request), replaced by the next one; they weigh load,
   never decide a conversation's home;
 - its own new conversations a replica's last Load does not count in `chains` yet
-  (`ReplicaConn.fresh_chains`: sent there, no first token when that Load came): the
-  same one-hop correction, gone at the next Load; it spreads one process's own
-  placements, never decides a later turn's home;
+  (`ReplicaConn.fresh_chains`: sent after the request that Load names, `seen_id`; a
+  replica counts a new one from the moment it has it): the same one-hop correction,
+  gone at the next Load; it spreads one process's own placements, never decides a
+  later turn's home;
 - the rendezvous tie-breaks draw on the request's key (a session's placement key, else
   its first block): alike everywhere. Two new conversations placed through two
   processes within one network hop (before the replica's Load shows the first to the
