@@ -44,17 +44,24 @@ def receive_until(sock: socket.socket, codec: P.FrameCodec, kind, timeout: float
                 return msg
 
 
-def test_a_kv_read_is_answered_before_the_next_step():
+def cached_engine(busy_tokens: int) -> tuple[GatedEngine, list[int]]:
+    """The tiny engine, gated, with a 70-token prompt's 4 full blocks computed and cached, and a stream of
+    `busy_tokens` queued (the loop's steps run it)."""
     cfg = tiny_config()
     engine = GatedEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8),
                          cfg, tiny_weights(cfg))
-    ids = prompts([70])["s0"]  # 4 full blocks, computed and cached before the loop starts
+    ids = prompts([70])["s0"]
     assert engine.add(P.Generate(id="p", prompt_ids=ids, sampling=GREEDY)) is None
     engine.permits.release(100)
     run(engine)
     engine.permits, engine.entered = threading.Semaphore(0), 0
-    long = P.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
-    assert engine.add(P.Generate(id="busy", prompt_ids=prompts([20], seed=1)["s0"], sampling=long)) is None
+    busy = P.SamplingParams(max_tokens=busy_tokens, temperature=0.0, ignore_eos=True)
+    assert engine.add(P.Generate(id="busy", prompt_ids=prompts([20], seed=1)["s0"], sampling=busy)) is None
+    return engine, ids
+
+
+def test_a_kv_read_is_answered_before_the_next_step():
+    engine, ids = cached_engine(500)
     ours, theirs = socket.socketpair()
     loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0), daemon=True)
     loop.start()
@@ -98,17 +105,8 @@ def test_with_streams_running_a_boundary_answers_reads_up_to_its_byte_budget(mon
     three boundaries, the stream's steps between (its tokens are not held behind all three); idle, all at once."""
     import replica.engine.process as process
 
-    cfg = tiny_config()
-    engine = GatedEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=24, max_num_seqs=8),
-                         cfg, tiny_weights(cfg))
-    ids = prompts([70])["s0"]
-    assert engine.add(P.Generate(id="p", prompt_ids=ids, sampling=GREEDY)) is None
-    engine.permits.release(100)
-    run(engine)
-    engine.permits, engine.entered = threading.Semaphore(0), 0
+    engine, ids = cached_engine(6)
     monkeypatch.setattr(process, "KV_READ_BYTES", 4 * engine.runner.block_nbytes())  # one 4-block read
-    long = P.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    assert engine.add(P.Generate(id="busy", prompt_ids=prompts([20], seed=1)["s0"], sampling=long)) is None
     ours, theirs = socket.socketpair()
     loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0), daemon=True)
     loop.start()
