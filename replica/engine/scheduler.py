@@ -160,12 +160,15 @@ class Scheduler:
             for prio in sorted(self.waiting):
                 q = self.waiting[prio]
                 for seq in [w for w in q if w.num_completion_tokens and not w.num_unresolved]:
-                    if budget < short or len(self.running) >= self.max_num_seqs:
+                    if budget <= 0 or len(self.running) >= self.max_num_seqs:
                         return
                     if seq.num_computed == 0 and not seq.block_table:
                         self.blocks.match_prefix(seq)
                     if seq.num_uncomputed > short:
                         self.blocks.free(seq)  # much to recompute: it waits its turn, as a prompt does
+                    elif seq.num_uncomputed > budget:  # whole or not ahead (a budget below two blocks: the CPU's 32)
+                        self.blocks.free(seq)
+                        return
                     elif not admit(q, seq):
                         return
 

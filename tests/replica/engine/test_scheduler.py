@@ -292,6 +292,28 @@ def test_a_moved_stream_whose_kv_is_cached_goes_before_a_prompts_chunk_one_to_re
     assert set(sim.finished) == {"a", "p", "q", "x", "r"}
 
 
+def test_moved_streams_go_ahead_under_a_budget_below_two_blocks():
+    """The CPU's budget (32 tokens, two blocks) less the running decodes is below two blocks: the
+    moved streams whose last block or two are left still go before the prompt queued ahead of them,
+    each whole while it fits, the rest of the budget to the prompt (they once waited behind it)."""
+    sim = Sim(max_num_batched_tokens=8)  # two blocks of 4
+    moved = ids(10, 80)
+    sim.add("a", moved, max_tokens=2)
+    sim.run()  # its 2 full blocks are cached
+    sim.add("d1", ids(3, 81), max_tokens=12)
+    sim.add("d2", ids(3, 82), max_tokens=12)
+    sim.step()
+    sim.step()  # d1, d2 decode: 6 of the 8 tokens left
+    sim.add("q", ids(9, 83), max_tokens=2)  # a prompt queued before the moved streams
+    r = sim.add("r", moved[:8], max_tokens=4, resume=moved[8:] + sim.generated["a"])  # 12 tokens, 8 cached
+    s = sim.add("s", moved[:8], max_tokens=4, resume=moved[8:] + sim.generated["a"])
+    sim.step()
+    assert sim.batches[-1] == (["d1", "d2", "r", "q"], [1, 1, 4, 2])  # s (4 more) does not fit whole
+    assert r.num_cached_prompt == 8 and s.status == Status.WAITING and not s.block_table
+    sim.run()
+    assert set(sim.finished) == {"a", "d1", "d2", "q", "r", "s"}
+
+
 def test_an_abort_at_any_point_frees_its_blocks():
     """An abort (Scheduler.remove) at any step, of a sequence waiting, prefilling, decoding
     or preempted, gives back every block it held; the others finish as they would, and
