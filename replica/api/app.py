@@ -184,6 +184,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
     drain = drain or Drain()
     fingerprint = tokenizer.fingerprint  # hashed once here, not on the event loop when a proxy connects
     metrics = ReplicaMetrics(lambda: client_box["c"].load if "c" in client_box else None)
+    kv_transport = HttpKvTransport(secret)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -193,6 +194,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         try:
             yield
         finally:
+            await kv_transport.aclose()
             await client.stop()
 
     def client() -> EngineClient:
@@ -265,7 +267,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         Route("/health", healthz),  # what routers built for vLLM/SGLang workers probe
         Route("/metrics", metrics_endpoint),
         Route("/v1/drain", drain_endpoint, methods=["POST"]),
-        *KvRoutes(client, HttpKvTransport(secret)).routes(),  # KV export and import between replicas
+        *KvRoutes(client, kv_transport).routes(),  # KV export and import between replicas
         *PrefillRoute(client).routes(),  # a prompt computed for another replica to pull
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -118,7 +118,7 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
     the source's KvEnd (None: the stream ended without it). _Refused on a spec or frame that fails.
     Up to WRITES_AHEAD frames are in the engine's hands at once (it caches them in order, each all
     or nothing), so one step boundary caches several instead of one a boundary."""
-    at, spec = have, None
+    at, spec, end = have, None, None
     writes: deque[tuple[int, asyncio.Future]] = deque()  # (first block, the KvBlocks' answer to come), in order
 
     async def settle() -> None:  # the oldest write's answer, counted
@@ -135,6 +135,8 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
     try:
         async with contextlib.aclosing(stream):  # closed at once when the pull ends early: the source's export stops
             async for msg in stream:
+                if end is not None:
+                    raise _Refused(502, f"{req.source} sent a message after its KvEnd")
                 if spec is None:
                     if not isinstance(msg, P.KvSpec):
                         raise _Refused(502, f"the export stream from {req.source} did not open with its KvSpec")
@@ -156,14 +158,14 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
                 elif isinstance(msg, KvEnd):
                     while writes:
                         await settle()
-                    return msg
+                    end = msg  # the stream is read to its end (nothing follows): its connection is reused
                 else:
                     raise _Refused(502, f"{req.source} sent a second KvSpec")
         while writes:  # the stream ended without its KvEnd: what was sent is counted
             await settle()
     finally:  # ended early (a bad frame, a broken stream, the bound): the writes in flight are counted as they land
         await _settle_rest(writes, res)
-    return None
+    return end
 
 
 async def _settle_rest(writes: deque, res: PullResult) -> None:

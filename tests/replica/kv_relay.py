@@ -45,3 +45,35 @@ class CuttingRelay:
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
                 dst.sendall(data)
+
+
+class CountingRelay:
+    """Relays every connection to 127.0.0.1:`target` both ways, untouched; `accepted` counts them
+    (a receiver that keeps its connection to a source alive opens one for many pulls)."""
+
+    def __init__(self, target: int):
+        self.target = target
+        self.accepted = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                client, _ = self._listener.accept()
+                self.accepted += 1
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+                for src, dst in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._listener.close()

@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from tests.replica.kv_relay import CuttingRelay
+from tests.replica.kv_relay import CountingRelay, CuttingRelay
 from tests.replica.server import AUTH, idle_within, replica_server
 
 SMALL = ("--kv-memory-gb", "0.1")
@@ -63,6 +63,22 @@ def test_blocks_moved_from_a_to_b_are_hit_and_decode_the_same(pair):
     assert cached == full and text == again
     res = pull(b, a, ids).json()  # B has them all now: nothing moves
     assert res["complete"] and res["imported"] == 0 and res["cached"] == res["blocks"]
+
+
+def test_pulls_from_one_source_share_a_kept_alive_connection(pair):
+    """A drain pulls each stream again and again (edge_proxy.handoff): every pull after the first
+    starts on the receiver's open connection to the source, not a new client and connection."""
+    a, b = pair
+    ids = prompt_ids(a)
+    relay = CountingRelay(int(a.rsplit(":", 1)[1]))
+    try:
+        for salt in ("kept-alive-1", "kept-alive-2"):  # new hashes to B each time: blocks move
+            complete(a, ids, cache_salt=salt)
+            res = pull(b, f"http://127.0.0.1:{relay.port}", ids, cache_salt=salt).json()
+            assert res["complete"] and res["imported"] == len(ids) // 16, res
+        assert relay.accepted == 1
+    finally:
+        relay.close()
 
 
 def test_a_layout_mismatch_is_refused_with_a_message(pair):
