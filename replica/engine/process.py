@@ -122,9 +122,11 @@ SEND_BUFFER_BYTES = 4 << 20  # the socket's send buffer (the kernel caps it at n
 # While it has streams, a boundary answers KV reads of at most this many bytes (at least one read), the
 # rest at the next boundaries: the streams' tokens go out behind those bytes on the one socket, so a drain's
 # four pulls asking 8 frames (24 MB) at once held every draining stream 409 ms at one boundary
-# (docs/perf.md, drain with hand-off). Two of the default model's 8-block frames: ~30 ms of the API
-# process's reading; idle, everything at once.
-KV_READ_BYTES = 6 << 20
+# (docs/perf.md, drain with hand-off). One of the default model's 8-block frames (2.9 MB): it fits in the
+# send buffer, so the next step starts at once; three (8.8 MB, what 6 MB let through when the check came
+# after each read) blocked the engine 45-60 ms in sendall while the API process read them, every boundary
+# of a drain's pulls. Idle, everything at once.
+KV_READ_BYTES = 3 << 20
 
 
 def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:
@@ -169,9 +171,11 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                 linger_end = linger_end or time.monotonic() + LINGER_MAX_S
                 wait = min(LINGER_S, max(0.0, linger_end - time.monotonic()))
             readable, _, _ = select.select([sock], [], [], wait)
-        budget = KV_READ_BYTES if engine.has_work() else None  # (the first read always fits)
-        while reads and (budget is None or budget > 0):
+        budget = KV_READ_BYTES if engine.has_work() else None
+        first = True  # the first read always goes; the next only where its bytes fit what is left
+        while reads and (budget is None or first or len(reads[0].hashes) * kv.spec.block_bytes <= budget):
             kv_out.append(kv.read(reads.popleft()))
+            first = False
             if budget is not None:
                 budget -= len(kv_out[-1].data)
         if kv_out:  # answered now, not after the step: a transfer's round trip is the wait for this boundary only

@@ -101,12 +101,13 @@ def pending(sock: socket.socket, codec: P.FrameCodec) -> list:
 
 
 def test_with_streams_running_a_boundary_answers_reads_up_to_its_byte_budget(monkeypatch):
-    """Three reads taken at one boundary, a budget of one read's bytes: one answered at each of the next
-    three boundaries, the stream's steps between (its tokens are not held behind all three); idle, all at once."""
+    """Three reads taken at one boundary, a budget of one and a half reads' bytes: one answered at each of
+    the next three boundaries (a second does not fit what the first left), the stream's steps between (its
+    tokens are not held behind all three); idle, all at once."""
     import replica.engine.process as process
 
     engine, ids = cached_engine(6)
-    monkeypatch.setattr(process, "KV_READ_BYTES", 4 * engine.runner.block_nbytes())  # one 4-block read
+    monkeypatch.setattr(process, "KV_READ_BYTES", 6 * engine.runner.block_nbytes())  # 1.5 4-block reads
     ours, theirs = socket.socketpair()
     loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0), daemon=True)
     loop.start()
