@@ -16,11 +16,17 @@ once), for each of its running streams:
      ran: a short, incremental pull), until every full block of the stream's ids is there; a
      repeat starts right after a block fills, so it has a whole block's tokens of time to finish
      before the stream is a block ahead again;
-  4. the stream moves right after its next token arrives (`on_tokens`: the longest a client can
+  4. when more than MOVE_TOKENS of the stream's computed ids lie in its partial block and the
+     budget leaves time (the stream's own token rate says when the block fills), the hand-off
+     waits for that block to fill and pulls it too (one block, a short pull): the successor then
+     recomputes only the tokens generated during that pull, not up to a block's worth, in its
+     first step, which every stream moved at once shares (on two cores 4 streams' 10 tokens each
+     made that step 110 ms, docs/perf.md);
+  5. the stream moves right after its next token arrives (`on_tokens`: the longest a client can
      wait is then the successor's time to its first token, not a draining replica's step on top),
      exactly as failover moves one (`Proxy.hand_off`: a resume with the ids so far, aborted on the
      draining replica): the successor's prefix cache serves every full block, so it computes only
-     the last partial block, and its usage counts the rest as cached tokens.
+     what is past them, and its usage counts the rest as cached tokens.
 A pull that fails (a refused layout, a source gone) or is still running at the budget's end moves
 the stream all the same with what arrived: the successor recomputes what it lacks (exact resume).
 The successor bounds its own pull by the same time (`KvPull.timeout_ms`), so a pull given up on
@@ -45,12 +51,18 @@ log = logging.getLogger("edge_proxy.handoff")
 BUDGET_S = 3.0  # from the drain seen to the last stream moved; a pull still running then is given up
 FRAME_BLOCKS = 8  # blocks per export frame: 3 MB of the default model's fp16 KV, as fast as larger frames and
 #                   a shorter stall of the draining engine per read (bench/kv_pull.py, docs/perf.md)
-MAX_ROUNDS = 4  # pulls per stream: the first, then the blocks that filled while the one before ran
+MAX_ROUNDS = 5  # pulls per stream: the first, the blocks that filled while the one before ran, the aligning one
+MOVE_TOKENS = 3  # computed ids past the full blocks a move leaves to recompute without waiting for the block
+
+
+def computed(s) -> int:
+    """The stream's computed ids: its prompt and what it generated but the last (sampled)."""
+    return len(s.gen.prompt_ids) + len(s.ids) - 1
 
 
 def full_blocks(s, bs: int) -> int:
-    """The stream's full blocks of computed ids: its prompt and what it generated but the last (sampled)."""
-    return (len(s.gen.prompt_ids) + len(s.ids) - 1) // bs
+    """The stream's full blocks of computed ids."""
+    return computed(s) // bs
 
 
 class Handoff:
@@ -93,27 +105,33 @@ class Handoff:
         cached = 0
         if s.samples is None:
             bs = self.proxy.pool.block_size or 1
-            t0 = perf_counter()
+            t0, aligning = perf_counter(), False
             for rounds in range(1, MAX_ROUNDS + 1):
+                t_pull, n_pull = perf_counter(), len(s.ids)
                 res = await self._pull(http, conn, to, s, deadline)
                 if res is None:
                     break
                 cached = res.get("cached", 0) + res.get("imported", 0)
+                block_s = (perf_counter() - t_pull) / max(1, res.get("imported", 0))  # this pull's time a block
                 if not res.get("complete") or perf_counter() >= deadline:
                     break
                 await self._next_token(s, deadline)  # switch right after one (the wait is no gap: it streams)
                 if s.done or s.conn is not conn:
                     return  # finished, failed or failed over meanwhile
-                if full_blocks(s, bs) <= cached:
-                    break  # every full block of the ids so far is there
-                # A block filled while the pull ran. Pull again right after the next one fills, not now: the
-                # short pull then has a whole block's tokens of time before the stream is a block ahead again
-                # (pulling at once, a pull slower than the rest of a part-filled block never catches up).
+                if full_blocks(s, bs) <= cached:  # every full block of the ids so far is there
+                    if aligning or computed(s) - cached * bs <= MOVE_TOKENS or \
+                            not self._fills_in_time(s, bs, t_pull, n_pull, block_s, deadline):
+                        break
+                    aligning = True  # pull the partial block once it is full: the move then recomputes a few ids
+                # A block filled while the pull ran (or the partial one is to be pulled). Pull again right after
+                # the next one fills, not now: the short pull then has a whole block's tokens of time before the
+                # stream is a block ahead again (pulling at once, a pull slower than the rest of a part-filled
+                # block never catches up).
                 await self._block_filled(s, bs, deadline)
                 if s.done or s.conn is not conn:
                     return
-            log.info("hand-off of %s to %s: %d blocks there after %d pulls in %.3f s", s.cid, to.id, cached,
-                     rounds, perf_counter() - t0)
+            log.info("hand-off of %s to %s: %d blocks there after %d pulls in %.3f s, %d ids to recompute", s.cid,
+                     to.id, cached, rounds, perf_counter() - t0, computed(s) + 1 - cached * bs)
         self.proxy.hand_off(s, conn, Decision(d.replica, d.reason, cached))
 
     async def _pull(self, http: httpx.AsyncClient, conn, to, s, deadline: float) -> dict | None:
@@ -135,6 +153,16 @@ class Handoff:
             log.warning("hand-off of %s to %s: pull answered %d (%s); %d blocks there, the rest recomputed", s.cid,
                         to.id, r.status_code, res.get("error", ""), res.get("cached", 0) + res.get("imported", 0))
         return res
+
+    @staticmethod
+    def _fills_in_time(s, bs: int, t0: float, n0: int, block_s: float, deadline: float) -> bool:
+        """Whether the stream's partial block fills, is pulled and the stream moves before the deadline, at
+        the stream's token rate since `t0` (the last pull's start, when it had n0 ids: the first, long pull
+        slows the draining replica's steps, which speed up again after it) and `block_s` for the pull (with
+        three tokens' slack)."""
+        now = perf_counter()
+        per_token = (now - t0) / max(1, len(s.ids) - n0)
+        return now + (bs - computed(s) % bs + 3) * per_token + block_s < deadline
 
     async def _block_filled(self, s, bs: int, deadline: float) -> None:
         """Wait (streaming) until another of the stream's blocks is full, or the budget's end."""

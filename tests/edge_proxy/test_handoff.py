@@ -17,7 +17,7 @@ import pytest
 from edge_proxy.__main__ import parse_args
 from edge_proxy.auth import KeyStore
 from edge_proxy.core import Proxy
-from edge_proxy.handoff import Handoff
+from edge_proxy.handoff import MOVE_TOKENS, Handoff, computed
 from edge_proxy.pool import PoolConfig, ReplicaPool
 from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.routing import Decision
@@ -62,11 +62,11 @@ def answer(request: httpx.Request, **fields) -> httpx.Response:
                                      "complete": True, **fields})
 
 
-async def feed(h: Handoff, streams, proxy: StubProxy, seen=None) -> None:
-    """The draining replica streaming: a token every 5 ms to each stream until every one moved
+async def feed(h: Handoff, streams, proxy: StubProxy, seen=None, step_s: float = 0.005) -> None:
+    """The draining replica streaming: a token every `step_s` to each stream until every one moved
     (`seen(stream)` after each)."""
     while not proxy.all_moved.is_set():
-        await asyncio.sleep(0.005)  # the simulated replica's decode step
+        await asyncio.sleep(step_s)  # the simulated replica's decode step
         for s in streams:
             s.ids.append(len(s.ids))
             h.on_tokens(s)
@@ -74,11 +74,11 @@ async def feed(h: Handoff, streams, proxy: StubProxy, seen=None) -> None:
                 seen(s)
 
 
-async def drain(proxy: StubProxy, handler, streams, budget_s: float = 2.0, seen=None) -> None:
+async def drain(proxy: StubProxy, handler, streams, budget_s: float = 2.0, seen=None, step_s: float = 0.005) -> None:
     proxy.expect = len(streams)
     h = Handoff(proxy, budget_s=budget_s, transport=httpx.MockTransport(handler))
     h.drain(DRAINING, streams)
-    tokens = asyncio.ensure_future(feed(h, streams, proxy, seen))
+    tokens = asyncio.ensure_future(feed(h, streams, proxy, seen, step_s))
     await asyncio.wait_for(proxy.all_moved.wait(), 10)
     await asyncio.gather(*h.tasks, tokens)
 
@@ -91,15 +91,34 @@ async def test_each_stream_is_pulled_from_the_draining_replica_then_moved_with_i
         return answer(request)
 
     p = StubProxy()
-    await drain(p, handler, [stream("r1"), stream("r2")])
+    streams = [stream("r1"), stream("r2")]
+    moved_at = {}
+    p.hand_off = lambda st, conn, d: (moved_at.setdefault(st.cid, computed(st)), StubProxy.hand_off(p, st, conn, d))
+    await drain(p, handler, streams)
     assert [m[0] for m in sorted(p.moved)] == ["r1", "r2"]
-    assert all(conn == "A" and d == Decision("B", "failover", 2) for _, conn, d in p.moved)
+    assert all(conn == "A" and d == Decision("B", "failover", 3) for _, conn, d in p.moved)
     url, auth, body = asked[0]
     assert url == "http://b:8000/v1/kv/pull" and auth == "Bearer s3cret"
     # the prompt and the ids generated but the last (sampled, never computed), from the draining replica
     assert body["source"] == "http://a:8000" and body["token_ids"] == list(range(40)) + [7, 8]
     assert body["cache_salt"] == "salt" and 0 < body["timeout_ms"] <= 2000
-    assert len(asked) == 2  # one pull each: the tokens that came meanwhile filled no block
+    # 42 computed ids, 10 of them past the 2 full blocks: each stream's second pull waited for its third block
+    # to fill, so the move leaves the successor the few ids computed since, not 10
+    assert sorted(len(b["token_ids"]) for _, _, b in asked) == [42, 42, 48, 48]
+    assert all(0 < moved_at[cid] - 3 * BLOCK <= MOVE_TOKENS for cid in ("r1", "r2")), moved_at
+
+
+async def test_a_stream_moves_with_its_partial_block_to_recompute_when_the_block_would_not_fill_in_time():
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(len(json.loads(request.content)["token_ids"]))
+        return answer(request)
+
+    p = StubProxy()
+    # a token every 50 ms: the third block fills 6 tokens (300 ms) on, past the 0.3 s budget: no waiting for it
+    await drain(p, handler, [stream("r1")], budget_s=0.3, step_s=0.05)
+    assert asked == [42] and p.moved == [("r1", "A", Decision("B", "failover", 2))]
 
 
 async def test_the_blocks_that_filled_during_the_pull_are_pulled_too_then_the_stream_moves_after_a_token():
@@ -150,9 +169,10 @@ async def test_a_pull_slower_than_the_rest_of_a_block_catches_up_from_the_next_b
     await drain(p, handler, [s], seen=seen)
     # the first pull (42 ids) ended a block behind; the second started as the next block filled, so it ended
     # before another one did (pulling again at once, 6 into a block, every pull would end a block behind)
-    assert asked[0] == 42 and asked[1] % BLOCK == 0 and len(asked) == 2, asked
+    # (the third pull is the partial block's once full: 12 more ids computed during the second, over MOVE_TOKENS)
+    assert asked[0] == 42 and asked[1] % BLOCK == 0 and asked[2] == asked[1] + BLOCK and len(asked) == 3, asked
     (_, _, d), = p.moved
-    assert d.cached_blocks == asked[1] // BLOCK
+    assert d.cached_blocks == asked[2] // BLOCK
     assert (len(s.gen.prompt_ids) + moved_at[0] - 1) // BLOCK <= d.cached_blocks
 
 
