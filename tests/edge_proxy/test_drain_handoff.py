@@ -23,7 +23,8 @@ BLOCK = 16
 STORY = [{"role": "user", "content": "Here is the setting of a story. " + "A small harbour town lies between two "
           "green hills, its houses painted blue and yellow, its fishermen out before dawn every day. " * 12
           + "Now write a long story about a brave little dragon who lives in that town."}]
-MAX_TOKENS = 112  # the stream outlasts its hand-off: a bulk pull, a wait for a block to fill, a short pull
+MAX_TOKENS = 112  # the stream outlasts its hand-off: a bulk pull, a wait for a block to fill, a short pull,
+#                  the same again for the partial block (edge_proxy.handoff, MOVE_TOKENS): ~50 tokens at most
 SIGTERM_AT = 24  # deltas seen when the replica gets SIGTERM: the stream's own blocks beyond the prompt's
 # The proxy's hand-off budget here: every pull finishes within it on a busy machine too (a ~20-block pull
 # takes 0.1-0.5 s at load 4; the default 3 s is what docs/perf.md measures), so what the test asserts (the
