@@ -349,10 +349,20 @@ class Region:
 
     def delete(self, pod: Pod, grace: int | None = None) -> float:
         """Remove a pod as the kubelet does (SIGTERM, SIGKILL after the grace period: the manifest's
-        terminationGracePeriodSeconds), and its volumes. Returns the seconds it took to stop."""
+        terminationGracePeriodSeconds), and its volumes. Returns the seconds it took to stop.
+        The pod's own containers stop first, its infra container (which holds the network) after
+        them, as the kubelet tears a pod's sandbox down only once its containers exited: `podman
+        pod stop` stops the infra container at once beside them, and netavark takes the pod off
+        the network while a drained replica still hands its streams on (the proxy then saw it
+        stall 2 s later and resumed them by recompute; the pulls from it found no route)."""
         if grace is None:
             grace = self.deployment(pod.component)["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
         t0 = time.monotonic()
+        listed = images.podman("ps", "-a", "--filter", f"pod={pod.name}", "--format", "{{.Names}} {{.IsInfra}}",
+                               check=False).stdout.split("\n")
+        own = [name for name, infra in (line.split() for line in listed if line.strip()) if infra != "true"]
+        if own:
+            images.podman("stop", "-t", str(grace), *own, check=False)
         images.podman("pod", "stop", "-t", str(grace), pod.name, check=False)
         stopped = time.monotonic() - t0
         images.podman("pod", "rm", "-f", pod.name, check=False)
@@ -386,7 +396,8 @@ class Region:
 
     def roll(self, component: str = "replica", before_delete=None) -> list[dict]:
         """Replace each pod in turn as a RollingUpdate with maxSurge 1, maxUnavailable 0 does: a new
-        pod, ready, then the oldest one removed. `before_delete(old)` runs in between."""
+        pod, ready, then the oldest one removed. `before_delete(old)` runs in between. Each step's
+        figures, with its start and the old pod's stop on the monotonic clock (`started_at`, `stop_at`)."""
         steps = []
         for old in self.pods(component):
             t0 = time.monotonic()
@@ -394,9 +405,10 @@ class Region:
             ready = self.wait_ready(new)
             if before_delete is not None:
                 before_delete(old)
+            t_stop = time.monotonic()
             stopped = self.delete(old)
             steps.append({"old": old.name, "new": new.name, "ready_s": ready, "stop_s": stopped,
-                          "step_s": time.monotonic() - t0})
+                          "step_s": time.monotonic() - t0, "started_at": t0, "stop_at": t_stop})
             self.log(f"{old.name} -> {new.name}: new ready in {ready:.1f} s, old stopped in {stopped:.1f} s")
         return steps
 
