@@ -18,12 +18,13 @@ Invariants:
   * Tensor parallelism: each rank holds a shard of the KV heads, so a block is not one buffer
     here: refused (a later transfer sends each rank's shard beside its peer's).
 
-The bytes' path on CPU today: pool -> one buffer (Runner.read_blocks: a block's strided views
+The bytes' path on CPU: pool -> one buffer (Runner.read_blocks: a block's strided views
 copied straight in, the only copy torch makes) -> the engine's frame -> the API process's socket
 buffer -> its export frame -> TCP, and the reverse on the receiver into blocks it reserved. On
-CUDA the buffer becomes pinned staging registered once with the RDMA library
-(replica.api.kv_transport names NIXL): KvRead would answer with its descriptors instead of
-bytes and the receiver's NIC read it, with these commands, checks and registration unchanged.
+CUDA a frame's blocks are gathered on the device and cross to the host once, through a pinned
+staging buffer (replica.model.kv_staging); with an RDMA library (replica.api.kv_transport
+names NIXL) that buffer is registered once, KvRead answers with its descriptors instead of
+bytes and the receiver's NIC reads it, with these commands, checks and registration unchanged.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from kernels.paged import pool_row
 from replica.model import sampler
 from replica.config import EngineConfig, ModelConfig
 from replica.model.graphs import DecodeGraphs, resolve_placeholders
+from replica.model.kv_staging import KvStaging
 from replica.model.spec_graphs import VerifyGraphs, ancestor_masks
 from replica.model import built, cpu_model
 from replica.model.loader import Weights, load_gguf_quantized, random_weights, resolve_model
@@ -150,6 +151,7 @@ class Runner:
         self._kv_moves: list[int] = []  # rank 0 of a group: moves the other ranks make before the next step
         self.kv_cache: torch.Tensor | None = None
         self.draft_kv: torch.Tensor | None = None  # (2, blocks, block_size, Hkv', D'): the EAGLE-3 head's layer
+        self._staging: KvStaging | None = None  # a KV transfer's pinned buffer on CUDA (made on the first)
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None  # pure verify steps (replica.model.spec_graphs)
         self.aux_layers: tuple[int, ...] = ()
@@ -433,13 +435,14 @@ class Runner:
             self.tp.close()
 
     # -- KV export and import (replica.engine.kv_transfer) -----------------------------------
+    def kv_pools(self) -> list[tuple[torch.Tensor, int]]:
+        """The pools a block spans, in the order it travels, with their block dimension: every layer's
+        k and v (L, 2, blocks, bs, Hkv, row), then the draft head's layer (2, blocks, bs, Hkv', D')."""
+        return [(self.kv_cache, 2)] + ([(self.draft_kv, 1)] if self.draft_kv is not None else [])
+
     def _block_parts(self, b: int) -> list[torch.Tensor]:
-        """Block b's views, in the order a block travels: every layer's k and v (L, 2, bs, Hkv, row),
-        then the draft head's layer (2, bs, Hkv', D'). Strided views into the pool, no copy."""
-        parts = [self.kv_cache[:, :, b]]
-        if self.draft_kv is not None:
-            parts.append(self.draft_kv[:, b])
-        return parts
+        """Block b's views, in the order a block travels. Strided views into the pool, no copy."""
+        return [t.select(d, b) for t, d in self.kv_pools()]
 
     def block_nbytes(self) -> int:
         """Bytes of one block as it travels (KvSpec.block_bytes)."""
@@ -447,9 +450,9 @@ class Runner:
 
     @torch.inference_mode()
     def read_blocks(self, ids: list[int], out: bytearray) -> None:
-        """Copy blocks `ids` into `out` (len(ids) * block_nbytes() bytes), one copy each: the pool's
-        strided views straight into the buffer (on CUDA a device-to-host copy; with an RDMA
-        transport the buffer is pinned staging the NIC reads)."""
+        """Copy blocks `ids` into `out` (len(ids) * block_nbytes() bytes): on CPU the pool's strided
+        views straight into the buffer, one copy a block; on CUDA gathered on the device and copied
+        once through pinned staging (replica.model.kv_staging)."""
         self._move(ids, out, to_pool=False)
 
     @torch.inference_mode()
@@ -463,6 +466,11 @@ class Runner:
         if not ids:
             return
         flat = torch.frombuffer(buf, dtype=torch.uint8)  # shares buf's memory
+        if self.kv_cache.device.type == "cuda":
+            if self._staging is None:
+                self._staging = KvStaging(pin=True)
+            (self._staging.write if to_pool else self._staging.read)(self.kv_pools(), ids, flat)
+            return
         offset = 0
         for b in ids:
             for t in self._block_parts(b):

@@ -103,3 +103,19 @@ def test_the_api_process_finds_the_gpus_torch_finds_without_importing_torch():
     from replica.__main__ import cuda_devices
 
     assert cuda_devices() == torch.cuda.device_count() > 0
+
+
+@torch.inference_mode()
+def test_kv_blocks_move_through_pinned_staging_as_the_cpu_path_lays_them_out():
+    """A KV transfer on CUDA (replica.model.kv_staging): the blocks read are the pool's bytes in
+    the travel layout, and written into other blocks they read back the same."""
+    runner = engine().runner
+    runner.kv_cache.normal_()
+    ids, others = [7, 1, 30], [40, 41, 90]
+    got = bytearray(len(ids) * runner.block_nbytes())
+    runner.read_blocks(ids, got)
+    want = b"".join(t.select(d, b).cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                    for b in ids for t, d in runner.kv_pools())
+    assert got == want
+    runner.write_blocks(others, got)
+    assert torch.equal(runner.kv_cache[:, :, others], runner.kv_cache[:, :, ids])
