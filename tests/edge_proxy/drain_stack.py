@@ -23,15 +23,32 @@ EXPORT = b"POST /v1/kv/export"
 class ExportCutter:
     """A TCP relay to 127.0.0.1:`target`: every connection relayed both ways, except one whose
     request is a KV export: closed before the source sees it (`cut` counts them) while `armed`
-    (from the start; False: it relays exports too)."""
+    (from the start; False: it relays exports too). It reads only a connection's first request,
+    so arming it closes the export connections it relays: a receiver keeps one alive (replica.api.
+    kv_transport), and its next export would pass the check on it."""
 
     def __init__(self, target: int):
         self.target = target
         self.cut = 0
-        self.armed = True
+        self._armed = True
+        self._live: set[socket.socket] = set()  # both ends of the export connections relayed
+        self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    @armed.setter
+    def armed(self, on: bool) -> None:
+        self._armed = on
+        if on:
+            with self._lock:
+                for s in self._live:
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._listener.close()
@@ -55,11 +72,18 @@ class ExportCutter:
         except OSError:  # the replica exited
             client.close()
             return
+        export = first.startswith(EXPORT)
+        if export:
+            with self._lock:
+                self._live |= {client, upstream}
         upstream.sendall(first)
         back = threading.Thread(target=self._forward, args=(upstream, client), daemon=True)
         back.start()
         self._forward(client, upstream)
         back.join()
+        if export:
+            with self._lock:
+                self._live -= {client, upstream}
         client.close()
         upstream.close()
 
