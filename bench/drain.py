@@ -74,7 +74,8 @@ async def run(url: str, convs, max_tokens: int, sigterm=None, at: int = 0):
 
 
 async def variant(name: str, args) -> list:
-    with stack(cut_exports=name == "resume", replica_args=("--kv-memory-gb", str(args.kv_memory_gb))) as (
+    with stack(cut_exports=name == "resume", replica_args=("--kv-memory-gb", str(args.kv_memory_gb)),
+               handoff_budget=args.handoff_budget) as (
             url, reps, _):
         convs = [conversation(k, args.prompt_tokens) for k in range(args.streams)]
         base, _ = await run(url, convs, args.max_tokens)
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--at", type=int, default=10, help="deltas every stream has when A gets SIGTERM")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0)
     ap.add_argument("--only", choices=["handoff", "resume"])
+    ap.add_argument("--handoff-budget", type=float, help="the proxy's --handoff-budget (its default: 3 s)")
     args = ap.parse_args()
     rows = [asyncio.run(variant(v, args)) for v in ("handoff", "resume") if args.only in (None, v)]
     print(f"# drain: {args.streams} streams of ~{args.prompt_tokens} prompt tokens, greedy, max_tokens "
