@@ -26,7 +26,7 @@ class CuttingRelay:
     def _serve(self) -> None:
         client, _ = self._listener.accept()
         upstream = socket.create_connection(("127.0.0.1", self.target))
-        threading.Thread(target=self._forward, args=(client, upstream), daemon=True).start()
+        threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
         try:
             while self.relayed < self.limit and (data := upstream.recv(1 << 16)):
                 data = data[: self.limit - self.relayed]
@@ -40,11 +40,14 @@ class CuttingRelay:
                 s.close()
             self.done.set()
 
-    @staticmethod
-    def _forward(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
+
+def pipe(src: socket.socket, dst: socket.socket) -> None:
+    """Forward src's bytes to dst until src ends, then end dst's sending side."""
+    with contextlib.suppress(OSError):
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
 
 
 class CountingRelay:
@@ -65,15 +68,7 @@ class CountingRelay:
                 self.accepted += 1
                 upstream = socket.create_connection(("127.0.0.1", self.target))
                 for src, dst in ((client, upstream), (upstream, client)):
-                    threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
+                    threading.Thread(target=pipe, args=(src, dst), daemon=True).start()
 
     def close(self) -> None:
         self._listener.close()
