@@ -2,10 +2,16 @@
 
 A receiver pulls a prefix's blocks from a source (`replica.api.kv_routes`):
 
-    POST /v1/kv/pull    {source, token_ids, cache_salt, frame_blocks, timeout_ms}  (JSON, to the receiver)
+    POST /v1/kv/pull    {source, token_ids, cache_salt | seed, frame_blocks, timeout_ms}  (JSON, to the receiver)
     POST /v1/kv/export  KvExport                                        (msgpack, receiver -> source)
         200, application/x-edgechat-kv: length-prefixed msgpack messages
         KvSpec, KvFrame*, KvEnd
+
+and a draining replica's hot chains (the conversations it caches that no stream holds) are listed
+by it for a proxy to place, each then pulled like a prompt, named by its seed:
+
+    POST /v1/kv/hot     HotAsk {max_blocks, hold_s}  (JSON, to the source) -> HotList {chains, hold}
+    DELETE /v1/kv/hot/{hold}   the proxy is done pulling them: a draining source may exit
 
 Each stream message is `<u32 little-endian length><msgpack>`, at most MAX_MESSAGE_BYTES. A frame
 carries up to `frame_blocks` consecutive full blocks of the prompt: their chained hashes
@@ -24,6 +30,7 @@ from typing import Annotated, Union
 import msgspec
 import xxhash
 
+from wire.hashing import block_hashes
 from wire.protocol import KvSpec
 
 MEDIA_TYPE = "application/x-edgechat-kv"
@@ -34,6 +41,19 @@ MAX_PROMPT_TOKENS = 1 << 20
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 FrameBlocks = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+# a chain's seed (wire.hashing.salt_seed of its cache salt) in place of the salt: a chain listed by its source
+# (POST /v1/kv/hot) is named by its seed, the salt itself never leaves the proxy
+Seed = Annotated[int, msgspec.Meta(ge=0)]  # and below 2**64 (`check_seed`: msgspec bounds only what fits an int64)
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and seed >> 64:
+        raise ValueError(f"seed {seed} is not a 64-bit chain seed")
+
+
+def chain_hashes(token_ids, block_size: int, cache_salt: str, seed: int | None) -> list[int]:
+    """The chained hashes of a KvExport's or KvPull's blocks: from its seed when it names one, else its salt."""
+    return block_hashes(token_ids, block_size, cache_salt, prev=seed)
 
 
 class KvExport(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,6 +63,10 @@ class KvExport(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: str = ""
     start: Annotated[int, msgspec.Meta(ge=0)] = 0
     frame_blocks: FrameBlocks = 8
+    seed: Seed | None = None  # the chain's seed, given in place of cache_salt
+
+    def __post_init__(self):
+        check_seed(self.seed)
 
 
 class KvPull(msgspec.Struct, forbid_unknown_fields=True):
@@ -56,6 +80,28 @@ class KvPull(msgspec.Struct, forbid_unknown_fields=True):
     # the pull's bound (ms, 0: none): past it the receiver stops fetching and answers 504 with the blocks
     # cached so far (a hand-off that moves the stream then: edge_proxy.handoff), freeing the source's export
     timeout_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seed: Seed | None = None  # the chain's seed, given in place of cache_salt (a hot chain: POST /v1/kv/hot)
+
+    def __post_init__(self):
+        check_seed(self.seed)
+
+
+class HotAsk(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of POST /v1/kv/hot: up to `max_blocks` blocks of chains, and a hold on the source's
+    exit for `hold_s` (a draining replica waits for its holds to be let go, or to run out)."""
+
+    max_blocks: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 128
+    hold_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
+
+
+class HotChain(msgspec.Struct):
+    seed: Seed  # wire.hashing.salt_seed of the chain's cache salt
+    token_ids: list[int]  # its full blocks' ids, from its first block
+
+
+class HotList(msgspec.Struct, omit_defaults=True):
+    chains: list[HotChain] = []  # most recently used first
+    hold: str = ""  # names the hold (DELETE /v1/kv/hot/{hold}); "" when none was asked
 
 
 class KvFrame(msgspec.Struct, tag="kv_frame", array_like=True):

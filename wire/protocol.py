@@ -16,7 +16,8 @@ fields rather than ignore a parameter it cannot honour): upgrade replicas first.
 Directions:
   proxy -> replica   Generate, Abort
   replica -> proxy   Hello (once, on connect), Tokens, Finished, Error, Load, KvEvents
-  API <-> engine     KvSpec (engine, after Hello), KvRead -> KvBlocks, KvBlocks -> KvWritten (KV transfer)
+  API <-> engine     KvSpec (engine, after Hello), KvRead -> KvBlocks, KvBlocks -> KvWritten, KvHot -> KvChains
+                     (KV transfer)
 The replica's API process speaks the same messages to its engine process over a
 local socket (length-prefixed frames, see `FrameCodec`).
 
@@ -329,6 +330,10 @@ class KvBlocks(msgspec.Struct, tag="kv_blocks", array_like=True, omit_defaults=T
     data: bytearray = msgspec.field(default_factory=bytearray)
     error: str = ""
     prev: int = 0  # API -> engine: the hash the first of `hashes` extends (a chain's first block: its salt seed)
+    # API -> engine: the blocks' token ids (block_size each, in order) and the first one's index in its chain:
+    # kept with the blocks, so this replica can list them as a hot chain in turn (KvHot)
+    ids: list[int] = []
+    start: int = 0
 
 
 class KvWritten(msgspec.Struct, tag="kv_written", array_like=True, omit_defaults=True):
@@ -341,7 +346,29 @@ class KvWritten(msgspec.Struct, tag="kv_written", array_like=True, omit_defaults
     error: str = ""
 
 
-Message = Union[Generate, Abort, Tokens, Finished, Error, Load, KvEvents, Hello, KvSpec, KvRead, KvBlocks, KvWritten]
+class KvHot(msgspec.Struct, tag="kv_hot", array_like=True):
+    """API -> engine: the cached conversations no running stream holds, most recently used first,
+    up to `max_blocks` blocks (a prefix they share counted once); answered by a KvChains."""
+
+    id: str
+    max_blocks: int
+
+
+class KvChain(msgspec.Struct, array_like=True):
+    """One cached chain from its first block: the seed its hashes start from (the salt's,
+    wire.hashing.salt_seed) and the token ids of its full blocks."""
+
+    seed: int
+    token_ids: list[int]
+
+
+class KvChains(msgspec.Struct, tag="kv_chains", array_like=True, omit_defaults=True):
+    id: str
+    chains: list[KvChain] = []
+
+
+Message = Union[Generate, Abort, Tokens, Finished, Error, Load, KvEvents, Hello, KvSpec, KvRead, KvBlocks, KvWritten,
+                KvHot, KvChains]
 Frame = list[Message]
 
 

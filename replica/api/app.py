@@ -5,7 +5,8 @@
   POST /v1/completions       OpenAI-compatible, SSE or JSON
   POST /infill               llama.cpp's fill-in-the-middle (IDE plugins)
   GET  /v1/models[/{id}], /healthz (alias /health, the path vLLM and SGLang serve), /metrics
-  GET  /v1/kv/spec, POST /v1/kv/export, POST /v1/kv/pull   KV between replicas (replica.api.kv_routes)
+  GET  /v1/kv/spec, POST /v1/kv/export, POST /v1/kv/pull, POST|DELETE /v1/kv/hot
+                             KV between replicas (replica.api.kv_routes)
   POST /v1/prefill           compute a prompt into the prefix cache, for another replica to pull (replica.api.prefill)
   POST /v1/drain             admit nothing new, exit once the proxies moved the streams (replica.api.drain)
 
@@ -267,7 +268,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         Route("/health", healthz),  # what routers built for vLLM/SGLang workers probe
         Route("/metrics", metrics_endpoint),
         Route("/v1/drain", drain_endpoint, methods=["POST"]),
-        *KvRoutes(client, kv_transport).routes(),  # KV export and import between replicas
+        *KvRoutes(client, kv_transport, drain.holds).routes(),  # KV export and import between replicas
         *PrefillRoute(client).routes(),  # a prompt computed for another replica to pull
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -23,7 +23,7 @@ Load: what the engine reports, plus the requests sent to it and not yet taken
 turn a request is accepted, so every proxy sees a placement one network hop later, not
 after the engine's next step.
 
-KV transfer (`kv_call`): a KvRead or KvBlocks goes to the engine and its answer comes back
+KV transfer (`kv_call`): a KvRead, KvBlocks or KvHot goes to the engine and its answer comes back
 to the awaiting caller (replica.api.kv_routes); `kv_spec` is the engine's pool as blocks travel.
 """
 
@@ -232,7 +232,7 @@ class EngineClient:
         except EngineUnavailable:
             pass  # every stream in flight was failed when the engine was lost; aborts have nothing left to stop
 
-    async def kv_call(self, msg: P.KvRead | P.KvBlocks) -> P.KvBlocks | P.KvWritten:
+    async def kv_call(self, msg: P.KvRead | P.KvBlocks | P.KvHot) -> P.KvBlocks | P.KvWritten | P.KvChains:
         """Send a KV transfer command to the engine (msg.id is set here) and await its answer.
         EngineUnavailable when the engine is restarting or is lost before it answers."""
         msg.id = f"kv/{next(self._kv_ids)}"
@@ -311,7 +311,7 @@ class EngineClient:
             self.cached_blocks.difference_update(msg.removed)
             self.cached_blocks.update(msg.stored)
             self._publish(msg)
-        elif isinstance(msg, (P.KvBlocks, P.KvWritten)):
+        elif isinstance(msg, (P.KvBlocks, P.KvWritten, P.KvChains)):
             fut = self._kv_calls.get(msg.id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

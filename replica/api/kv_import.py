@@ -1,7 +1,7 @@
 """The receiver's half of a KV pull: what it lacks, asked of a source, checked, cached.
 
 `pull` computes the prompt's chained block hashes itself (wire.hashing, from the token ids and
-the cache salt), skips the leading blocks its engine already caches (the API process mirrors
+the cache salt, or the chain's seed for a hot chain a source listed), skips the leading blocks its engine already caches (the API process mirrors
 the cache from the engine's KvEvents), fetches the rest through a transport
 (replica.api.kv_transport) and hands each frame to the engine (`EngineClient.kv_call`) only once
 it is whole:
@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from wire import protocol as P
-from wire.hashing import block_hashes, salt_seed
-from wire.kv_frames import KvEnd, KvExport, KvFrame, KvPull, block_digest
+from wire.hashing import salt_seed
+from wire.kv_frames import KvEnd, KvExport, KvFrame, KvPull, block_digest, chain_hashes
 from replica.api.engine_supervisor import EngineUnavailable
 from replica.api.kv_transport import KvTransportError
 
@@ -73,7 +73,7 @@ async def pull(client, transport, req: KvPull) -> PullResult:
     mine = client.kv_spec
     if mine is None:
         return PullResult(503, error="the engine process is restarting; nothing imported")
-    hashes = block_hashes(req.token_ids, mine.block_size, req.cache_salt)
+    hashes = chain_hashes(req.token_ids, mine.block_size, req.cache_salt, req.seed)
     have = 0
     while have < len(hashes) and hashes[have] in client.cached_blocks:
         have += 1
@@ -131,7 +131,9 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
         res.cached += written.present
 
     stream = transport.fetch(req.source, KvExport(token_ids=req.token_ids, cache_salt=req.cache_salt, start=have,
-                                                  frame_blocks=req.frame_blocks))
+                                                  frame_blocks=req.frame_blocks, seed=req.seed))
+    seed = salt_seed(req.cache_salt) if req.seed is None else req.seed
+    bs = mine.block_size
     try:
         async with contextlib.aclosing(stream):  # closed at once when the pull ends early: the source's export stops
             async for msg in stream:
@@ -149,8 +151,10 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
                     problem = check_frame(msg, hashes, at, mine.block_bytes)
                     if problem is not None:
                         raise _Refused(502, f"{req.source} sent a bad frame: {problem}")
-                    prev = hashes[at - 1] if at else salt_seed(req.cache_salt)  # the chain it extends
-                    write = client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data, prev=prev))
+                    prev = hashes[at - 1] if at else seed  # the chain it extends
+                    ids = req.token_ids[at * bs: (at + len(msg.hashes)) * bs]
+                    write = client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data, prev=prev, ids=ids,
+                                                      start=at))
                     writes.append((at, asyncio.ensure_future(write)))
                     at += len(msg.hashes)
                     while len(writes) > WRITES_AHEAD:

@@ -3,6 +3,11 @@
   GET  /v1/kv/spec    this replica's KvSpec as JSON (what its blocks hold; a proxy picking a
                       successor can compare two replicas before it asks for a pull)
   POST /v1/kv/export  (source) msgpack KvExport -> the stream of wire.kv_frames: KvSpec, KvFrame*, KvEnd
+  POST /v1/kv/hot     (source) JSON HotAsk -> JSON HotList: the cached conversations no stream holds,
+                      most recently used first (the engine's BlockManager.hot_chains), each listed
+                      to one asker only (two proxies of a draining replica do not pull one chain
+                      twice), with a hold on a draining replica's exit (replica.api.drain.Holds)
+  DELETE /v1/kv/hot/{hold}  lets that hold go (204; 404 one unknown or run out)
   POST /v1/kv/pull    (receiver) JSON KvPull -> JSON PullResult (replica.api.kv_import): 200 when
                       every full block of the prompt is cached here (or as many as the source
                       had: `complete` says), 400 a bad body, 409 a layout mismatch, 502 the source
@@ -27,8 +32,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from wire import protocol as P
-from wire.hashing import block_hashes
-from wire.kv_frames import MAX_FRAME_BYTES, MEDIA_TYPE, KvEnd, KvExport, KvFrame, KvPull, StreamCodec, block_digest
+from wire.kv_frames import (MAX_FRAME_BYTES, MEDIA_TYPE, HotAsk, HotChain, HotList, KvEnd, KvExport, KvFrame, KvPull,
+                            StreamCodec, block_digest, chain_hashes)
 from replica.api.engine_supervisor import EngineUnavailable
 from replica.api import kv_import
 
@@ -41,14 +46,18 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 class KvRoutes:
-    """`client()`: the EngineClient; `transport`: how a pull reaches a source (replica.api.kv_transport)."""
+    """`client()`: the EngineClient; `transport`: how a pull reaches a source (replica.api.kv_transport);
+    `holds`: the drain's holds on this replica's exit (replica.api.drain.Holds)."""
 
-    def __init__(self, client, transport):
-        self.client, self.transport = client, transport
+    def __init__(self, client, transport, holds):
+        self.client, self.transport, self.holds = client, transport, holds
+        self.listed: set[tuple[int, int, int]] = set()  # hot chains listed to a hold: (seed, blocks, last block's hash)
 
     def routes(self) -> list[Route]:
         return [Route("/v1/kv/spec", self.spec, methods=["GET"]),
                 Route("/v1/kv/export", self.export, methods=["POST"]),
+                Route("/v1/kv/hot", self.hot, methods=["POST"]),
+                Route("/v1/kv/hot/{hold}", self.release, methods=["DELETE"]),
                 Route("/v1/kv/pull", self.pull, methods=["POST"])]
 
     async def _body(self, request: Request, kind, decode):
@@ -75,7 +84,7 @@ class KvRoutes:
         spec = client.kv_spec
         if spec is None:
             return _error(503, "the engine process is restarting")
-        hashes = block_hashes(req.token_ids, spec.block_size, req.cache_salt)[req.start:]
+        hashes = chain_hashes(req.token_ids, spec.block_size, req.cache_salt, req.seed)[req.start:]
         per_frame = max(1, min(req.frame_blocks, MAX_FRAME_BYTES // spec.block_bytes))
         return StreamingResponse(self._stream(client, spec, hashes, req.start, per_frame), media_type=MEDIA_TYPE)
 
@@ -121,6 +130,36 @@ class KvRoutes:
             for _, fut in reads:
                 if not fut.cancel() and not fut.cancelled():
                     fut.exception()  # retrieved (the engine lost meanwhile), so none is logged as never seen
+
+    async def hot(self, request: Request):
+        try:
+            req = await self._body(request, HotAsk, msgspec.json.decode)
+        except ValueError as e:
+            return _error(400, f"bad HotAsk body: {e}")
+        client = self.client()
+        spec = client.kv_spec
+        if spec is None:
+            return _error(503, "the engine process is restarting")
+        try:
+            got = await client.kv_call(P.KvHot(id="", max_blocks=req.max_blocks))
+        except EngineUnavailable as e:
+            return _error(503, str(e))
+        out = HotList()
+        for c in got.chains:
+            key = (c.seed, len(c.token_ids), chain_hashes(c.token_ids, spec.block_size, "", c.seed)[-1])
+            if req.hold_s and key in self.listed:
+                continue  # another proxy has it to place
+            if req.hold_s:
+                self.listed.add(key)
+            out.chains.append(HotChain(c.seed, c.token_ids))
+        if req.hold_s:
+            out.hold = self.holds.take(req.hold_s)
+        return Response(msgspec.json.encode(out), media_type="application/json")
+
+    async def release(self, request: Request):
+        if self.holds.release(request.path_params["hold"]):
+            return Response(status_code=204)
+        return _error(404, "no such hold (let go already, or run out)")
 
     async def pull(self, request: Request):
         try:

@@ -14,6 +14,8 @@ Every hash registered or dropped is recorded for the KV event stream, and in `ti
 chains, i.e. conversations, cached: what a Load reports for routing new ones).
 A block imported from another replica (replica.engine.kv_transfer) is reserved like a fresh
 block, written, and only then registered, as a cached free block: no table sees it half written.
+A registered block keeps its token ids and its index in its chain, so the cached conversations
+can be listed by their ids (`hot_chains`: what a draining replica hands on besides its streams).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
+        self._block_ids: list[list[int] | None] = [None] * num_blocks  # a registered block's token ids
+        self._block_pos: list[int] = [0] * num_blocks  # and its index in its chain (0: the chain's first)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack, pops block 0 first
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.stored: list[int] = []  # KV events since the last drain
@@ -55,6 +59,7 @@ class BlockManager:
             b, _ = self._evictable.popitem(last=False)  # least recently used
             h = self._block_hash[b]
             self._block_hash[b] = None
+            self._block_ids[b] = None
             del self._hash_to_block[h]
             self.removed.append(h)
             self.tips.remove(h)
@@ -121,10 +126,14 @@ class BlockManager:
             seq.block_hashes.append(h)
             b = seq.block_table[i]
             if h not in self._hash_to_block and self._block_hash[b] is None:
-                self._hash_to_block[h] = b
-                self._block_hash[b] = h
-                self.stored.append(h)
-                self.tips.add(h, prev)
+                self._register(b, h, prev, seq.token_ids[i * bs : (i + 1) * bs], i)
+
+    def _register(self, b: int, h: int, prev: int, ids: list[int], pos: int) -> None:
+        self._hash_to_block[h] = b
+        self._block_hash[b] = h
+        self._block_ids[b], self._block_pos[b] = ids, pos
+        self.stored.append(h)
+        self.tips.add(h, prev)
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Tail blocks go first in LRU order, so shared
@@ -170,21 +179,56 @@ class BlockManager:
             self.ref_count[b] = 0
             self._free.append(b)
 
-    def cache_imported(self, blocks: list[int], hashes: list[int], parents: list[int]) -> None:
+    def cache_imported(self, blocks: list[int], hashes: list[int], parents: list[int], ids: list[list[int]],
+                       positions: list[int]) -> None:
         """Reserved blocks whose KV is written and checked become cached free blocks under their
         hashes (ref count 0, the most recently used end of the LRU), each a stored event; `parents`:
-        the hash each extends. A hash cached meanwhile keeps its block; the reserved one goes back free."""
-        for b, h, prev in zip(blocks, hashes, parents, strict=True):
+        the hash each extends, `ids` its token ids, `positions` its index in its chain. A hash cached
+        meanwhile keeps its block; the reserved one goes back free."""
+        for b, h, prev, block_ids, pos in zip(blocks, hashes, parents, ids, positions, strict=True):
             assert self.ref_count[b] == 1 and self._block_hash[b] is None
             self.ref_count[b] = 0
             if h in self._hash_to_block:
                 self._free.append(b)
                 continue
-            self._hash_to_block[h] = b
-            self._block_hash[b] = h
+            self._register(b, h, prev, block_ids, pos)
             self._evictable[b] = None
-            self.stored.append(h)
-            self.tips.add(h, prev)
+
+    def hot_chains(self, max_blocks: int) -> list[tuple[int, list[int]]]:
+        """The cached conversations no block table holds, most recently used first, as (seed, token
+        ids of the chain's full blocks from its first): each tip among the free cached blocks (a
+        running sequence's chain moves with its stream), up to `max_blocks` blocks where a prefix
+        shared with an earlier chain counts once; the last chain taken is cut to what fits (its
+        prefix, the part most likely shared). A chain broken by an eviction out of order (its first
+        block gone) is left out: no request reaches past the break."""
+        out: list[tuple[int, list[int]]] = []
+        taken: set[int] = set()
+        for tip in reversed(self._evictable):  # most recently used first (a freed sequence's tip before its prefix)
+            if len(taken) >= max_blocks:
+                break
+            if self.tips.children.get(self._block_hash[tip]):
+                continue  # a cached block extends it: not a tip
+            chain = [tip]
+            while self._block_pos[chain[-1]] > 0:
+                b = self._hash_to_block.get(self.tips.parent[self._block_hash[chain[-1]]])
+                if b is None:
+                    break
+                chain.append(b)
+            if self._block_pos[chain[-1]] > 0:
+                continue  # broken
+            chain.reverse()  # from its first block
+            keep, new = 0, 0
+            for b in chain:
+                new += b not in taken
+                if len(taken) + new > max_blocks:
+                    break
+                keep += 1
+            if keep == 0:
+                break  # its first block is new and none fits
+            taken.update(chain[:keep])
+            seed = self.tips.parent[self._block_hash[chain[0]]]
+            out.append((seed, [t for b in chain[:keep] for t in self._block_ids[b]]))
+        return out
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         stored, removed = self.stored, self.removed
@@ -198,4 +242,5 @@ class BlockManager:
             assert self.ref_count[b] == 0 and self._block_hash[b] is not None
         for h, b in self._hash_to_block.items():
             assert self._block_hash[b] == h
+            assert self._block_ids[b] is not None and len(self._block_ids[b]) == self.block_size
         assert self.tips.parent.keys() == self._hash_to_block.keys()

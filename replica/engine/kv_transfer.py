@@ -67,7 +67,7 @@ def kv_spec(engine) -> P.KvSpec:
 
 
 class KvTransfer:
-    """The engine process's KvRead and KvBlocks commands over one engine."""
+    """The engine process's KvRead, KvBlocks and KvHot commands over one engine."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -94,6 +94,9 @@ class KvTransfer:
         per = self.spec.block_bytes
         if len(msg.data) != len(msg.hashes) * per:
             return P.KvWritten(id=msg.id, error=f"{len(msg.data)} bytes for {len(msg.hashes)} blocks of {per}")
+        bs = self.spec.block_size
+        if len(msg.ids) != len(msg.hashes) * bs:
+            return P.KvWritten(id=msg.id, error=f"{len(msg.ids)} token ids for {len(msg.hashes)} blocks of {bs}")
         bm = self.engine.blocks
         present = [bm.cached([h]) for h in msg.hashes]  # [block] or []
         new = [i for i, p in enumerate(present) if not p]
@@ -111,5 +114,11 @@ class KvTransfer:
         except BaseException:
             bm.release(reserved)
             raise
-        bm.cache_imported(reserved, [msg.hashes[i] for i in new], [msg.hashes[i - 1] if i else msg.prev for i in new])
+        bm.cache_imported(reserved, [msg.hashes[i] for i in new], [msg.hashes[i - 1] if i else msg.prev for i in new],
+                          [msg.ids[i * bs: (i + 1) * bs] for i in new], [msg.start + i for i in new])
         return P.KvWritten(id=msg.id, stored=len(new), present=len(msg.hashes) - len(new))
+
+    def hot(self, msg: P.KvHot) -> P.KvChains:
+        """The cached conversations no running stream holds (BlockManager.hot_chains)."""
+        chains = self.engine.blocks.hot_chains(msg.max_blocks)
+        return P.KvChains(id=msg.id, chains=[P.KvChain(seed, ids) for seed, ids in chains])

@@ -10,7 +10,7 @@ msgspec frames (wire.protocol.FrameCodec). No asyncio: one thread that
      after every step that admits, aborts or finishes a request, so the running
      count routers and `/metrics` see is never a report behind); each Load counts the
      Generates taken so far (`taken`: the API process adds those it sent since).
-KV transfer commands (KvRead, KvBlocks: replica.engine.kv_transfer) are served as they are
+KV transfer commands (KvRead, KvBlocks, KvHot: replica.engine.kv_transfer) are served as they are
 taken, between steps (reads up to KV_READ_BYTES a boundary while there are streams, the rest at the
 next ones), and answered before the next step runs: under decode load a transfer's
 round trip was the wait for the boundary plus a whole step, ~240 ms of the 3 MB frame's
@@ -166,6 +166,8 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                     reads.append(msg)
                 elif isinstance(msg, P.KvBlocks):
                     kv_out.append(kv.write(msg))
+                elif isinstance(msg, P.KvHot):
+                    kv_out.append(kv.hot(msg))
             wait = 0.0
             if got >= BULK_BYTES:  # a KV frame on its way: its next chunk is the API process's next write
                 linger_end = linger_end or time.monotonic() + LINGER_MAX_S

@@ -26,9 +26,11 @@ class Engine:
 
     def __init__(self, cached=()):
         self.kv_spec, self.cached_blocks, self.written = SPEC, set(cached), []
+        self.named: list[tuple[int, int, list[int]]] = []  # each write's (prev, start, ids)
 
     async def kv_call(self, msg):
         self.written.append(list(msg.hashes))
+        self.named.append((msg.prev, msg.start, list(msg.ids)))
         return P.KvWritten(id="", stored=len(msg.hashes))
 
 
@@ -60,6 +62,24 @@ def test_whole_frames_are_cached_and_only_the_missing_blocks_asked():
     res = pull(e, t, frame_blocks=2)
     assert (res.status, res.complete, res.cached, res.imported, res.blocks) == (200, True, 1, 3, 4)
     assert t.asked.start == 1 and e.written == [HASHES[1:3], HASHES[3:4]]
+
+
+def test_each_write_names_its_blocks_ids_and_where_they_sit_in_the_chain():
+    e = Engine()
+    res = pull(e, Transport(SPEC, frame(0, 2), frame(2, 2), KvEnd(blocks=4)), frame_blocks=2)
+    assert res.complete and e.named == [(0, 0, IDS[:8]), (HASHES[1], 2, IDS[8:16])]
+
+
+def test_a_chain_named_by_its_seed_is_checked_against_the_hashes_from_that_seed():
+    seed = 0xDEADBEEF12345678  # a salt's seed (a hot chain's source lists it so, never the salt)
+    chained = block_hashes(IDS, BS, prev=seed)
+    e = Engine()
+    t = Transport(SPEC, frame(0, 4, hashes=chained), KvEnd(blocks=4))
+    res = pull(e, t, seed=seed)
+    assert res.complete and res.imported == 4 and t.asked.seed == seed
+    assert e.written == [chained] and e.named[0][:2] == (seed, 0)
+    unsalted = pull(Engine(), Transport(SPEC, frame(0, 4), KvEnd(blocks=4)), seed=seed)
+    assert unsalted.status == 502 and "another prompt or salt" in unsalted.error
 
 
 def test_each_bad_frame_is_refused_before_the_engine_sees_it():
@@ -187,3 +207,15 @@ def test_a_refused_write_counts_the_frames_before_it_only():
     res = pull(FailingEngine(1), Transport(SPEC, *(frame(i, 1) for i in range(4)), KvEnd(blocks=4)), frame_blocks=1)
     assert res.status == 503 and "blocks 1.." in res.error and "no room" in res.error
     assert (res.imported, res.complete) == (1, False)
+
+
+def test_a_seed_is_a_64_bit_chain_seed():
+    body = b'{"source": "http://src", "token_ids": [1], "seed": %d}'
+    assert msgspec.json.decode(body % (2**64 - 1), type=KvPull).seed == 2**64 - 1
+    for bad in (2**64, -1):
+        try:
+            msgspec.json.decode(body % bad, type=KvPull)
+        except msgspec.ValidationError as e:
+            assert "seed" in str(e)
+        else:
+            raise AssertionError(f"seed {bad} decoded")

@@ -1,7 +1,7 @@
 """Block pool accounting, prefix matching, LRU eviction and KV events."""
 
 from replica.engine.block_manager import BlockManager
-from wire.hashing import block_hashes
+from wire.hashing import block_hashes, salt_seed
 from wire.protocol import SamplingParams
 from replica.engine.sequence import Sequence
 
@@ -91,4 +91,25 @@ def test_the_chains_it_holds_count_conversations_not_blocks():
         bm._take()
     bm._take()
     assert bm.tips.tips == 2  # a2's tip went, its parent is the tip now
+    bm.check_invariants()
+
+
+def test_hot_chains_list_the_conversations_no_stream_holds_most_recent_first():
+    bm = BlockManager(32, 4)
+    system = [1, 2, 3, 4]
+    a, b = seq(system + list(range(10, 18))), seq(system + list(range(20, 28)))
+    c = seq(list(range(30, 38)), salt="u")  # another tenant's
+    running = seq(system + [40, 41, 42, 43])
+    for s in (a, c, b):  # finished in this order
+        fill(bm, s)
+        bm.free(s)
+    fill(bm, running)  # its chain moves with its stream: not listed
+    seed_u = salt_seed("u")  # its first block's parent: the salt's seed
+    assert bm.hot_chains(100) == [(0, b.token_ids), (seed_u, c.token_ids), (0, a.token_ids)]
+    # a budget of blocks: a prefix shared with an earlier chain counts once, the last chain is cut to its prefix
+    assert bm.hot_chains(4) == [(0, b.token_ids), (seed_u, c.token_ids[:4])]
+    assert bm.hot_chains(6) == [(0, b.token_ids), (seed_u, c.token_ids), (0, a.token_ids[:8])]
+    assert bm.hot_chains(0) == []
+    bm.free(running)  # finished now: the most recent
+    assert bm.hot_chains(100)[0] == (0, running.token_ids)
     bm.check_invariants()

@@ -31,14 +31,16 @@ def test_blocks_moved_to_another_engine_are_hit_and_decode_the_same():
     got = ka.read(P.KvRead(id="r", hashes=hashes + [12345]))  # stops at the first hash not cached
     assert got.hashes == hashes and len(got.data) == 4 * ka.spec.block_bytes
     b.kv_events()
-    written = kb.write(P.KvBlocks(id="w", hashes=got.hashes, data=got.data))
+    written = kb.write(P.KvBlocks(id="w", hashes=got.hashes, data=got.data, ids=ids[:64]))
     assert (written.stored, written.present, written.error) == (4, 0, "")
     assert b.kv_events().stored == hashes  # imported blocks are announced as stored
     assert b.blocks.num_free == b.blocks.num_blocks  # cached free blocks: ref count 0
     b.blocks.check_invariants()
+    # B can hand them on in turn: listed as a hot chain from its first block, with their ids and seed
+    assert kb.hot(P.KvHot(id="h", max_blocks=8)).chains == [P.KvChain(0, ids[:64])]
     out, cached = generate(b, "b0", ids)
     assert cached == 64 and out == again
-    assert kb.write(P.KvBlocks(id="w2", hashes=got.hashes, data=got.data)).present == 4  # nothing twice
+    assert kb.write(P.KvBlocks(id="w2", hashes=got.hashes, data=got.data, ids=ids[:64])).present == 4  # nothing twice
 
 
 def test_an_import_that_does_not_fit_or_is_malformed_registers_nothing():
@@ -50,7 +52,9 @@ def test_an_import_that_does_not_fit_or_is_malformed_registers_nothing():
     got = ka.read(P.KvRead(id="r", hashes=block_hashes(ids, 16)))
     short = kb.write(P.KvBlocks(id="w", hashes=got.hashes, data=got.data[:-1]))
     assert "bytes for 4 blocks" in short.error and short.stored == 0
-    full = kb.write(P.KvBlocks(id="w", hashes=got.hashes, data=got.data))
+    unnamed = kb.write(P.KvBlocks(id="w", hashes=got.hashes, data=got.data, ids=ids[:63]))
+    assert "63 token ids for 4 blocks" in unnamed.error and unnamed.stored == 0
+    full = kb.write(P.KvBlocks(id="w", hashes=got.hashes, data=got.data, ids=ids[:64]))
     assert "no room" in full.error and full.stored == 0
     assert b.kv_events() is None and b.blocks.num_free == 3
     b.blocks.check_invariants()
@@ -69,7 +73,7 @@ def test_a_write_that_fails_gives_its_blocks_back(monkeypatch):
 
     monkeypatch.setattr(b.runner, "write_blocks", broken)
     with pytest.raises(RuntimeError):
-        kb.write(P.KvBlocks(id="w", hashes=got.hashes, data=got.data))
+        kb.write(P.KvBlocks(id="w", hashes=got.hashes, data=got.data, ids=ids[:32]))
     assert b.kv_events() is None and b.blocks.num_free == b.blocks.num_blocks
     b.blocks.check_invariants()
 
