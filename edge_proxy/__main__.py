@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
                    help="a draining replica's streams move with their KV within this long from its drain seen; "
                         "a pull still running then is given up and its stream resumed by recompute (keep it well "
                         "inside the replica's drain bound and the pod's grace period)")
+    p.add_argument("--handoff-hot-blocks", type=int, default=128, metavar="N",
+                   help="besides its streams, a draining replica's most recently used cached conversations, up to "
+                        "N blocks, are pulled by the replicas their next turns will go to (0: none)")
     p.add_argument("--disagg-min-blocks", type=int, default=4, metavar="N",
                    help="with prefill-role replicas ready, a new prompt whose decode replica lacks at least N full "
                         "blocks of it is prefilled on one of them and its KV pulled (edge_proxy/disagg.py); fewer: "
@@ -111,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
         ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile,
         max_frame_bytes=a.max_frame_bytes, max_prompt_tokens=a.max_prompt_tokens,
         failover_attempts=a.failover_attempts, drain_timeout_s=a.drain_timeout,
-        handoff_budget_s=a.handoff_budget, disagg_min_blocks=a.disagg_min_blocks, otel_console=a.otel_console,
+        handoff_budget_s=a.handoff_budget, handoff_hot_blocks=a.handoff_hot_blocks, disagg_min_blocks=a.disagg_min_blocks, otel_console=a.otel_console,
         otel_otlp=bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(OTLP_TRACES_ENV)),
         log_level=a.log_level, peers=tuple(sorted(a.peer, key=lambda q: (q.rtt_ms, q.region))),
         peer_key=os.environ.get(PEER_KEY_ENV, ""),

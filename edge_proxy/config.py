@@ -43,6 +43,7 @@ class ProxyConfig:
     failover_wait_s: float = 5.0  # how long a stream waits for any replica to come back
     drain_timeout_s: float = 60.0
     handoff_budget_s: float = 3.0  # a draining replica's streams: from its drain seen to the last moved (handoff)
+    handoff_hot_blocks: int = 128  # blocks of a draining replica's hot chains (cached conversations) placed; 0: none
     disagg_min_blocks: int = 4  # a decode replica's cold prompt lacking this many full blocks is prefilled elsewhere (disagg)
     otel_console: bool = False
     otel_otlp: bool = False  # export spans to OTEL_EXPORTER_OTLP_ENDPOINT (set when that variable is)
@@ -68,6 +69,8 @@ class ProxyConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.handoff_budget_s <= 0:
             raise ValueError(f"--handoff-budget must be > 0 seconds, got {self.handoff_budget_s}")
+        if not 0 <= self.handoff_hot_blocks <= 4096:
+            raise ValueError(f"--handoff-hot-blocks must be 0..4096, got {self.handoff_hot_blocks}")
         if self.disagg_min_blocks < 1:
             raise ValueError(f"--disagg-min-blocks must be >= 1, got {self.disagg_min_blocks}")
         if self.workers > 1 and self.port == 0:

@@ -112,7 +112,7 @@ class Proxy:
         self._parked: dict[ProxiedRequest, tuple[str, asyncio.TimerHandle]] = {}
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.peers = PeerLink(cfg.region, list(cfg.peers), cfg.peer_key or None) if cfg.peers else None
-        self.handoff = Handoff(self, cfg.handoff_budget_s)  # a draining replica's streams, moved with their KV
+        self.handoff = Handoff(self, cfg.handoff_budget_s, hot_blocks=cfg.handoff_hot_blocks)  # a draining replica's streams, moved with their KV
         self.disagg = Disagg(self, cfg.disagg_min_blocks)  # cold prompts of decode-role replicas, prefilled on a prefill-role one
 
     async def start(self) -> None:
@@ -306,16 +306,19 @@ class Proxy:
     # -- routing ---------------------------------------------------------------
 
     def _candidates(self, s: ProxiedRequest, conns) -> list[Candidate]:
+        return self._candidates_for(s.hashes, s.later, conns)
+
+    def _candidates_for(self, hashes: list[int], later: bool, conns) -> list[Candidate]:
         now = perf_counter()
         rates = {c.id: c.load.tokens_per_s for c in conns if c.load is not None and c.load.tokens_per_s > 0}
         mean = sum(rates.values()) / len(rates) if rates else 0.0
         out = []
         for c in conns:
-            n = c.index.match(s.hashes, now)
+            n = c.index.match(hashes, now)
             out.append(Candidate(c.id, c.effective_load(), n, c.prefill_pending, len(c.prefilling),
                                  rates[c.id] / mean if c.id in rates else 1.0, c.group, c.share, len(c.index),
                                  chains=c.chains()))
-        mark_home(out, s.later)  # from the replicas' KV events and the request: alike on every proxy
+        mark_home(out, later)  # from the replicas' KV events and the request: alike on every proxy
         return out
 
     def _place_new(self, s: ProxiedRequest, deadline_ms: float, prefer: str | None = None,
@@ -474,6 +477,13 @@ class Proxy:
         conns = self.pool.ready()
         return self.router.route(self._candidates(s, conns), len(s.gen.prompt_ids), self.pool.block_size,
                                  key=s.route_key(), failover=True) if conns else None
+
+    def chain_home(self, hashes: list[int], tokens: int) -> Decision | None:
+        """Where a draining replica's hot chain (a cached conversation no stream holds) goes: where its next
+        turn would be placed among the ready replicas (its first block names it, as a request's does)."""
+        conns = self.pool.ready()
+        return self.router.route(self._candidates_for(hashes, True, conns), tokens, self.pool.block_size,
+                                 key=str(hashes[0]), failover=True) if conns and hashes else None
 
     def hand_off(self, s: ProxiedRequest, draining, d: Decision) -> None:
         """Move a stream off its draining replica to `d.replica`, its KV pulled there (or not: recomputed)

@@ -27,6 +27,15 @@ once), for each of its running streams:
      exactly as failover moves one (`Proxy.hand_off`: a resume with the ids so far, aborted on the
      draining replica): the successor's prefix cache serves every full block, so it computes only
      what is past them, and its usage counts the rest as cached tokens.
+Besides its streams, the draining replica's hot chains (the conversations it caches that no
+stream holds: finished turns whose next turn is to come, shared prompts) move too: the proxy asks
+for them as it sees the drain (`POST draining/v1/kv/hot`, up to HOT_BLOCKS blocks, most recently
+used first, each listed to one proxy only; the ask holds the replica's exit until the proxy lets
+go), waits for its streams' first pulls (the long ones, which bound the streams' gaps), then places
+each chain where its next turn would go (`Proxy.chain_home`: the router over the ready replicas,
+as for a resumed stream) and has that replica pull it (the same `/v1/kv/pull`, the chain named by
+its seed), one chain at a time per successor, inside the same budget; then it lets go of the hold.
+The next turn then finds its conversation cached on the successor instead of recomputing it.
 A pull that fails (a refused layout, a source gone) or is still running at the budget's end moves
 the stream all the same with what arrived: the successor recomputes what it lacks (exact resume).
 The successor bounds its own pull by the same time (`KvPull.timeout_ms`), so a pull given up on
@@ -45,6 +54,7 @@ from time import perf_counter
 import httpx
 
 from edge_proxy.routing import Decision
+from wire.hashing import block_hashes
 
 log = logging.getLogger("edge_proxy.handoff")
 
@@ -53,6 +63,9 @@ FRAME_BLOCKS = 8  # blocks per export frame: 3 MB of the default model's fp16 KV
 #                   a shorter stall of the draining engine per read (bench/kv_pull.py, docs/perf.md)
 MAX_ROUNDS = 5  # pulls per stream: the first, the blocks that filled while the one before ran, the aligning one
 MOVE_TOKENS = 3  # computed ids past the full blocks a move leaves to recompute without waiting for the block
+HOT_BLOCKS = 128  # blocks of a draining replica's hot chains a proxy places (47 MB of the default model's KV;
+#                  --handoff-hot-blocks)
+HOLD_SLACK_S = 2.0  # a hold on the draining replica's exit outlasts the budget by this much (the hold's let-go)
 
 
 def computed(s) -> int:
@@ -67,9 +80,9 @@ def full_blocks(s, bs: int) -> int:
 
 class Handoff:
     def __init__(self, proxy, budget_s: float = BUDGET_S, frame_blocks: int = FRAME_BLOCKS,
-                 transport: httpx.AsyncBaseTransport | None = None):
-        self.proxy = proxy  # core.Proxy: `successor`, `hand_off`, its pool (the secret, TLS)
-        self.budget_s, self.frame_blocks = budget_s, frame_blocks
+                 transport: httpx.AsyncBaseTransport | None = None, hot_blocks: int = HOT_BLOCKS):
+        self.proxy = proxy  # core.Proxy: `successor`, `chain_home`, `hand_off`, its pool (the secret, TLS)
+        self.budget_s, self.frame_blocks, self.hot_blocks = budget_s, frame_blocks, hot_blocks
         self.transport = transport  # None: the network (tests hand in an httpx.MockTransport)
         self.tasks: set[asyncio.Task] = set()
         self.awaiting: dict[int, asyncio.Future] = {}  # id(stream) -> what its next token resolves (Proxy.on_tokens)
@@ -81,9 +94,7 @@ class Handoff:
             fut.set_result(None)
 
     def drain(self, conn, streams: list) -> None:
-        """`conn` drains: hand each of its `streams` on (in the background)."""
-        if not streams:
-            return
+        """`conn` drains: hand each of its `streams` and its hot chains on (in the background)."""
         task = asyncio.get_running_loop().create_task(self._drain(conn, streams))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -94,9 +105,18 @@ class Handoff:
         headers = {"Authorization": f"Bearer {pool.cfg.secret}"} if pool.cfg.secret else None
         async with httpx.AsyncClient(trust_env=False, headers=headers, verify=pool.ssl or True,
                                      timeout=self.budget_s + 1.0, transport=self.transport) as http:
-            await asyncio.gather(*(self._one(http, conn, s, deadline) for s in streams))
+            firsts = [asyncio.get_running_loop().create_future() for _ in streams]  # each stream's first pull done
+            await asyncio.gather(self._hot(http, conn, deadline, firsts),
+                                 *(self._stream(http, conn, s, deadline, f) for s, f in zip(streams, firsts)))
 
-    async def _one(self, http: httpx.AsyncClient, conn, s, deadline: float) -> None:
+    async def _stream(self, http: httpx.AsyncClient, conn, s, deadline: float, first: asyncio.Future) -> None:
+        try:
+            await self._one(http, conn, s, deadline, first)
+        finally:
+            if not first.done():
+                first.set_result(None)
+
+    async def _one(self, http: httpx.AsyncClient, conn, s, deadline: float, first: asyncio.Future) -> None:
         d = self.proxy.successor(s)
         if d is None:
             log.warning("replica %s drains: no other replica ready for %s; it stays", conn.id, s.cid)
@@ -108,7 +128,10 @@ class Handoff:
             t0, aligning = perf_counter(), False
             for rounds in range(1, MAX_ROUNDS + 1):
                 t_pull, n_pull = perf_counter(), len(s.ids)
-                res = await self._pull(http, conn, to, s, deadline)
+                res = await self._pull(http, conn, to, s.cid, s.gen.prompt_ids + s.ids[:-1],
+                                       {"cache_salt": s.gen.cache_salt}, deadline)
+                if not first.done():
+                    first.set_result(None)
                 if res is None:
                     break
                 cached = res.get("cached", 0) + res.get("imported", 0)
@@ -134,23 +157,73 @@ class Handoff:
                      to.id, cached, rounds, perf_counter() - t0, computed(s) + 1 - cached * bs)
         self.proxy.hand_off(s, conn, Decision(d.replica, d.reason, cached))
 
-    async def _pull(self, http: httpx.AsyncClient, conn, to, s, deadline: float) -> dict | None:
-        """One pull of the stream's full blocks so far, bounded by the deadline: its answer, None when it failed."""
+    async def _hot(self, http: httpx.AsyncClient, conn, deadline: float, firsts: list[asyncio.Future]) -> None:
+        """Place the draining replica's hot chains and have their successors pull them, once the streams'
+        first pulls are done; the hold on its exit is let go at the end."""
+        if not self.hot_blocks:
+            return
+        left = deadline - perf_counter()
+        try:
+            r = await http.post(conn.base_url + "/v1/kv/hot",
+                                json={"max_blocks": self.hot_blocks, "hold_s": left + HOLD_SLACK_S}, timeout=left)
+            listing = r.json()
+            if r.status_code != 200:
+                raise ValueError(f"{r.status_code} {listing.get('error', {}).get('message', '')}")
+        except (httpx.HTTPError, ValueError) as e:
+            log.warning("replica %s drains: its hot chains stay (listing failed: %s)", conn.id, e)
+            return
+        hold = listing.get("hold", "")
+        try:
+            chains = listing.get("chains", [])
+            if chains and firsts:
+                await asyncio.wait(firsts, timeout=max(0.0, deadline - perf_counter()))
+            bs = self.proxy.pool.block_size or 1
+            by_home: dict[str, list[dict]] = {}
+            for c in chains:
+                d = self.proxy.chain_home(block_hashes(c["token_ids"], bs, prev=c["seed"]), len(c["token_ids"]))
+                if d is not None:
+                    by_home.setdefault(d.replica, []).append(c)
+            await asyncio.gather(*(self._pull_chains(http, conn, home, cs, deadline) for home, cs in by_home.items()))
+        finally:
+            if hold:
+                try:
+                    await http.delete(f"{conn.base_url}/v1/kv/hot/{hold}", timeout=1.0)
+                except httpx.HTTPError:
+                    pass  # the replica is gone, or the hold runs out by itself
+
+    async def _pull_chains(self, http: httpx.AsyncClient, conn, home: str, chains: list[dict], deadline: float):
+        to = next((c for c in self.proxy.pool.conns if c.id == home), None)
+        if to is None:
+            return
+        t0, moved = perf_counter(), 0
+        for c in chains:
+            res = await self._pull(http, conn, to, "a hot chain", c["token_ids"], {"seed": c["seed"]}, deadline)
+            if res is None:
+                break
+            moved += res.get("imported", 0)
+        self.proxy.metrics.handoff_hot_blocks.inc(by=moved)
+        log.info("replica %s drains: %d blocks of %d hot chains pulled by %s in %.3f s", conn.id, moved,
+                 len(chains), to.id, perf_counter() - t0)
+
+    async def _pull(self, http: httpx.AsyncClient, conn, to, what: str, ids: list[int], chain: dict,
+                    deadline: float) -> dict | None:
+        """One pull of the full blocks of `ids` (of the chain `chain` names: its cache salt or its seed),
+        bounded by the deadline: its answer, None when it failed."""
         left = deadline - perf_counter()
         if left <= 0:
             return None
-        body = {"source": conn.base_url, "token_ids": s.gen.prompt_ids + s.ids[:-1],
-                "cache_salt": s.gen.cache_salt, "frame_blocks": self.frame_blocks, "timeout_ms": int(left * 1e3)}
+        body = {"source": conn.base_url, "token_ids": ids, **chain, "frame_blocks": self.frame_blocks,
+                "timeout_ms": int(left * 1e3)}
         try:
             # the successor answers at its own bound (what arrived by then); this one is for a successor that does not
             r = await asyncio.wait_for(http.post(to.base_url + "/v1/kv/pull", json=body), left + 0.5)
             res = r.json()
         except (TimeoutError, httpx.HTTPError, ValueError) as e:
-            log.warning("hand-off of %s to %s: pull failed (%s); what it lacks is recomputed", s.cid, to.id,
+            log.warning("hand-off of %s to %s: pull failed (%s); what it lacks is recomputed", what, to.id,
                         type(e).__name__ if isinstance(e, TimeoutError) else e)
             return None
         if r.status_code != 200:
-            log.warning("hand-off of %s to %s: pull answered %d (%s); %d blocks there, the rest recomputed", s.cid,
+            log.warning("hand-off of %s to %s: pull answered %d (%s); %d blocks there, the rest recomputed", what,
                         to.id, r.status_code, res.get("error", ""), res.get("cached", 0) + res.get("imported", 0))
         return res
 

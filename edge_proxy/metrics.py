@@ -54,6 +54,9 @@ class ProxyMetrics:
         self.handoff_tokens = Counter(r, P + "handoff_tokens_total",
                                       "Tokens (prompt and generated) of the streams a drain moved, when they moved: "
                                       "beside the successors' cached tokens, what the hand-off left to recompute.")
+        self.handoff_hot_blocks = Counter(r, P + "handoff_hot_blocks_total",
+                                          "Blocks of draining replicas' hot chains (cached conversations no stream "
+                                          "held) that successors pulled (edge_proxy.handoff).")
         self.disagg = Counter(r, P + "disagg_total", "Cold prompts of decode replicas prefilled on a prefill "
                               "replica (edge_proxy.disagg), by outcome: pulled (every usable block), fallback "
                               "(computed on the decode replica, all or in part).", ("outcome",))

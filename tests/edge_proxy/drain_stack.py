@@ -106,13 +106,23 @@ def prefix_hit_tokens(url: str) -> float:
     raise LookupError(f"{url}/metrics has no edgechat_replica_prefix_hit_tokens_total")
 
 
-def handoff_tokens(ws_url: str) -> float:
-    """The tokens (prompt and generated) a proxy's drained streams had when they moved (its /metrics)."""
+def proxy_counter(ws_url: str, name: str) -> float:
+    """A proxy's counter (its /metrics)."""
     url = ws_url.replace("ws://", "http://").rsplit("/v1/", 1)[0] + "/metrics"
     for line in httpx.get(url, timeout=10).text.splitlines():
-        if line.startswith("edgechat_proxy_handoff_tokens_total "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
-    raise LookupError(f"{url} has no edgechat_proxy_handoff_tokens_total")
+    raise LookupError(f"{url} has no {name}")
+
+
+def handoff_tokens(ws_url: str) -> float:
+    """The tokens (prompt and generated) a proxy's drained streams had when they moved."""
+    return proxy_counter(ws_url, "edgechat_proxy_handoff_tokens_total")
+
+
+def hot_blocks(ws_url: str) -> float:
+    """The blocks of drained replicas' hot chains the successors pulled."""
+    return proxy_counter(ws_url, "edgechat_proxy_handoff_hot_blocks_total")
 
 
 def both_ready(proxy: str, timeout: float = 60.0) -> None:

@@ -3,7 +3,8 @@ the proxy hands the stream on with its KV (edge_proxy.handoff: the successor pul
 block from the draining replica, again for the blocks that filled meanwhile, then the stream
 resumes there), the text equals an undisturbed run's, the successor's usage counts as cached every
 token it had when it moved but the last partial block, and the drained replica exits.
-A pull that fails (the source's export cut: drain_stack.ExportCutter) falls back to exact resume
+A conversation that finished on the drained replica moves too (its hot chain): its next turn, on
+the successor, finds it cached. A pull that fails (the source's export cut: drain_stack.ExportCutter) falls back to exact resume
 by recompute: the same text, nothing cached."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from time import perf_counter
 import pytest
 
 from edge_proxy.client import EdgeClient
-from tests.edge_proxy.drain_stack import handoff_tokens, prefix_hit_tokens, stack
+from tests.edge_proxy.drain_stack import handoff_tokens, hot_blocks, prefix_hit_tokens, stack
 
 pytestmark = pytest.mark.timeout(400)
 BLOCK = 16
@@ -80,7 +81,35 @@ def test_a_failed_pull_falls_back_to_exact_resume():
     with stack(cut_exports=True) as (url, reps, relays):
         whole, done, text, after, _, hits, exit_s, code, _ = asyncio.run(drained(url, reps))
         assert after.failovers == 1 and after.replica != done.replica
-        assert relays[done.replica].cut == 1, "the successor never tried to pull from the draining replica"
+        assert relays[done.replica].cut >= 1, "the successor never tried to pull from the draining replica"
         assert text == whole
         assert hits == 0  # nothing moved: the successor recomputed the stream
         assert code == -signal.SIGTERM and exit_s < EXIT_BOUND_S, (code, exit_s)
+
+
+async def next_turn_after_a_drain(url: str, reps):
+    """Two turns of a conversation, its replica drained (SIGTERM) with no stream on it, the third turn."""
+    turns = [STORY[0]["content"], "Give the dragon a name.", "What does the dragon eat?"]
+    messages, dones = [], []
+    async with await EdgeClient.connect(url) as c:
+        for i, question in enumerate(turns):
+            messages.append({"role": "user", "content": question})
+            if i == 2:  # the conversation's replica drains between its second and third turns
+                home_url, proc = reps[dones[1].replica]
+                os.kill(proc.pid, signal.SIGTERM)
+                code = await asyncio.to_thread(proc.wait, 30)
+            text, done = await c.complete(messages=messages, max_tokens=32, temperature=0)
+            messages.append({"role": "assistant", "content": text})
+            dones.append(done)
+    return dones, code
+
+
+def test_a_drained_replica_hands_its_finished_conversations_on():
+    with stack() as (url, reps, _):
+        dones, code = asyncio.run(next_turn_after_a_drain(url, reps))
+        assert code == -signal.SIGTERM
+        assert dones[1].replica == dones[0].replica != dones[2].replica  # its home, then the successor
+        # The successor never saw the conversation, yet its third turn finds the second turn's prompt cached
+        # (and its reply, where the template re-renders it into the ids generated): the chain was pulled.
+        assert dones[2].usage.cached_tokens >= dones[1].usage.prompt_tokens // BLOCK * BLOCK, dones[2].usage
+        assert hot_blocks(url) >= (dones[1].usage.prompt_tokens + dones[1].usage.completion_tokens - 1) // BLOCK

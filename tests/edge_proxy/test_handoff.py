@@ -1,7 +1,8 @@
 """edge_proxy.handoff without sockets: what a drain asks each successor to pull, and that every
 stream moves (`Proxy.hand_off`) whatever the pull answers: cached blocks counted on success, none
 on a refusal, a pull that outlasts the drain's budget given up at the budget; a second pull for
-the blocks that filled while the first ran, the move right after a token. The streams are
+the blocks that filled while the first ran, the move right after a token; the draining replica's
+hot chains placed and pulled after the streams' first pulls, and its hold let go. The streams are
 simulated (`feed`: a token every 5 ms, what a replica would send); the real thing, on real
 replicas: test_drain_handoff.py."""
 
@@ -22,12 +23,14 @@ from edge_proxy.pool import PoolConfig, ReplicaPool
 from edge_proxy.prompt import ByteTokenizer
 from edge_proxy.routing import Decision
 from wire import protocol as P
+from wire.hashing import block_hashes
 
 pytestmark = pytest.mark.anyio
 
 
 class StubProxy:
-    """What Handoff uses of core.Proxy: its pool (secret, TLS, replicas), successor, hand_off."""
+    """What Handoff uses of core.Proxy: its pool (secret, TLS, replicas), successor, chain_home, hand_off,
+    a metric."""
 
     def __init__(self, successor: str | None = "B"):
         self.pool = SimpleNamespace(cfg=PoolConfig(secret="s3cret"), ssl=None, block_size=BLOCK,
@@ -36,9 +39,19 @@ class StubProxy:
         self.moved: list[tuple] = []
         self.all_moved = asyncio.Event()
         self.expect = 0
+        self.homes: list[tuple[list[int], int]] = []  # chain_home's questions
+        self.hot_blocks = 0
+        self.metrics = SimpleNamespace(handoff_hot_blocks=SimpleNamespace(inc=self._count_hot))
+
+    def _count_hot(self, by: int) -> None:
+        self.hot_blocks += by
 
     def successor(self, s):
         return Decision(self.to, "failover", 3) if self.to else None
+
+    def chain_home(self, hashes, tokens):
+        self.homes.append((hashes, tokens))
+        return Decision(self.to, "failover", 0) if self.to else None
 
     def hand_off(self, s, conn, d: Decision) -> None:
         self.moved.append((s.cid, conn.id, d))
@@ -53,6 +66,38 @@ BLOCK = 16
 def stream(cid: str, n: int = 1):
     return SimpleNamespace(cid=cid, gen=SimpleNamespace(prompt_ids=list(range(40)), cache_salt="salt"),
                            ids=[7, 8, 9], samples=None if n == 1 else [[7], [8]], done=False, conn=DRAINING)
+
+
+class Source:
+    """The draining replica's side: its hot chains (none unless given) listed with a hold, the hold let go."""
+
+    def __init__(self, chains=()):
+        self.chains = list(chains)
+        self.asked: list[dict] = []
+        self.released: list[str] = []
+
+    def serve(self, request: httpx.Request) -> httpx.Response | None:
+        if request.url.path == "/v1/kv/hot" and request.method == "POST":
+            self.asked.append(json.loads(request.content))
+            return httpx.Response(200, json={"chains": self.chains, "hold": "h1"})
+        if request.url.path.startswith("/v1/kv/hot/") and request.method == "DELETE":
+            self.released.append(request.url.path.rsplit("/", 1)[1])
+            return httpx.Response(204)
+        return None
+
+
+def transport(handler, source: Source) -> httpx.MockTransport:
+    """Pulls go to `handler`, the draining replica's hot-chain routes to `source`."""
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        got = source.serve(request)
+        if got is None:
+            got = handler(request)
+            if asyncio.iscoroutine(got):
+                got = await got
+        return got
+
+    return httpx.MockTransport(route)
 
 
 def answer(request: httpx.Request, **fields) -> httpx.Response:
@@ -74,9 +119,10 @@ async def feed(h: Handoff, streams, proxy: StubProxy, seen=None, step_s: float =
                 seen(s)
 
 
-async def drain(proxy: StubProxy, handler, streams, budget_s: float = 2.0, seen=None, step_s: float = 0.005) -> None:
+async def drain(proxy: StubProxy, handler, streams, budget_s: float = 2.0, seen=None, step_s: float = 0.005,
+                source: Source | None = None) -> None:
     proxy.expect = len(streams)
-    h = Handoff(proxy, budget_s=budget_s, transport=httpx.MockTransport(handler))
+    h = Handoff(proxy, budget_s=budget_s, transport=transport(handler, source or Source()))
     h.drain(DRAINING, streams)
     tokens = asyncio.ensure_future(feed(h, streams, proxy, seen, step_s))
     await asyncio.wait_for(proxy.all_moved.wait(), 10)
@@ -208,10 +254,65 @@ async def test_n_samples_move_without_a_pull_and_nothing_moves_without_a_success
     await drain(p, handler, [stream("r1", n=2)])
     assert p.moved == [("r1", "A", Decision("B", "failover", 0))]
     alone = StubProxy(successor=None)
-    h = Handoff(alone, transport=httpx.MockTransport(handler))
+    h = Handoff(alone, transport=transport(handler, Source()))
     h.drain(DRAINING, [stream("r2")])
     await asyncio.gather(*h.tasks)
     assert alone.moved == []  # it stays on the draining replica: it finishes there, or fails over at its exit
+
+
+async def test_hot_chains_are_placed_and_pulled_after_the_streams_first_pulls_then_the_hold_is_let_go():
+    pulls = []  # (what, ids) in the order the successor was asked
+    chains = [{"seed": 0, "token_ids": list(range(100, 132))}, {"seed": 99, "token_ids": list(range(200, 216))}]
+    source = Source(chains)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        pulls.append(("chain" if "seed" in body else "stream", body.get("seed"), body["token_ids"]))
+        assert "cache_salt" not in body or "seed" not in body  # a chain is named by its seed alone
+        return answer(request)
+
+    p = StubProxy()
+    await drain(p, handler, [stream("r1")], source=source)
+    assert source.asked[0]["max_blocks"] > 0 and source.asked[0]["hold_s"] > 2.0  # it outlasts the budget
+    first_chain = next(i for i, (what, _, _) in enumerate(pulls) if what == "chain")
+    assert pulls[0][0] == "stream" and first_chain > 0  # the stream's first (long) pull went first
+    assert [(seed, ids) for what, seed, ids in pulls if what == "chain"] == [(0, chains[0]["token_ids"]),
+                                                                           (99, chains[1]["token_ids"])]
+    # each placed where its next turn would go, by its chained hashes from its seed
+    assert p.homes == [(block_hashes(chains[0]["token_ids"], BLOCK, prev=0), 32),
+                       (block_hashes(chains[1]["token_ids"], BLOCK, prev=99), 16)]
+    assert p.hot_blocks == 3 and source.released == ["h1"]
+
+
+async def test_with_no_hot_blocks_the_source_is_not_asked():
+    source = Source([{"seed": 5, "token_ids": list(range(48))}])
+    p = StubProxy()
+    h = Handoff(p, transport=transport(answer, source), hot_blocks=0)
+    h.drain(DRAINING, [])
+    await asyncio.gather(*h.tasks)
+    assert source.asked == [] and p.hot_blocks == 0
+
+
+async def test_a_drained_replica_without_streams_still_hands_its_hot_chains_on():
+    pulls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        pulls.append(json.loads(request.content))
+        return answer(request)
+
+    source = Source([{"seed": 5, "token_ids": list(range(48))}])
+    p = StubProxy()
+    h = Handoff(p, transport=transport(handler, source))
+    h.drain(DRAINING, [])
+    await asyncio.gather(*h.tasks)
+    assert [(b["seed"], b["source"]) for b in pulls] == [(5, "http://a:8000")]
+    assert p.hot_blocks == 3 and source.released == ["h1"] and p.moved == []
+    # with no other replica ready the chains stay, and the hold is let go all the same
+    alone, quiet = StubProxy(successor=None), Source([{"seed": 5, "token_ids": list(range(48))}])
+    h = Handoff(alone, transport=transport(handler, quiet))
+    h.drain(DRAINING, [])
+    await asyncio.gather(*h.tasks)
+    assert len(pulls) == 1 and quiet.released == ["h1"]
 
 
 async def test_a_replica_whose_load_says_draining_is_not_ready_and_its_streams_are_handed_on_once():
@@ -237,5 +338,10 @@ async def test_the_budget_is_the_proxys_flag_and_must_be_positive():
     cfg = parse_args(base + ["--handoff-budget", "8"])
     assert cfg.handoff_budget_s == 8.0
     assert Proxy(cfg, ByteTokenizer(), KeyStore([], anonymous=True)).handoff.budget_s == 8.0
+    assert parse_args(base).handoff_hot_blocks == 128
+    assert Proxy(parse_args(base + ["--handoff-hot-blocks", "0"]), ByteTokenizer(),
+                 KeyStore([], anonymous=True)).handoff.hot_blocks == 0
+    with pytest.raises(ValueError, match="--handoff-hot-blocks must be 0..4096"):
+        parse_args(base + ["--handoff-hot-blocks", "-1"])
     with pytest.raises(ValueError, match="--handoff-budget must be > 0"):
         parse_args(base + ["--handoff-budget", "0"])
