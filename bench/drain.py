@@ -10,11 +10,16 @@ it), then again, and sends SIGTERM to replica A's API process once every stream 
 deltas. A drains (replica.api.drain); the proxy moves A's streams to B:
   * handoff: B pulls each stream's KV from A, the stream resumes on B with its full blocks cached
     (edge_proxy.handoff);
+  * nohot:   the hand-off without A's hot chains (the proxy's --handoff-hot-blocks 0);
   * resume:  the same drain with A's KV exports cut by a relay (drain_stack.ExportCutter): every
     pull fails, B recomputes each moved stream (exact resume, the fallback).
+Between the undisturbed run and the drained one, `--idle` other conversations of `--idle-tokens`
+run to their end (each then cached where it ran, no stream holding it: A's are its hot chains);
+after A's exit each of A's gets its next turn, now on B.
 Per variant: streams moved, texts equal to the undisturbed run's, the longest gap a moved stream's
 client saw from the signal on, the undisturbed run's median inter-token gap, the tokens B's cache
-served each moved stream (usage.cached_tokens), and A's time from the signal to its exit.
+served each moved stream (usage.cached_tokens), A's time from the signal to its exit, and for A's
+idle conversations the next turn's cached tokens and time to first token on B.
 """
 
 from __future__ import annotations
@@ -73,13 +78,26 @@ async def run(url: str, convs, max_tokens: int, sigterm=None, at: int = 0):
         return [(r.text, r.done, t) for r, t in zip(reqs, times)], t_sig[0]
 
 
+async def next_turns(url: str, convs) -> list:
+    """Each conversation's next turn (its reply so far and a question), one after another: their Dones."""
+    out = []
+    async with await EdgeClient.connect(url) as c:
+        for messages, text in convs:
+            turn = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+            out.append((await c.complete(messages=turn, max_tokens=8, temperature=0))[1])
+    return out
+
+
 async def variant(name: str, args) -> list:
+    hot = ("--handoff-hot-blocks", "0" if name == "nohot" else str(args.hot_blocks))
     with stack(cut_exports=name == "resume", replica_args=("--kv-memory-gb", str(args.kv_memory_gb)),
-               handoff_budget=args.handoff_budget) as (
-            url, reps, _):
+               handoff_budget=args.handoff_budget, proxy_args=hot) as (url, reps, _):
         convs = [conversation(k, args.prompt_tokens) for k in range(args.streams)]
         base, _ = await run(url, convs, args.max_tokens)
         gaps = [b - a for _, _, t in base for a, b in zip(t, t[1:])]
+        idle = [conversation(1000 + k, args.idle_tokens) for k in range(args.idle)]
+        idle_done, _ = await run(url, idle, 32)
+        on_a = [(m, text) for m, (text, d, _) in zip(idle, idle_done) if d.replica == "A"]
         proc = reps["A"][1]
         exited = []
 
@@ -90,6 +108,7 @@ async def variant(name: str, args) -> list:
         out, t_sig = await run(url, convs, args.max_tokens, sigterm, args.at)
         code, t_exit = await exited[0]
         exit_s = t_exit - t_sig
+        later = await next_turns(url, on_a)
         moved = [(o, b) for o, b in zip(out, base) if o[1].failovers]
         longest = max((max(b - a for a, b in zip(t, t[1:]) if b > t_sig) for (_, _, t), _ in moved), default=0.0)
         cached = [o[1].usage.cached_tokens for o, _ in moved]
@@ -101,7 +120,10 @@ async def variant(name: str, args) -> list:
                 f"{longest * 1e3:.0f}", f"{statistics.median(gaps) * 1e3:.0f}",
                 f"{min(cached, default=0)}..{max(cached, default=0)}",
                 f"{statistics.mean(d.usage.prompt_tokens for _, d, _ in base):.0f}",
-                f"{exit_s:.2f} (code {code})"]
+                f"{exit_s:.2f} (code {code})",
+                f"{len(later)}: " + (f"{statistics.mean(d.usage.cached_tokens for d in later):.0f} of "
+                                     f"{statistics.mean(d.usage.prompt_tokens for d in later):.0f}, "
+                                     f"{statistics.median(d.timing.ttft_ms for d in later):.0f} ms" if later else "-")]
 
 
 def main() -> None:
@@ -111,16 +133,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)  # the issue's
     ap.add_argument("--at", type=int, default=10, help="deltas every stream has when A gets SIGTERM")
     ap.add_argument("--kv-memory-gb", type=float, default=2.0)
-    ap.add_argument("--only", choices=["handoff", "resume"])
+    ap.add_argument("--only", choices=["handoff", "nohot", "resume"])
+    ap.add_argument("--idle", type=int, default=6, help="conversations finished before the drain (A's: hot chains)")
+    ap.add_argument("--idle-tokens", type=int, default=600)
+    ap.add_argument("--hot-blocks", type=int, default=128, help="the proxy's --handoff-hot-blocks (nohot: 0)")
     ap.add_argument("--handoff-budget", type=float, help="the proxy's --handoff-budget (its default: 3 s)")
     args = ap.parse_args()
-    rows = [asyncio.run(variant(v, args)) for v in ("handoff", "resume") if args.only in (None, v)]
+    rows = [asyncio.run(variant(v, args)) for v in ("handoff", "nohot", "resume") if args.only in (None, v)]
     print(f"# drain: {args.streams} streams of ~{args.prompt_tokens} prompt tokens, greedy, max_tokens "
-          f"{args.max_tokens}, SIGTERM to replica A at {args.at} deltas; {platform.processor() or platform.machine()}, "
+          f"{args.max_tokens}, SIGTERM to replica A at {args.at} deltas; {args.idle} idle conversations of "
+          f"~{args.idle_tokens} tokens, hot blocks {args.hot_blocks}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     print("| variant | moved | exact | longest gap of a moved stream (ms) | undisturbed gap p50 (ms) "
-          "| successor's cached tokens per moved stream | prompt tokens (mean) | A: signal -> exit (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| successor's cached tokens per moved stream | prompt tokens (mean) | A: signal -> exit (s) "
+          "| A's idle conversations: next turn on B, cached of prompt tokens (mean), TTFT p50 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(str(c) for c in r) + " |")
 

@@ -34,7 +34,8 @@ used first, each listed to one proxy only; the ask holds the replica's exit unti
 go), waits for its streams' first pulls (the long ones, which bound the streams' gaps), then places
 each chain where its next turn would go (`Proxy.chain_home`: the router over the ready replicas,
 as for a resumed stream) and has that replica pull it (the same `/v1/kv/pull`, the chain named by
-its seed), one chain at a time per successor, inside the same budget; then it lets go of the hold.
+its seed), one chain at a time per successor, within HOT_EXTRA_S past the streams' budget (no
+stream waits for them); then it lets go of the hold.
 The next turn then finds its conversation cached on the successor instead of recomputing it.
 A pull that fails (a refused layout, a source gone) or is still running at the budget's end moves
 the stream all the same with what arrived: the successor recomputes what it lacks (exact resume).
@@ -65,7 +66,9 @@ MAX_ROUNDS = 5  # pulls per stream: the first, the blocks that filled while the 
 MOVE_TOKENS = 3  # computed ids past the full blocks a move leaves to recompute without waiting for the block
 HOT_BLOCKS = 128  # blocks of a draining replica's hot chains a proxy places (47 MB of the default model's KV;
 #                  --handoff-hot-blocks)
-HOLD_SLACK_S = 2.0  # a hold on the draining replica's exit outlasts the budget by this much (the hold's let-go)
+HOT_EXTRA_S = 1.0  # hot chains may be pulled this long past the budget: no stream waits for them, and the
+#                   replica's exit stays inside its 5 s goal (the streams' pulls can take the whole budget on 2 cores)
+HOLD_SLACK_S = 1.0  # a hold on the draining replica's exit outlasts the hot chains' time by this much (its let-go)
 
 
 def computed(s) -> int:
@@ -162,6 +165,7 @@ class Handoff:
         first pulls are done; the hold on its exit is let go at the end."""
         if not self.hot_blocks:
             return
+        deadline += HOT_EXTRA_S
         left = deadline - perf_counter()
         try:
             r = await http.post(conn.base_url + "/v1/kv/hot",
@@ -176,7 +180,7 @@ class Handoff:
         try:
             chains = listing.get("chains", [])
             if chains and firsts:
-                await asyncio.wait(firsts, timeout=max(0.0, deadline - perf_counter()))
+                await asyncio.wait(firsts, timeout=max(0.0, deadline - HOT_EXTRA_S - perf_counter()))
             bs = self.proxy.pool.block_size or 1
             by_home: dict[str, list[dict]] = {}
             for c in chains:

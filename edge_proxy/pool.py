@@ -31,7 +31,8 @@ once its link drops (its streams then fail over, cause `disconnect`), or `leave_
 it left (what is still there then fails over, cause `removed`). Cutting its streams at once
 instead would recompute every one of them on a successor while the KV is still there to pull.
 A URL back in DNS while it is still leaving is ready again (a readiness flap); one that leaves
-idle, or down, goes at once.
+idle, or down, goes at once (an idle one that is up handed to `events.on_draining` with no
+stream first: its hot chains, the conversations it caches, move all the same).
 
 A replica's Hello names its role (`Hello.role`: prefill, decode or both, the default): `ready()`
 lists the replicas that take streams (decode and both), `prefill_ready()` the prefill ones, which
@@ -648,6 +649,8 @@ class ReplicaPool:
             if not conn.draining:  # (draining: its streams were handed on already)
                 self.events.on_draining(conn, list(conn.streams.values()))
             return
+        if conn.connected and not conn.draining:  # idle, still up: its hot chains move all the same (handoff)
+            self.events.on_draining(conn, [])
         self._drop(conn)
 
     def _drop(self, conn: ReplicaConn) -> None:

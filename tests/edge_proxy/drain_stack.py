@@ -135,9 +135,9 @@ def both_ready(proxy: str, timeout: float = 60.0) -> None:
 
 @contextlib.contextmanager
 def stack(cut_exports: bool = False, replica_args: tuple[str, ...] = ("--kv-memory-gb", "0.25"),
-          handoff_budget: float | None = None):
+          handoff_budget: float | None = None, proxy_args: tuple[str, ...] = ()):
     """Replicas A and B and a proxy over them (`handoff_budget`: its --handoff-budget, else the
-    default); yields the proxy's public WebSocket URL, {id: (url, process)} and the relays ({}
+    default; `proxy_args`: more of its flags); yields the proxy's public WebSocket URL, {id: (url, process)} and the relays ({}
     unless `cut_exports`). bench/drain.py starts its own so."""
     with contextlib.ExitStack() as es:
         reps, relays = {}, {}
@@ -146,7 +146,7 @@ def stack(cut_exports: bool = False, replica_args: tuple[str, ...] = ("--kv-memo
             reps[rid] = (url, proc)
         port = free_port()
         cmd = [sys.executable, "-m", "edge_proxy", "--port", str(port), "--allow-anonymous", "--region", "test",
-               "--stall-timeout", "3"] + (["--handoff-budget", str(handoff_budget)] if handoff_budget else [])
+               "--stall-timeout", "3", *proxy_args] + (["--handoff-budget", str(handoff_budget)] if handoff_budget else [])
         for rid, (url, _) in reps.items():
             if cut_exports:
                 relay = relays[rid] = ExportCutter(int(url.rsplit(":", 1)[1]))

@@ -331,6 +331,18 @@ async def test_a_replica_whose_load_says_draining_is_not_ready_and_its_streams_a
     assert conn.streams and conn.base_url == "http://127.0.0.1:9"
 
 
+async def test_a_replica_that_leaves_discovery_idle_hands_its_hot_chains_on_as_it_goes():
+    told = []
+    events = SimpleNamespace(on_draining=lambda conn, streams: told.append((conn.id, list(streams))),
+                             on_lost=lambda conn, streams, cause: None)
+    pool = ReplicaPool(["ws://127.0.0.1:9/v1/replica", "ws://127.0.0.1:10/v1/replica"], PoolConfig(), events)
+    up, down = pool.conns
+    up.connected, up.hello, up.id = True, P.Hello("A", "m", 16, 2048), "A"
+    pool.remove(up.url)
+    pool.remove(down.url)  # down: nothing to pull from it
+    assert told == [("A", [])] and pool.conns == []
+
+
 async def test_the_budget_is_the_proxys_flag_and_must_be_positive():
 
     base = ["--replica", "ws://127.0.0.1:9/v1/replica"]
