@@ -99,7 +99,7 @@ class HotChain(msgspec.Struct):
     token_ids: list[int]  # its full blocks' ids, from its first block
 
 
-class HotList(msgspec.Struct, omit_defaults=True):
+class HotList(msgspec.Struct):
     chains: list[HotChain] = []  # most recently used first
     hold: str = ""  # names the hold (DELETE /v1/kv/hot/{hold}); "" when none was asked
 

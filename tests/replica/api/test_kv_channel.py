@@ -1,7 +1,8 @@
 """KV export and import between real replicas (default model, CPU): a prompt prefilled on A,
 its blocks pulled by B (POST /v1/kv/pull -> A's /v1/kv/export), then the same prompt on B is a
-cache hit that decodes what A decodes; a layout mismatch and a wrong secret are refused with a
-message; a source killed half-way leaves the receiver with whole blocks only and none leaked."""
+cache hit that decodes what A decodes; a finished conversation listed as a hot chain (POST
+/v1/kv/hot) once to a hold and pulled by its seed; a layout mismatch and a wrong secret are refused
+with a message; a source killed half-way leaves the receiver with whole blocks only and none leaked."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import httpx
 import pytest
 
+from wire.hashing import salt_seed
 from tests.replica.kv_relay import CountingRelay, CuttingRelay
 from tests.replica.server import AUTH, idle_within, replica_server
 
@@ -79,6 +81,32 @@ def test_pulls_from_one_source_share_a_kept_alive_connection(pair):
         assert relay.accepted == 1
     finally:
         relay.close()
+
+
+def hot(url: str, headers=AUTH, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/kv/hot", headers=headers, json=body, timeout=30)
+
+
+def test_a_finished_conversation_is_a_hot_chain_listed_once_to_a_hold_and_pulled_by_its_seed(pair):
+    a, b = pair
+    ids, salt = prompt_ids(a), "hot-chain"
+    complete(a, ids, cache_salt=salt)  # finished: no stream holds it, the most recently used chain on A
+    listing = hot(a, max_blocks=64, hold_s=30).json()
+    chain = listing["chains"][0]
+    # from its first block: the prompt's full blocks and the reply's, under its salt's seed (never the salt)
+    full = len(ids) // 16 * 16
+    assert chain["seed"] == salt_seed(salt) and chain["token_ids"][:full] == ids[:full]
+    assert len(chain["token_ids"]) == (len(ids) + 7) // 16 * 16  # the 8th generated token was sampled, not computed
+    assert chain not in hot(a, max_blocks=64, hold_s=30).json()["chains"]  # another proxy's hold: not again
+    assert chain in hot(a, max_blocks=64).json()["chains"]  # no hold: only listed
+    res = pull(b, a, chain["token_ids"], seed=chain["seed"]).json()
+    assert res["complete"] and res["imported"] == len(chain["token_ids"]) // 16, res
+    _, cached = complete(b, ids, cache_salt=salt)  # the next request of that tenant finds it on B
+    assert cached == (len(ids) - 1) // 16 * 16
+    assert httpx.delete(f"{a}/v1/kv/hot/{listing['hold']}", headers=AUTH).status_code == 204
+    assert httpx.delete(f"{a}/v1/kv/hot/{listing['hold']}", headers=AUTH).status_code == 404
+    assert hot(a, headers={}, max_blocks=1).status_code == 401
+    assert hot(a, max_blocks=-1).status_code == 400
 
 
 def test_a_layout_mismatch_is_refused_with_a_message(pair):
