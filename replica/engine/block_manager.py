@@ -122,11 +122,12 @@ class BlockManager:
         full = seq.num_computed // bs
         h = seq.block_hashes[-1] if seq.block_hashes else salt_seed(seq.cache_salt)
         for i in range(len(seq.block_hashes), full):
-            prev, h = h, chain_hash(h, seq.token_ids[i * bs : (i + 1) * bs])
+            ids = seq.token_ids[i * bs : (i + 1) * bs]
+            prev, h = h, chain_hash(h, ids)
             seq.block_hashes.append(h)
             b = seq.block_table[i]
             if h not in self._hash_to_block and self._block_hash[b] is None:
-                self._register(b, h, prev, seq.token_ids[i * bs : (i + 1) * bs], i)
+                self._register(b, h, prev, ids, i)
 
     def _register(self, b: int, h: int, prev: int, ids: list[int], pos: int) -> None:
         self._hash_to_block[h] = b
