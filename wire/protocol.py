@@ -281,6 +281,9 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True):
     # prefill/decode disaggregation (edge_proxy.disagg): "prefill" (computes prompts into its prefix cache for
     # others to pull, streams nothing), "decode" (streams; cold prompts prefilled elsewhere), "both" ("": today's)
     role: str = ""
+    # engine -> API only: the shared segment KV frames cross in (replica.kv_slots): its slots and their bytes
+    kv_slots: int = 0
+    kv_slot_bytes: int = 0
 
 
 ROLES = ("both", "prefill", "decode")
@@ -313,21 +316,23 @@ class KvSpec(msgspec.Struct, tag="kv_spec", array_like=True, omit_defaults=True)
 
 
 class KvRead(msgspec.Struct, tag="kv_read", array_like=True):
-    """API -> engine: the bytes of the blocks cached under `hashes`, in order, up to the first
-    one not cached; answered by a KvBlocks with the same id."""
+    """API -> engine: copy the bytes of the blocks cached under `hashes`, in order, up to the first
+    one not cached, into KV slot `slot` (replica.kv_slots); answered by a KvBlocks with the same id."""
 
     id: str
     hashes: list[int]
+    slot: int
 
 
 class KvBlocks(msgspec.Struct, tag="kv_blocks", array_like=True, omit_defaults=True):
-    """Blocks' bytes, KvSpec.block_bytes each, in the order of `hashes`. Engine -> API: the
-    answer to a KvRead (hashes: those found). API -> engine: cache them (checked whole by the
-    API process first), answered by a KvWritten with the same id."""
+    """Blocks' bytes, KvSpec.block_bytes each, in the order of `hashes`, in KV slot `slot`
+    (replica.kv_slots: the bytes never cross the socket). Engine -> API: the answer to a KvRead
+    (hashes: those found). API -> engine: cache them (checked whole by the API process first),
+    answered by a KvWritten with the same id."""
 
     id: str
     hashes: list[int] = []
-    data: bytearray = msgspec.field(default_factory=bytearray)
+    slot: int = -1
     error: str = ""
     prev: int = 0  # API -> engine: the hash the first of `hashes` extends (a chain's first block: its salt seed)
     # API -> engine: the blocks' token ids (block_size each, in order) and the first one's index in its chain:

@@ -214,7 +214,7 @@ def create_app(cfg: EngineConfig, tokenizer: Tokenizer, *, model_name: str, secr
         conn = ReplicaConnection(c, send)
         # The served name (not the spec), and the fingerprint of the tokenizer the proxy must use.
         conn.sink(msgspec.structs.replace(c.hello, model=model_name, tokenizer=fingerprint,
-                                          role="" if role == "both" else role))
+                                          role="" if role == "both" else role, kv_slots=0, kv_slot_bytes=0))
         conn.sink(P.KvEvents(stored=list(c.cached_blocks), cleared=True))
         if c.load is not None:
             conn.sink(c.load)

@@ -24,7 +24,8 @@ turn a request is accepted, so every proxy sees a placement one network hop late
 after the engine's next step.
 
 KV transfer (`kv_call`): a KvRead, KvBlocks or KvHot goes to the engine and its answer comes back
-to the awaiting caller (replica.api.kv_routes); `kv_spec` is the engine's pool as blocks travel.
+to the awaiting caller (replica.api.kv_routes); `kv_spec` is the engine's pool as blocks travel;
+the blocks' bytes cross in `kv_slots` (replica.kv_slots), named by the commands.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from replica.config import EngineConfig
 from wire.hashing import chain_hash, salt_seed
 from replica.api.queued_load import QueuedLoad
 from replica.api.engine_supervisor import EngineSupervisor, EngineUnavailable
+from replica.kv_slots import Lease, Slots
 from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 from replica.validation import check_generate
 
@@ -93,6 +95,7 @@ class EngineClient:
         self.draining = False  # admit nothing new; every Load says so (replica.api.drain)
         self.idle = asyncio.Event()  # set once draining and no stream is left
         self._kv_calls: dict[str, asyncio.Future] = {}  # KvRead / KvBlocks sent, by id: their answers to come
+        self._leases: dict[str, Lease] = {}  # the KV slots of the commands the engine has not answered, by id
         self._kv_ids = itertools.count()
         self._codec = P.FrameCodec()
         self.engine = EngineSupervisor(cfg, replica_id, self._dispatch, self._engine_lost, **supervision)
@@ -232,13 +235,23 @@ class EngineClient:
         except EngineUnavailable:
             pass  # every stream in flight was failed when the engine was lost; aborts have nothing left to stop
 
-    async def kv_call(self, msg: P.KvRead | P.KvBlocks | P.KvHot) -> P.KvBlocks | P.KvWritten | P.KvChains:
+    @property
+    def kv_slots(self) -> Slots:
+        return self.engine.slots
+
+    async def kv_call(self, msg: P.KvRead | P.KvBlocks | P.KvHot,
+                      lease: Lease | None = None) -> P.KvBlocks | P.KvWritten | P.KvChains:
         """Send a KV transfer command to the engine (msg.id is set here) and await its answer.
+        `lease`: the KV slot the command names (replica.kv_slots): the engine's until it answers
+        (or is gone), whether or not the caller still awaits the answer then.
         EngineUnavailable when the engine is restarting or is lost before it answers."""
         msg.id = f"kv/{next(self._kv_ids)}"
         fut = self._kv_calls[msg.id] = asyncio.get_running_loop().create_future()
         try:
             self.engine.send(self._codec.pack([msg]))
+            if lease is not None:
+                lease.sent()
+                self._leases[msg.id] = lease
             return await fut
         finally:
             self._kv_calls.pop(msg.id, None)
@@ -252,6 +265,9 @@ class EngineClient:
         for fut in self._kv_calls.values():
             if not fut.done():
                 fut.set_exception(EngineUnavailable(f"the engine process exited (code {code}) during a KV transfer"))
+        for lease in self._leases.values():  # the process is gone: nothing writes their slots any more
+            lease.answered()
+        self._leases.clear()
         self.cached_blocks.clear()
         if self.metrics is not None:
             self.metrics.engine_restarts.inc()
@@ -312,6 +328,9 @@ class EngineClient:
             self.cached_blocks.update(msg.stored)
             self._publish(msg)
         elif isinstance(msg, (P.KvBlocks, P.KvWritten, P.KvChains)):
+            lease = self._leases.pop(msg.id, None)
+            if lease is not None:
+                lease.answered()
             fut = self._kv_calls.get(msg.id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

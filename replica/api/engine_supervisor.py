@@ -10,6 +10,9 @@ backoff that doubles from `backoff_min_s` to `backoff_max_s` (and starts over on
 an engine has stayed up for `stable_s`). While it restarts `ready` is clear, so
 `/healthz` answers 503 and new requests are refused.
 
+Every engine process it starts gets the same shared-memory segment for KV frames
+(`slots`, replica.kv_slots; its fd passed at spawn), mapped here at the first Hello.
+
 The first start is different: if it fails, `start()` raises (a replica whose model
 does not load should not come up at all).
 """
@@ -30,6 +33,7 @@ import msgspec
 
 from wire import protocol as P
 from replica.config import EngineConfig
+from replica.kv_slots import Slots
 
 log = logging.getLogger("replica.engine")
 
@@ -55,6 +59,7 @@ class EngineSupervisor:
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._tmpdir = tempfile.TemporaryDirectory(prefix="edgechat-")
+        self.slots = Slots()  # the shared segment KV frames cross in, handed to every engine process it starts
         self._last_rx = 0.0
         self._stopping = False
 
@@ -71,6 +76,7 @@ class EngineSupervisor:
             await asyncio.gather(self._watcher, return_exceptions=True)
         await self._end_process(terminate=True)
         self._tmpdir.cleanup()
+        self.slots.close()
 
     def send(self, frame: bytes) -> None:
         if not self.ready.is_set() or self._writer is None:
@@ -92,7 +98,8 @@ class EngineSupervisor:
         server = await asyncio.start_unix_server(on_connect, path=path)
         self._proc = proc = subprocess.Popen([sys.executable, "-m", "replica.engine.process", "--socket", path,
                                               "--config", msgspec.json.encode(self.cfg).decode(),
-                                              "--replica-id", self.replica_id])
+                                              "--replica-id", self.replica_id, "--kv-slots-fd", str(self.slots.fd)],
+                                             pass_fds=(self.slots.fd,))
         self.pid = proc.pid
         exited = asyncio.ensure_future(asyncio.to_thread(proc.wait))
         try:
@@ -120,6 +127,7 @@ class EngineSupervisor:
             self._last_rx = time.monotonic()
             for msg in codec.feed(data):
                 if isinstance(msg, P.Hello):
+                    self.slots.mapped(msg.kv_slots, msg.kv_slot_bytes)
                     self.hello = msg
                     self.ready.set()
                 try:

@@ -3,8 +3,8 @@
 `pull` computes the prompt's chained block hashes itself (wire.hashing, from the token ids and
 the cache salt, or the chain's seed for a hot chain a source listed), skips the leading blocks its engine already caches (the API process mirrors
 the cache from the engine's KvEvents), fetches the rest through a transport
-(replica.api.kv_transport) and hands each frame to the engine (`EngineClient.kv_call`) only once
-it is whole:
+(replica.api.kv_transport) and hands each frame to the engine (`EngineClient.kv_call`, its bytes
+copied into a KV slot: replica.kv_slots) only once it is whole:
   * the source's KvSpec equals this replica's (dtype, block size, layers, KV heads, head dim,
     row, model identity, draft layer): else refused (409) before any block moves;
   * a frame starts where the last one ended, its hashes are the receiver's own for those block
@@ -31,7 +31,8 @@ from wire.kv_frames import KvEnd, KvExport, KvFrame, KvPull, block_digest, chain
 from replica.api.engine_supervisor import EngineUnavailable
 from replica.api.kv_transport import KvTransportError
 
-WRITES_AHEAD = 4  # frames handed to the engine, unanswered, while the next is read (4 x 3 MB, the default model)
+WRITES_AHEAD = 4  # frames handed to the engine, unanswered, while the next is read (4 KV slots of 3 MB, the
+#                  default model: replica.kv_slots)
 SETTLE_S = 0.2  # a pull ended early waits this long at most for its writes in flight: inside the 0.5 s the
 #                hand-off allows past a pull's bound (edge_proxy.handoff), which 1.0 overran (05:17 run, docs/perf.md)
 
@@ -151,14 +152,15 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
                     problem = check_frame(msg, hashes, at, mine.block_bytes)
                     if problem is not None:
                         raise _Refused(502, f"{req.source} sent a bad frame: {problem}")
-                    prev = hashes[at - 1] if at else seed  # the chain it extends
-                    ids = req.token_ids[at * bs: (at + len(msg.hashes)) * bs]
-                    write = client.kv_call(P.KvBlocks(id="", hashes=msg.hashes, data=msg.data, prev=prev, ids=ids,
-                                                      start=at))
-                    writes.append((at, asyncio.ensure_future(write)))
-                    at += len(msg.hashes)
-                    while len(writes) > WRITES_AHEAD:
-                        await settle()
+                    view, per_slot = memoryview(msg.data), client.kv_slots.map.slot_bytes // mine.block_bytes
+                    for k in range(0, len(msg.hashes), per_slot):  # a frame larger than a slot: a write a slot
+                        n = min(per_slot, len(msg.hashes) - k)
+                        blocks = view[k * mine.block_bytes: (k + n) * mine.block_bytes]
+                        writes.append((at, await _write(client, blocks, hashes, at, n, req.token_ids[at * bs:
+                                                                                                   (at + n) * bs], seed)))
+                        at += n
+                        while len(writes) > WRITES_AHEAD:
+                            await settle()
                 elif isinstance(msg, KvEnd):
                     while writes:
                         await settle()
@@ -170,6 +172,23 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
     finally:  # ended early (a bad frame, a broken stream, the bound): the writes in flight are counted as they land
         await _settle_rest(writes, res)
     return end
+
+
+async def _write(client, data: memoryview, hashes: list[int], at: int, n: int, ids: list[int],
+                 seed: int) -> asyncio.Future:
+    """Hand blocks at..at+n (checked; their bytes `data`) to the engine through a KV slot: the
+    future of its KvWritten. The slot is the engine's from the send to its answer, then free."""
+    lease = await client.kv_slots.lease()
+    try:
+        lease.view(len(data))[:] = data
+    except BaseException:
+        lease.release()
+        raise
+    fut = asyncio.ensure_future(client.kv_call(P.KvBlocks(id="", hashes=hashes[at: at + n], slot=lease.index,
+                                                          prev=hashes[at - 1] if at else seed, ids=ids, start=at),
+                                               lease))
+    fut.add_done_callback(lambda _: lease.release())  # answered, failed or cancelled (sent or not)
+    return fut
 
 
 async def _settle_rest(writes: deque, res: PullResult) -> None:

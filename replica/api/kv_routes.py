@@ -15,9 +15,10 @@
                       504 its `timeout_ms` ran out (the blocks cached by then stay, counted)
 
 An export reads `frame_blocks` blocks at a time from the engine (a KvRead, answered between two
-of its steps, cut to MAX_FRAME_BYTES), READ_AHEAD reads asked at once: the engine reads the next
-frame while one is sent (two frames per step boundary), and no more, so a slow receiver holds
-back the source's reads, not its memory. A block evicted meanwhile ends the export there
+of its steps, cut to MAX_FRAME_BYTES and to a KV slot: replica.kv_slots), READ_AHEAD reads asked
+at once: the engine reads the next frames while one is sent, and no more, so a slow receiver
+holds back the source's reads, not its memory. Each read's slot is copied into its frame as it
+arrives and lent again at once. A block evicted meanwhile ends the export there
 (KvEnd says why): a running sequence holds its blocks, so a drain's streams never lose theirs.
 """
 
@@ -43,6 +44,29 @@ READ_AHEAD = 2  # KvReads an export has asked of its engine at once: the next fr
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+class _ReadFailed(Exception):
+    """The engine refused a KvRead (its message says why)."""
+
+
+async def _read(client, codec: StreamCodec, spec: P.KvSpec, hashes: list[int], start: int) -> tuple[int, bytearray]:
+    """The engine's read of the blocks under `hashes` (the first is block `start`) into a KV slot,
+    packed into an export frame as soon as it is there (the slot is then free for the next read):
+    (blocks it had, a prefix of those asked; the frame, empty when none)."""
+    lease = await client.kv_slots.lease()
+    try:
+        got = await client.kv_call(P.KvRead(id="", hashes=hashes, slot=lease.index), lease)
+        if got.error:
+            raise _ReadFailed(got.error)
+        n, per = len(got.hashes), spec.block_bytes
+        if not n:
+            return 0, bytearray()
+        view = lease.view(n * per)
+        digests = [block_digest(view[k * per: (k + 1) * per]) for k in range(n)]
+        return n, codec.pack(KvFrame(start=start, hashes=got.hashes, digests=digests, data=view))
+    finally:
+        lease.release()
 
 
 class KvRoutes:
@@ -85,45 +109,39 @@ class KvRoutes:
         if spec is None:
             return _error(503, "the engine process is restarting")
         hashes = chain_hashes(req.token_ids, spec.block_size, req.cache_salt, req.seed)[req.start:]
-        per_frame = max(1, min(req.frame_blocks, MAX_FRAME_BYTES // spec.block_bytes))
+        slot_blocks = client.kv_slots.map.slot_bytes // spec.block_bytes
+        per_frame = max(1, min(req.frame_blocks, MAX_FRAME_BYTES // spec.block_bytes, slot_blocks))
         return StreamingResponse(self._stream(client, spec, hashes, req.start, per_frame), media_type=MEDIA_TYPE)
 
     @staticmethod
     async def _stream(client, spec: P.KvSpec, hashes: list[int], start: int, per_frame: int):
-        codec, sent, reason, per = StreamCodec(), 0, "", spec.block_bytes
+        codec, sent, reason = StreamCodec(), 0, ""
         yield memoryview(codec.pack(spec))  # Starlette sends bytes or memoryviews
-        reads: deque = deque()  # (index, the KvRead's answer to come), READ_AHEAD at most
+        reads: deque = deque()  # (index, its frame to come: _read), READ_AHEAD at most
         ahead = iter(range(0, len(hashes), per_frame))
 
         def read_next() -> None:
             i = next(ahead, None)
             if i is not None:
-                read = client.kv_call(P.KvRead(id="", hashes=hashes[i: i + per_frame]))
-                reads.append((i, asyncio.ensure_future(read)))
+                reads.append((i, asyncio.ensure_future(_read(client, codec, spec, hashes[i: i + per_frame], start + i))))
 
         try:
             for _ in range(READ_AHEAD):
                 read_next()
             while reads:
                 i, fut = reads.popleft()
-                want = hashes[i: i + per_frame]
+                want = min(per_frame, len(hashes) - i)
                 try:
-                    got = await fut
-                except EngineUnavailable as e:
+                    n, frame = await fut
+                except (EngineUnavailable, _ReadFailed) as e:
                     reason = str(e)
                     break
-                if got.error:
-                    reason = got.error
-                    break
                 read_next()  # the engine reads the next frame while this one is sent
-                if got.hashes:
-                    view = memoryview(got.data)
-                    digests = [block_digest(view[k * per: (k + 1) * per]) for k in range(len(got.hashes))]
-                    yield memoryview(codec.pack(KvFrame(start=start + i, hashes=got.hashes, digests=digests,
-                                                        data=got.data)))
-                    sent += len(got.hashes)
-                if len(got.hashes) < len(want):
-                    reason = f"block {start + i + len(got.hashes)} is not cached here (never computed, or evicted)"
+                if n:
+                    yield memoryview(frame)
+                    sent += n
+                if n < want:
+                    reason = f"block {start + i + n} is not cached here (never computed, or evicted)"
                     break
             yield memoryview(codec.pack(KvEnd(blocks=sent, reason=reason)))
         finally:  # ended early (a short read, the receiver gone): the reads still asked are not awaited

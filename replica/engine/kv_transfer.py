@@ -18,9 +18,10 @@ Invariants:
   * Tensor parallelism: each rank holds a shard of the KV heads, so a block is not one buffer
     here: refused (a later transfer sends each rank's shard beside its peer's).
 
-The bytes' path on CPU: pool -> one buffer (Runner.read_blocks: a block's strided views
-copied straight in, the only copy torch makes) -> the engine's frame -> the API process's socket
-buffer -> its export frame -> TCP, and the reverse on the receiver into blocks it reserved. On
+The bytes' path on CPU: pool -> a KV slot shared with the API process (replica.kv_slots;
+Runner.read_blocks: a block's strided views copied straight in) -> the API process's export
+frame -> TCP, and the reverse on the receiver: its frame checked, copied into a slot, from
+there into blocks it reserved. The socket to the API process carries the slot's index only. On
 CUDA a frame's blocks are gathered on the device and cross to the host once, through a pinned
 staging buffer (replica.model.kv_staging); with an RDMA library (replica.api.kv_transport
 names NIXL) that buffer is registered once, KvRead answers with its descriptors instead of
@@ -35,6 +36,7 @@ import msgspec
 import xxhash
 
 from wire import protocol as P
+from replica.kv_slots import SlotMap, geometry
 
 DTYPE_NAMES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32",
                "torch.int8": "int8"}
@@ -69,9 +71,18 @@ def kv_spec(engine) -> P.KvSpec:
 class KvTransfer:
     """The engine process's KvRead, KvBlocks and KvHot commands over one engine."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, slots_fd: int):
         self.engine = engine
         self.spec = kv_spec(engine)
+        # the segment shared with the API process, sized here for this pool's blocks (replica.kv_slots)
+        self.slots = SlotMap(slots_fd, *geometry(self.spec.block_bytes), size_it=True)
+
+    def _slot(self, slot: int, blocks: int) -> memoryview | str:
+        """Slot `slot`'s first `blocks` blocks' bytes, or what is wrong with the command."""
+        per = self.spec.block_bytes
+        if not 0 <= slot < self.slots.count or blocks * per > self.slots.slot_bytes:
+            return f"{blocks} blocks in KV slot {slot}: {self.slots.count} slots of {self.slots.slot_bytes // per} blocks"
+        return self.slots.view(slot, blocks * per)
 
     def _refusal(self) -> str:
         if self.engine.runner.tp.world > 1:
@@ -83,17 +94,20 @@ class KvTransfer:
         if err := self._refusal():
             return P.KvBlocks(id=msg.id, error=err)
         blocks = self.engine.blocks.cached(msg.hashes)
-        data = bytearray(len(blocks) * self.spec.block_bytes)
-        self.engine.runner.read_blocks(blocks, data)
-        return P.KvBlocks(id=msg.id, hashes=msg.hashes[: len(blocks)], data=data)
+        view = self._slot(msg.slot, len(blocks))
+        if isinstance(view, str):
+            return P.KvBlocks(id=msg.id, error=view)
+        self.engine.runner.read_blocks(blocks, view)
+        return P.KvBlocks(id=msg.id, hashes=msg.hashes[: len(blocks)], slot=msg.slot)
 
     def write(self, msg: P.KvBlocks) -> P.KvWritten:
         """Cache msg's blocks (checked by the API process) under their hashes; skip those cached."""
         if err := self._refusal():
             return P.KvWritten(id=msg.id, error=err)
         per = self.spec.block_bytes
-        if len(msg.data) != len(msg.hashes) * per:
-            return P.KvWritten(id=msg.id, error=f"{len(msg.data)} bytes for {len(msg.hashes)} blocks of {per}")
+        slot = self._slot(msg.slot, len(msg.hashes))
+        if isinstance(slot, str):
+            return P.KvWritten(id=msg.id, error=slot)
         bs = self.spec.block_size
         if len(msg.ids) != len(msg.hashes) * bs:
             return P.KvWritten(id=msg.id, error=f"{len(msg.ids)} token ids for {len(msg.hashes)} blocks of {bs}")
@@ -104,13 +118,10 @@ class KvTransfer:
         if reserved is None:
             return P.KvWritten(id=msg.id, present=len(msg.hashes) - len(new),
                                error=f"no room: {len(new)} blocks wanted, {bm.num_free} free (the rest are in use)")
-        if len(new) == len(msg.hashes):
-            data = msg.data
-        else:  # only the new blocks' bytes (a copy of them; rare: a prefix the pull already skips)
-            view = memoryview(msg.data)
-            data = bytearray().join(view[i * per: (i + 1) * per] for i in new)
+        if len(new) < len(msg.hashes):  # only the new blocks' bytes (a copy of them; rare: a prefix the pull skips)
+            slot = bytearray().join(slot[i * per: (i + 1) * per] for i in new)
         try:
-            self.engine.runner.write_blocks(reserved, data)
+            self.engine.runner.write_blocks(reserved, slot)
         except BaseException:
             bm.release(reserved)
             raise

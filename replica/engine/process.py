@@ -14,7 +14,8 @@ KV transfer commands (KvRead, KvBlocks, KvHot: replica.engine.kv_transfer) are s
 taken, between steps (reads up to KV_READ_BYTES a boundary while there are streams, the rest at the
 next ones), and answered before the next step runs: under decode load a transfer's
 round trip was the wait for the boundary plus a whole step, ~240 ms of the 3 MB frame's
-~245 ms (docs/perf.md, drain with hand-off).
+~245 ms (docs/perf.md, drain with hand-off). Their bytes cross in the KV slots the API process
+shares with this one (replica.kv_slots, `--kv-slots-fd`): the socket carries their indexes only.
 An Abort is therefore applied before the next step: a cancelled request stops
 within one step and its blocks are freed. The process exits when the API
 process closes the socket, or with it (replica.lifetime: a signal to the whole process group
@@ -110,31 +111,24 @@ def compute_fields(cfg: EngineConfig) -> dict:
             "uses": cfg.engine_threads()}
 
 
-# A boundary that receives bulk bytes (an imported KV frame, 3 MB, arrives in socket-buffer-sized
-# chunks, ~400 KB here) waits up to LINGER_S for each next chunk, LINGER_MAX_S in all: read only
-# between steps, a frame took one chunk a step (p50 561 ms from the API's send to the engine taking
-# it under a drain's load, docs/perf.md); the step's threads are idle meanwhile, so the API process runs.
-BULK_BYTES = 1 << 18
-LINGER_S = 0.002
-LINGER_MAX_S = 0.03
-SEND_BUFFER_BYTES = 4 << 20  # the socket's send buffer (the kernel caps it at net.core.wmem_max): a KV
-#                              read's answer (3 MB a frame) is left in the kernel, not sent while the API reads
 # While it has streams, a boundary answers KV reads of at most this many bytes (at least one read), the
-# rest at the next boundaries: the streams' tokens go out behind those bytes on the one socket, so a drain's
-# four pulls asking 8 frames (24 MB) at once held every draining stream 409 ms at one boundary
-# (docs/perf.md, drain with hand-off). One of the default model's 8-block frames (2.9 MB): it fits in the
-# send buffer, so the next step starts at once; three (8.8 MB, what 6 MB let through when the check came
-# after each read) blocked the engine 45-60 ms in sendall while the API process read them, every boundary
-# of a drain's pulls. Idle, everything at once.
+# rest at the next boundaries: one of the default model's 8-block frames. A read is a copy from the pool
+# into its KV slot (replica.kv_slots; 1-3 ms a 3 MB frame), but each frame read is work for both API
+# processes and the receiving engine at once, on the cores the streams' steps need: in a drain on two
+# cores (bench/drain.py, 2026-12-03) the longest gap of a moved stream, while A read 3, 6 or 12 MB a
+# boundary, was 81-91, 109-149 and 131-151 ms, and every pull still finished in the budget. Idle,
+# everything at once.
 KV_READ_BYTES = 3 << 20
 
 
-def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float) -> None:
+def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_interval: float,
+          slots_fd: int) -> None:
     codec = P.FrameCodec()
     contained = Containment(engine)
-    kv = KvTransfer(engine)  # KV export and import between replicas
+    kv = KvTransfer(engine, slots_fd)  # KV export and import between replicas, the bytes in shared slots
     sock.sendall(codec.pack([P.Hello(replica_id=replica_id, model=model_name, block_size=engine.cfg.block_size,
-                                     max_model_len=engine.max_model_len, **compute_fields(engine.cfg)), kv.spec]))
+                                     max_model_len=engine.max_model_len, kv_slots=kv.slots.count,
+                                     kv_slot_bytes=kv.slots.slot_bytes, **compute_fields(engine.cfg)), kv.spec]))
     next_report = 0.0
     taken = 0  # Generates taken off the socket: every Load says so (replica.api.queued_load)
     reads: deque[P.KvRead] = deque()  # KV reads taken and not yet answered (`KV_READ_BYTES` a boundary)
@@ -145,12 +139,10 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
         kv_out: list = []  # answers to KV transfer commands
         changed = False  # a request came or went: report the load after this step
         readable, _, _ = select.select([sock], [], [], timeout)
-        got, linger_end = 0, 0.0
         while readable:
             data = sock.recv(1 << 20)
             if not data:
                 return  # the API process is gone
-            got += len(data)
             for msg in codec.feed(data):
                 changed = True
                 if isinstance(msg, P.Generate):
@@ -168,18 +160,14 @@ def serve(engine, sock: socket.socket, replica_id: str, model_name: str, report_
                     kv_out.append(kv.write(msg))
                 elif isinstance(msg, P.KvHot):
                     kv_out.append(kv.hot(msg))
-            wait = 0.0
-            if got >= BULK_BYTES:  # a KV frame on its way: its next chunk is the API process's next write
-                linger_end = linger_end or time.monotonic() + LINGER_MAX_S
-                wait = min(LINGER_S, max(0.0, linger_end - time.monotonic()))
-            readable, _, _ = select.select([sock], [], [], wait)
+            readable, _, _ = select.select([sock], [], [], 0.0)
         budget = KV_READ_BYTES if engine.has_work() else None
         first = True  # the first read always goes; the next only where its bytes fit what is left
         while reads and (budget is None or first or len(reads[0].hashes) * kv.spec.block_bytes <= budget):
             kv_out.append(kv.read(reads.popleft()))
             first = False
             if budget is not None:
-                budget -= len(kv_out[-1].data)
+                budget -= len(kv_out[-1].hashes) * kv.spec.block_bytes
         if kv_out:  # answered now, not after the step: a transfer's round trip is the wait for this boundary only
             events = engine.kv_events()  # an import's stored events first: the API's cache mirror has them
             sock.sendall(codec.pack(([events] if events is not None else []) + kv_out))  # before the answer
@@ -206,15 +194,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--socket", required=True, help="Unix socket of the API process")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--replica-id", default="replica")
+    ap.add_argument("--kv-slots-fd", type=int, required=True,
+                    help="the API process's shared segment for KV frames (replica.kv_slots), passed at spawn")
     args = ap.parse_args(argv)
     cfg = msgspec.json.decode(args.config, type=EngineConfig)
     engine = build_engine(cfg)
     gc.freeze()  # the model and its tensors' wrappers: collections between steps scan only new objects
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     sock.connect(args.socket)
     try:
-        serve(engine, sock, args.replica_id, os.path.basename(cfg.model), cfg.load_report_interval_s)
+        serve(engine, sock, args.replica_id, os.path.basename(cfg.model), cfg.load_report_interval_s,
+              args.kv_slots_fd)
     except (BrokenPipeError, ConnectionResetError):
         pass  # API process went away
     finally:

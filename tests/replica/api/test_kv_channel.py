@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import httpx
 import pytest
 
 from wire.hashing import salt_seed
 from tests.replica.kv_relay import CountingRelay, CuttingRelay
-from tests.replica.server import AUTH, idle_within, replica_server
+from tests.replica.server import AUTH, engine_pid, idle_within, replica_server
 
 SMALL = ("--kv-memory-gb", "0.1")
 TEXT = ("The lighthouse keeper counted the ships that passed each night and wrote their names in a "
@@ -25,9 +26,14 @@ TEXT = ("The lighthouse keeper counted the ships that passed each night and wrot
 
 
 @pytest.fixture(scope="module")
-def pair():
-    with replica_server(*SMALL) as (a, _), replica_server(*SMALL) as (b, _):
-        yield a, b
+def replicas():
+    with replica_server(*SMALL) as a, replica_server(*SMALL) as b:
+        yield a, b  # (url, API process) each
+
+
+@pytest.fixture(scope="module")
+def pair(replicas):
+    return replicas[0][0], replicas[1][0]
 
 
 def prompt_ids(url: str) -> list[int]:
@@ -165,3 +171,31 @@ def test_a_source_killed_half_way_leaves_whole_blocks_and_no_leak(pair):
     idle_within(b, 10)  # no block held: the frame cut short reached no engine, none reserved leaked
     text, cached = complete(b, ids, **salt)
     assert cached == 4 * 16 and text == expected  # the 4 blocks cached are whole
+
+
+# -- keep last: it restarts B's engine -----------------------------------------------------------------
+
+def restarted(api_pid: int, old: int) -> bool:
+    try:
+        return engine_pid(api_pid) != old
+    except LookupError:  # between the two engine processes
+        return False
+
+
+def test_after_an_engine_restart_blocks_move_through_the_same_kv_slots(replicas):
+    """The restarted engine maps the segment its API process kept (replica.kv_slots): pulls in both
+    directions move whole blocks again, none of the lost engine's slots stays lent."""
+    (a, _), (b, b_proc) = replicas
+    old = engine_pid(b_proc.pid)
+    os.kill(old, signal.SIGKILL)
+    t0 = time.perf_counter()
+    while not (restarted(b_proc.pid, old) and httpx.get(b + "/healthz").status_code == 200):
+        assert time.perf_counter() - t0 < 180, "B's engine did not come back"
+        time.sleep(0.05)
+    ids = prompt_ids(a)
+    for source, receiver, salt in ((a, b, "after-restart"), (b, a, "after-restart, from B")):
+        expected, _ = complete(source, ids, cache_salt=salt)
+        res = pull(receiver, source, ids, frame_blocks=2, cache_salt=salt).json()
+        assert res["complete"] and res["imported"] == len(ids) // 16, res
+        text, cached = complete(receiver, ids, cache_salt=salt)
+        assert cached == (len(ids) - 1) // 16 * 16 and text == expected

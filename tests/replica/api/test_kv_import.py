@@ -13,6 +13,7 @@ from wire.hashing import block_hashes
 from wire.kv_frames import KvEnd, KvFrame, KvPull, StreamCodec, block_digest
 from replica.api import kv_import
 from replica.api.kv_transport import KvTransportError
+from tests.replica.slot_engines import engine_holds, mapped_slots
 
 BS, BB = 4, 8  # block size, bytes a block
 SPEC = P.KvSpec(model="m:1", dtype="float16", block_size=BS, num_layers=1, num_kv_heads=1, head_dim=2, row=2,
@@ -22,15 +23,23 @@ HASHES = block_hashes(IDS, BS)
 
 
 class Engine:
-    """EngineClient's part a pull uses: its spec, its cache mirror, kv_call."""
+    """EngineClient's part a pull uses: its spec, its cache mirror, its KV slots, kv_call (the bytes each
+    write's slot holds recorded)."""
 
-    def __init__(self, cached=()):
+    def __init__(self, cached=(), slot_blocks: int = 8):
         self.kv_spec, self.cached_blocks, self.written = SPEC, set(cached), []
         self.named: list[tuple[int, int, list[int]]] = []  # each write's (prev, start, ids)
+        self.bytes: list[bytes] = []
+        self.kv_slots = mapped_slots(BB, count=4, slot_blocks=slot_blocks)
 
-    async def kv_call(self, msg):
+    async def kv_call(self, msg, lease=None):
+        with engine_holds(lease):
+            return self.take(msg)
+
+    def take(self, msg) -> P.KvWritten:
         self.written.append(list(msg.hashes))
         self.named.append((msg.prev, msg.start, list(msg.ids)))
+        self.bytes.append(bytes(self.kv_slots.map.view(msg.slot, len(msg.hashes) * BB)))
         return P.KvWritten(id="", stored=len(msg.hashes))
 
 
@@ -62,6 +71,15 @@ def test_whole_frames_are_cached_and_only_the_missing_blocks_asked():
     res = pull(e, t, frame_blocks=2)
     assert (res.status, res.complete, res.cached, res.imported, res.blocks) == (200, True, 1, 3, 4)
     assert t.asked.start == 1 and e.written == [HASHES[1:3], HASHES[3:4]]
+    assert b"".join(e.bytes) == bytes(frame(1, 2).data + frame(3, 1).data)  # what the engine found in the slots
+    assert e.kv_slots.free == 4  # each write's slot lent again once the engine answered
+
+
+def test_a_frame_larger_than_a_slot_goes_in_a_write_a_slot():
+    e = Engine(slot_blocks=3)
+    res = pull(e, Transport(SPEC, frame(0, 4), KvEnd(blocks=4)))
+    assert res.complete and res.imported == 4 and e.written == [HASHES[:3], HASHES[3:]]
+    assert e.named == [(0, 0, IDS[:12]), (HASHES[2], 3, IDS[12:16])] and b"".join(e.bytes) == bytes(frame(0, 4).data)
 
 
 def test_each_write_names_its_blocks_ids_and_where_they_sit_in_the_chain():
@@ -159,13 +177,14 @@ class SlowEngine(Engine):
         self.pending: list[asyncio.Future] = []
         self.asked = asyncio.Event()
 
-    async def kv_call(self, msg):
-        self.written.append(list(msg.hashes))
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append(fut)
-        self.asked.set()
-        await fut
-        return P.KvWritten(id="", stored=len(msg.hashes))
+    async def kv_call(self, msg, lease=None):
+        with engine_holds(lease):
+            self.written.append(list(msg.hashes))
+            fut = asyncio.get_running_loop().create_future()
+            self.pending.append(fut)
+            self.asked.set()
+            await fut
+            return P.KvWritten(id="", stored=len(msg.hashes))
 
 
 def test_several_frames_are_in_the_engine_at_once_and_counted_in_order():
@@ -195,12 +214,13 @@ class FailingEngine(Engine):
         super().__init__()
         self.fail_at = fail_at
 
-    async def kv_call(self, msg):
-        self.written.append(list(msg.hashes))
-        await asyncio.sleep(0)  # answered a loop turn later: the next frame is already in flight
-        if msg.hashes[0] == HASHES[self.fail_at]:
-            return P.KvWritten(id="", error="no room")
-        return P.KvWritten(id="", stored=len(msg.hashes))
+    async def kv_call(self, msg, lease=None):
+        with engine_holds(lease):
+            self.written.append(list(msg.hashes))
+            await asyncio.sleep(0)  # answered a loop turn later: the next frame is already in flight
+            if msg.hashes[0] == HASHES[self.fail_at]:
+                return P.KvWritten(id="", error="no room")
+            return P.KvWritten(id="", stored=len(msg.hashes))
 
 
 def test_a_refused_write_counts_the_frames_before_it_only():

@@ -13,6 +13,7 @@ from wire.hashing import block_hashes
 from replica.config import EngineConfig
 from replica.engine.llm_engine import LLMEngine
 from replica.engine.process import serve
+from replica.kv_slots import SlotMap, new_segment
 from tests.replica.engines import prompts, run
 from tests.replica.tiny import tiny_config, tiny_weights
 
@@ -63,20 +64,25 @@ def cached_engine(busy_tokens: int) -> tuple[GatedEngine, list[int]]:
 def test_a_kv_read_is_answered_before_the_next_step():
     engine, ids = cached_engine(500)
     ours, theirs = socket.socketpair()
-    loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0), daemon=True)
+    fd = new_segment()
+    loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0, fd), daemon=True)
     loop.start()
     codec = P.FrameCodec()
     try:
-        receive_until(ours, codec, P.KvSpec, 30)
+        hello = receive_until(ours, codec, P.Hello, 30)
+        slots = SlotMap(fd, hello.kv_slots, hello.kv_slot_bytes)  # as the API process maps them (KvSpec came too)
         with engine.in_step:  # the loop is inside its first step, held
             assert engine.in_step.wait_for(lambda: engine.entered == 1, 30)
         hashes = block_hashes(ids, 16)
-        ours.sendall(codec.pack([P.KvRead(id="kv/0", hashes=hashes)]))
+        ours.sendall(codec.pack([P.KvRead(id="kv/0", hashes=hashes, slot=1)]))
         engine.permits.release()  # step 1 ends; the loop takes the read at this boundary
         got = receive_until(ours, codec, P.KvBlocks, 30)  # no permit for step 2: it came before step 2 ended
         with engine.in_step:  # and the loop went on into step 2, held
             assert engine.in_step.wait_for(lambda: engine.entered == 2, 30)
-        assert got.id == "kv/0" and got.hashes == hashes and len(got.data) == 4 * engine.runner.block_nbytes()
+        assert got.id == "kv/0" and got.hashes == hashes and got.slot == 1 and not got.error
+        direct = bytearray(4 * engine.runner.block_nbytes())
+        engine.runner.read_blocks(engine.blocks.cached(hashes), direct)  # the step held: nothing moves meanwhile
+        assert slots.view(1, len(direct)) == direct  # the blocks' bytes in the slot, none on the socket
     finally:
         engine.permits.release(1000)
         ours.shutdown(socket.SHUT_WR)  # the loop sees the API process gone and returns
@@ -109,7 +115,7 @@ def test_with_streams_running_a_boundary_answers_reads_up_to_its_byte_budget(mon
     engine, ids = cached_engine(6)
     monkeypatch.setattr(process, "KV_READ_BYTES", 6 * engine.runner.block_nbytes())  # 1.5 4-block reads
     ours, theirs = socket.socketpair()
-    loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0), daemon=True)
+    loop = threading.Thread(target=serve, args=(engine, theirs, "r", "m", 60.0, new_segment()), daemon=True)
     loop.start()
     codec = P.FrameCodec()
     hashes = block_hashes(ids, 16)
@@ -117,7 +123,7 @@ def test_with_streams_running_a_boundary_answers_reads_up_to_its_byte_budget(mon
         receive_until(ours, codec, P.KvSpec, 30)
         with engine.in_step:
             assert engine.in_step.wait_for(lambda: engine.entered == 1, 30)
-        ours.sendall(codec.pack([P.KvRead(id=f"kv/{i}", hashes=hashes) for i in range(3)]))
+        ours.sendall(codec.pack([P.KvRead(id=f"kv/{i}", hashes=hashes, slot=i) for i in range(3)]))
         answered = []
         for step in range(2, 5):
             engine.permits.release()  # the step before ends; the loop answers what the budget allows
@@ -127,7 +133,7 @@ def test_with_streams_running_a_boundary_answers_reads_up_to_its_byte_budget(mon
         assert answered == [["kv/0"], ["kv/1"], ["kv/2"]]
         engine.permits.release(1000)  # the stream ends: idle, every read of a boundary at once
         receive_until(ours, codec, P.Finished, 30)
-        ours.sendall(codec.pack([P.KvRead(id=f"idle/{i}", hashes=hashes) for i in range(3)]))
+        ours.sendall(codec.pack([P.KvRead(id=f"idle/{i}", hashes=hashes, slot=i) for i in range(3)]))
         got = []
         ours.settimeout(30)
         while len(got) < 3:
