@@ -20,6 +20,8 @@ Per variant: streams moved, texts equal to the undisturbed run's, the longest ga
 client saw from the signal on, the undisturbed run's median inter-token gap, the tokens B's cache
 served each moved stream (usage.cached_tokens), A's time from the signal to its exit, and for A's
 idle conversations the next turn's cached tokens and time to first token on B.
+`--burn N` runs N CPU-bound processes beside each variant (a busy machine: another tenant's work on
+the same cores), from once the replicas are up to the variant's end.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 from time import perf_counter
@@ -88,10 +92,19 @@ async def next_turns(url: str, convs) -> list:
     return out
 
 
+def burners(n: int, es: ExitStack) -> None:
+    """N busy loops on the machine's cores until `es` closes."""
+    for _ in range(n):
+        p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        es.callback(p.wait)
+        es.callback(p.kill)
+
+
 async def variant(name: str, args) -> list:
     hot = ("--handoff-hot-blocks", "0" if name == "nohot" else str(args.hot_blocks))
-    with stack(cut_exports=name == "resume", replica_args=("--kv-memory-gb", str(args.kv_memory_gb)),
+    with ExitStack() as es, stack(cut_exports=name == "resume", replica_args=("--kv-memory-gb", str(args.kv_memory_gb)),
                handoff_budget=args.handoff_budget, proxy_args=hot) as (url, reps, _):
+        burners(args.burn, es)
         convs = [conversation(k, args.prompt_tokens) for k in range(args.streams)]
         base, _ = await run(url, convs, args.max_tokens)
         gaps = [b - a for _, _, t in base for a, b in zip(t, t[1:])]
@@ -137,12 +150,14 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=6, help="conversations finished before the drain (A's: hot chains)")
     ap.add_argument("--idle-tokens", type=int, default=600)
     ap.add_argument("--hot-blocks", type=int, default=128, help="the proxy's --handoff-hot-blocks (nohot: 0)")
-    ap.add_argument("--handoff-budget", type=float, help="the proxy's --handoff-budget (its default: 3 s)")
+    ap.add_argument("--handoff-budget", type=float, help="the proxy's --handoff-budget (its default: 4 s)")
+    ap.add_argument("--burn", type=int, default=0, help="CPU-bound processes beside the replicas (a busy machine)")
     args = ap.parse_args()
     rows = [asyncio.run(variant(v, args)) for v in ("handoff", "nohot", "resume") if args.only in (None, v)]
     print(f"# drain: {args.streams} streams of ~{args.prompt_tokens} prompt tokens, greedy, max_tokens "
           f"{args.max_tokens}, SIGTERM to replica A at {args.at} deltas; {args.idle} idle conversations of "
-          f"~{args.idle_tokens} tokens, hot blocks {args.hot_blocks}; {platform.processor() or platform.machine()}, "
+          f"~{args.idle_tokens} tokens, hot blocks {args.hot_blocks}, {args.burn} CPU burners beside; "
+          f"{platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     print("| variant | moved | exact | longest gap of a moved stream (ms) | undisturbed gap p50 (ms) "
           "| successor's cached tokens per moved stream | prompt tokens (mean) | A: signal -> exit (s) "

@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> ProxyConfig:
     p.add_argument("--max-prompt-tokens", type=int, default=0)
     p.add_argument("--failover-attempts", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S")
-    p.add_argument("--handoff-budget", type=float, default=3.0, metavar="S",
+    p.add_argument("--handoff-budget", type=float, default=4.0, metavar="S",
                    help="a draining replica's streams move with their KV within this long from its drain seen; "
                         "a pull still running then is given up and its stream resumed by recompute (keep it well "
                         "inside the replica's drain bound and the pod's grace period)")

@@ -42,7 +42,7 @@ class ProxyConfig:
     failover_attempts: int = 3
     failover_wait_s: float = 5.0  # how long a stream waits for any replica to come back
     drain_timeout_s: float = 60.0
-    handoff_budget_s: float = 3.0  # a draining replica's streams: from its drain seen to the last moved (handoff)
+    handoff_budget_s: float = 4.0  # a draining replica's streams: from its drain seen to the last moved (handoff)
     handoff_hot_blocks: int = 128  # blocks of a draining replica's hot chains (cached conversations) placed; 0: none
     disagg_min_blocks: int = 4  # a decode replica's cold prompt lacking this many full blocks is prefilled elsewhere (disagg)
     otel_console: bool = False

@@ -10,8 +10,8 @@ once), for each of its running streams:
      and the ids generated so far but the last (sampled, never computed). It fetches every full
      block of them it lacks, checked whole, into its prefix cache. Meanwhile the stream goes on
      streaming from the draining replica, so the pull's duration is no gap: it is bounded only by
-     the drain's budget (`budget_s` from the moment the proxy sees the drain; the replica exits
-     about a second after its last stream left, inside its 5 s goal);
+     the drain's budget (`budget_s` from the moment the proxy sees the drain, BUDGET_S; the replica
+     exits about a second after its last stream left, inside its 5 s goal);
   3. the pull is repeated for the blocks that filled meanwhile (the tokens generated while it
      ran: a short, incremental pull), until every full block of the stream's ids is there; a
      repeat starts right after a block fills, so it has a whole block's tokens of time to finish
@@ -34,8 +34,8 @@ used first, each listed to one proxy only; the ask holds the replica's exit unti
 go), waits for its streams' first pulls (the long ones, which bound the streams' gaps), then places
 each chain where its next turn would go (`Proxy.chain_home`: the router over the ready replicas,
 as for a resumed stream) and has that replica pull it (the same `/v1/kv/pull`, the chain named by
-its seed), one chain at a time per successor, within HOT_EXTRA_S past the streams' budget (no
-stream waits for them); then it lets go of the hold.
+its seed), one chain at a time per successor, within the same budget (no stream waits for them:
+they start once the streams' first pulls are done); then it lets go of the hold.
 The next turn then finds its conversation cached on the successor instead of recomputing it.
 A pull that fails (a refused layout, a source gone) or is still running at the budget's end moves
 the stream all the same with what arrived: the successor recomputes what it lacks (exact resume).
@@ -59,15 +59,17 @@ from wire.hashing import block_hashes
 
 log = logging.getLogger("edge_proxy.handoff")
 
-BUDGET_S = 3.0  # from the drain seen to the last stream moved; a pull still running then is given up
+# From the drain seen to the last stream moved and the last hot chain pulled; a pull still running then is given
+# up. The replica exits 0.6-1 s after (docs/perf.md: 4.5-4.8 s after SIGTERM with a CPU burner beside, inside its
+# 5 s goal). 3 s, with the hot chains given 1 s past it, cut the streams' first pulls at 72-83 of 83 blocks on a
+# busy machine (longest gaps 1.3-1.7 s); one bound for both let them finish (160-442 ms), the same exit bound.
+BUDGET_S = 4.0
 FRAME_BLOCKS = 8  # blocks per export frame: 3 MB of the default model's fp16 KV, as fast as larger frames and
 #                   a shorter stall of the draining engine per read (bench/kv_pull.py, docs/perf.md)
 MAX_ROUNDS = 5  # pulls per stream: the first, the blocks that filled while the one before ran, the aligning one
 MOVE_TOKENS = 3  # computed ids past the full blocks a move leaves to recompute without waiting for the block
 HOT_BLOCKS = 128  # blocks of a draining replica's hot chains a proxy places (47 MB of the default model's KV;
 #                  --handoff-hot-blocks)
-HOT_EXTRA_S = 1.0  # hot chains may be pulled this long past the budget: no stream waits for them, and the
-#                   replica's exit stays inside its 5 s goal (the streams' pulls can take the whole budget on 2 cores)
 HOLD_SLACK_S = 1.0  # a hold on the draining replica's exit outlasts the hot chains' time by this much (its let-go)
 
 
@@ -165,7 +167,6 @@ class Handoff:
         first pulls are done; the hold on its exit is let go at the end."""
         if not self.hot_blocks:
             return
-        deadline += HOT_EXTRA_S
         left = deadline - perf_counter()
         try:
             r = await http.post(conn.base_url + "/v1/kv/hot",
@@ -180,7 +181,7 @@ class Handoff:
         try:
             chains = listing.get("chains", [])
             if chains and firsts:
-                await asyncio.wait(firsts, timeout=max(0.0, deadline - HOT_EXTRA_S - perf_counter()))
+                await asyncio.wait(firsts, timeout=max(0.0, deadline - perf_counter()))
             bs = self.proxy.pool.block_size or 1
             by_home: dict[str, list[dict]] = {}
             for c in chains:

@@ -346,7 +346,7 @@ async def test_a_replica_that_leaves_discovery_idle_hands_its_hot_chains_on_as_i
 async def test_the_budget_is_the_proxys_flag_and_must_be_positive():
 
     base = ["--replica", "ws://127.0.0.1:9/v1/replica"]
-    assert parse_args(base).handoff_budget_s == 3.0
+    assert parse_args(base).handoff_budget_s == 4.0
     cfg = parse_args(base + ["--handoff-budget", "8"])
     assert cfg.handoff_budget_s == 8.0
     assert Proxy(cfg, ByteTokenizer(), KeyStore([], anonymous=True)).handoff.budget_s == 8.0
