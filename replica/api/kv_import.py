@@ -156,8 +156,8 @@ async def _fetch(client, transport, req: KvPull, mine: P.KvSpec, hashes: list[in
                     for k in range(0, len(msg.hashes), per_slot):  # a frame larger than a slot: a write a slot
                         n = min(per_slot, len(msg.hashes) - k)
                         blocks = view[k * mine.block_bytes: (k + n) * mine.block_bytes]
-                        writes.append((at, await _write(client, blocks, hashes, at, n, req.token_ids[at * bs:
-                                                                                                   (at + n) * bs], seed)))
+                        ids = req.token_ids[at * bs: (at + n) * bs]
+                        writes.append((at, await _write(client, blocks, hashes, at, n, ids, seed)))
                         at += n
                         while len(writes) > WRITES_AHEAD:
                             await settle()

@@ -21,8 +21,9 @@ regions, exchanges agent metadata out of band (it would ride this same authentic
 and posts one-sided READs from a remote agent's registered descriptors, choosing UCX (RoCE,
 InfiniBand, GPUDirect, TCP as the fallback), NVLink or GDS per pair of memories, with
 notifications on completion; vLLM's NixlConnector and Dynamo move KV with it. A receiver-driven
-READ fits this pull: the source would register pinned staging (or its pool) once, its KvRead
-answer would carry descriptors instead of bytes, and the frames' hashes and digests stay.
+READ fits this pull: the source would register its KV slots (replica.kv_slots: the segment its
+engine already reads frames into, pinned with cudaHostRegister on CUDA) or its pool once, its
+export would carry a slot's descriptor instead of the bytes, and the frames' hashes and digests stay.
 Mooncake's transfer engine (segments and batch transfers, multi-NIC RDMA, used by SGLang's
 PD disaggregation) is as fast but needs its metadata service and is RDMA-first; raw UCX would
 leave the rkey exchange and memory registration to us.
