@@ -77,9 +77,6 @@ class SlotMap:
         at = i * self.slot_bytes
         return self._view[at: at + nbytes]
 
-    def close(self) -> None:
-        self._view.release()
-        self._map.close()
 
 
 class Lease:
@@ -158,7 +155,7 @@ class Slots:
         self._free.append(i)
 
     def close(self) -> None:
-        if self.map is not None:
-            self.map.close()
-            self.map = None
+        """Close the fd; the map goes with its last view (a transfer cut short at shutdown may still
+        hold one: unmapping under it would fail, and the process is ending)."""
         os.close(self.fd)
+        self.map = None

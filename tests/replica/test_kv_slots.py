@@ -30,7 +30,6 @@ def test_what_one_map_writes_the_other_reads():
             assert "slot" in str(e)
         else:
             raise AssertionError(f"view {bad} given")
-    other.close()
 
 
 def test_a_segment_smaller_than_its_geometry_is_refused():
