@@ -78,7 +78,6 @@ class SlotMap:
         return self._view[at: at + nbytes]
 
 
-
 class Lease:
     """One slot lent to one command: free once released by its holder and answered by the engine."""
 

@@ -80,9 +80,10 @@ class KvTransfer:
     def _slot(self, slot: int, blocks: int) -> memoryview | str:
         """Slot `slot`'s first `blocks` blocks' bytes, or what is wrong with the command."""
         per = self.spec.block_bytes
-        if not 0 <= slot < self.slots.count or blocks * per > self.slots.slot_bytes:
+        try:
+            return self.slots.view(slot, blocks * per)
+        except ValueError:  # SlotMap.view checks the slot and the size
             return f"{blocks} blocks in KV slot {slot}: {self.slots.count} slots of {self.slots.slot_bytes // per} blocks"
-        return self.slots.view(slot, blocks * per)
 
     def _refusal(self) -> str:
         if self.engine.runner.tp.world > 1:
