@@ -38,6 +38,10 @@ PROMPTS = ["What is the capital of France?", "Name three colours.", "Count from 
            "Say hello in Spanish.", "What is two plus two?", "Name a large animal."]
 MAX_TOKENS = 40
 STREAMS_AT_ONCE = 4
+# A stream with far to go, placed on each old replica before it is stopped (the short ones can all end during
+# the drain, which then moves none: a run on a faster VM, 2026-12-03); each try its own words, so its own chain.
+LONG = "Tell me a long story about a lighthouse keeper and a storm, part {k}."
+LONG_TOKENS = 160
 # The longest a stream may wait between two chunks while the replicas are replaced. A replica
 # that stops with no FIN is let go within 3-4 s (keepalive 1 + 2 s, or its DNS record gone within
 # --dns-interval 2 s), and its streams resume on another replica within about a second on two
@@ -181,12 +185,12 @@ def _client(region) -> openai.AsyncOpenAI:  # async with: its connections closed
     return openai.AsyncOpenAI(base_url=region.proxy_url() + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
 
 
-async def _stream(client, model: str, prompt: str) -> dict:
+async def _stream(client, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
     """One chat completion streamed: its text, tokens, and the longest wait between chunks."""
     t0 = time.monotonic()
     last, gaps, text, usage = None, [], [], None
     stream = await client.chat.completions.create(
-        model=model, stream=True, max_tokens=MAX_TOKENS, temperature=0, stream_options={"include_usage": True},
+        model=model, stream=True, max_tokens=max_tokens, temperature=0, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": prompt}])
     async for chunk in stream:
         now = time.monotonic()
@@ -228,11 +232,14 @@ async def test_rolling_replacement_under_streaming_load_loses_no_stream(e2e):
     assert e2e.expected, "the SDK test ran first and kept the reference streams"
     url, model = region.proxy_url(), e2e.model
     failovers_before = _failovers(url)
-    done, errors, stop = [], [], asyncio.Event()
+    done, errors, stop, go = [], [], asyncio.Event(), asyncio.Event()
+    loop, longs = asyncio.get_running_loop(), []  # the long streams placed on old replicas (futures)
+    go.set()
 
     async def streamer(k: int) -> None:
         i = k
         while not stop.is_set():
+            await go.wait()  # paused while a long stream is placed
             prompt = PROMPTS[i % len(PROMPTS)]
             i += STREAMS_AT_ONCE
             try:
@@ -240,12 +247,31 @@ async def test_rolling_replacement_under_streaming_load_loses_no_stream(e2e):
             except openai.OpenAIError as e:  # a stream the roll broke: the test's failure
                 errors.append(f"{prompt}: {e!r}")
 
-    def busy(old) -> None:
-        """The old replica holds streams when it is stopped, so some have to move."""
+    async def long_stream(n: int) -> dict:
+        return await _stream(client, model, LONG.format(k=n), LONG_TOKENS)
+
+    def until(what: str, ready) -> None:
         deadline = time.monotonic() + 60
-        while _replica_loads(url).get(old.name, 0) < 1:
-            assert time.monotonic() < deadline, f"{old.name} never had a stream"
+        while not ready(_replica_loads(url)):
+            assert time.monotonic() < deadline, f"never: {what}"
             time.sleep(0.05)  # another process's gauge: nothing to await
+
+    def busy(old) -> None:
+        """The old replica holds a stream with far to go when it is stopped, so one has to move: the
+        streamers pause; once nothing runs, long streams start one at a time until one lands on `old`
+        (the router's choice; the gauge says where); the streamers go on, and the roll stops `old`."""
+        loop.call_soon_threadsafe(go.clear)
+        try:
+            until("the streams ended", lambda loads: sum(loads.values()) == 0)
+            for _ in range(4):
+                longs.append(asyncio.run_coroutine_threadsafe(long_stream(len(longs)), loop))
+                until(f"long stream {len(longs)} placed",  # every long one still running is counted somewhere
+                      lambda loads: sum(loads.values()) == sum(not f.done() for f in longs))
+                if _replica_loads(url).get(old.name, 0) >= 1:
+                    return
+            raise AssertionError(f"no long stream went to {old.name}")
+        finally:
+            loop.call_soon_threadsafe(go.set)
 
     async def roll() -> list[dict]:
         await asyncio.sleep(1)  # load is flowing
@@ -258,9 +284,13 @@ async def test_rolling_replacement_under_streaming_load_loses_no_stream(e2e):
     t0 = time.monotonic()
     async with _client(region) as client:
         steps, *_ = await asyncio.gather(roll(), *(streamer(k) for k in range(STREAMS_AT_ONCE)))
+        placed = [await asyncio.wrap_future(f) for f in longs]
+        # their references: each again, undisturbed, on the new replicas (temperature 0: the same text)
+        long_expected = {d["prompt"]: (await _stream(client, model, d["prompt"], LONG_TOKENS)) for d in placed}
     seconds = time.monotonic() - t0
+    done += placed
     failovers = {c: v - failovers_before.get(c, 0) for c, v in _failovers(url).items()}
-    expected = {p: (e["text"], e["tokens"]) for p, e in e2e.expected.items()}
+    expected = {p: (e["text"], e["tokens"]) for p, e in (e2e.expected | long_expected).items()}
     wrong = [(d["prompt"], d["text"], expected[d["prompt"]]) for d in done
              if (d["text"], d["tokens"]) != expected[d["prompt"]]]
     longest = sorted(done, key=lambda d: -d["max_gap_s"])
@@ -272,7 +302,8 @@ async def test_rolling_replacement_under_streaming_load_loses_no_stream(e2e):
     assert not errors, errors
     assert not wrong, wrong  # token-exact: every stream as it streams with no replica replaced
     assert len(done) >= 2 * STREAMS_AT_ONCE
-    assert sum(failovers.values()) >= 1  # streams did move: the old replicas were stopped holding streams
+    assert all(d["tokens"] == LONG_TOKENS for d in placed)  # they ran to their limit: still running at the stop
+    assert sum(failovers.values()) >= 2  # streams did move: each old replica was stopped holding a long one
     # handed on with their KV while the old replica drained, none resumed after a stall or a lost socket
     # (podman's pod stop once took the network away at SIGTERM: "stall", gaps of 2.1 s)
     assert {c for c, v in failovers.items() if v} == {"drain"}, figures
