@@ -302,7 +302,7 @@ async def test_rolling_replacement_under_streaming_load_loses_no_stream(e2e):
     assert not errors, errors
     assert not wrong, wrong  # token-exact: every stream as it streams with no replica replaced
     assert len(done) >= 2 * STREAMS_AT_ONCE
-    assert all(d["tokens"] == LONG_TOKENS for d in placed)  # they ran to their limit: still running at the stop
+    assert all(d["tokens"] == LONG_TOKENS for d in placed)  # no early end: each had far to go at the stop
     assert sum(failovers.values()) >= 2  # streams did move: each old replica was stopped holding a long one
     # handed on with their KV while the old replica drained, none resumed after a stall or a lost socket
     # (podman's pod stop once took the network away at SIGTERM: "stall", gaps of 2.1 s)
