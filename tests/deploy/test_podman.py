@@ -247,14 +247,13 @@ async def test_rolling_replacement_under_streaming_load_loses_no_stream(e2e):
             except openai.OpenAIError as e:  # a stream the roll broke: the test's failure
                 errors.append(f"{prompt}: {e!r}")
 
-    async def long_stream(n: int) -> dict:
-        return await _stream(client, model, LONG.format(k=n), LONG_TOKENS)
-
-    def until(what: str, ready) -> None:
+    def until(what: str, ready) -> dict[str, float]:
+        """The replicas' loads once `ready(loads)` says so."""
         deadline = time.monotonic() + 60
-        while not ready(_replica_loads(url)):
+        while not ready(loads := _replica_loads(url)):
             assert time.monotonic() < deadline, f"never: {what}"
             time.sleep(0.05)  # another process's gauge: nothing to await
+        return loads
 
     def busy(old) -> None:
         """The old replica holds a stream with far to go when it is stopped, so one has to move: the
@@ -264,10 +263,11 @@ async def test_rolling_replacement_under_streaming_load_loses_no_stream(e2e):
         try:
             until("the streams ended", lambda loads: sum(loads.values()) == 0)
             for _ in range(4):
-                longs.append(asyncio.run_coroutine_threadsafe(long_stream(len(longs)), loop))
-                until(f"long stream {len(longs)} placed",  # every long one still running is counted somewhere
-                      lambda loads: sum(loads.values()) == sum(not f.done() for f in longs))
-                if _replica_loads(url).get(old.name, 0) >= 1:
+                long = _stream(client, model, LONG.format(k=len(longs)), LONG_TOKENS)
+                longs.append(asyncio.run_coroutine_threadsafe(long, loop))
+                loads = until(f"long stream {len(longs)} placed",  # every long one still running is counted somewhere
+                              lambda loads: sum(loads.values()) == sum(not f.done() for f in longs))
+                if loads.get(old.name, 0) >= 1:
                     return
             raise AssertionError(f"no long stream went to {old.name}")
         finally:
